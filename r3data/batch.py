@@ -1,0 +1,222 @@
+"""``TensorBatch``: named fields of one batch of B samples.
+
+Each field is a ``torch.Tensor`` whose first dimension is B, a ``PackedTensor`` with B
+segments, or a list of B Python objects (ids, metadata per sample). Every operation keeps the
+fields aligned: selecting samples selects them in every field.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from r3data.errors import PackedError
+from r3data.packed import PackedTensor, pick_indices
+from r3data.tensor_buffer import bit_view, rebuild_tensor, tensor_buffer
+
+Field = torch.Tensor | PackedTensor | list
+
+
+def _field_size(name: str, value: Field) -> int:
+    if isinstance(value, PackedTensor):
+        return len(value)
+    if isinstance(value, torch.Tensor):
+        if value.dim() == 0:
+            raise PackedError(f"field {name!r} must have a batch dimension, found a 0-d tensor")
+        return value.shape[0]
+    if isinstance(value, list):
+        return len(value)
+    raise PackedError(
+        f"field {name!r} must be a torch.Tensor, PackedTensor or list, found {type(value).__name__}"
+    )
+
+
+def _pick(value: Field, picks: np.ndarray) -> Field:
+    if isinstance(value, PackedTensor):
+        return value.gather(picks)
+    if isinstance(value, torch.Tensor):
+        index = torch.from_numpy(picks).to(value.device, non_blocking=True)
+        return bit_view(value).index_select(0, index).view(value.dtype)
+    return [value[i] for i in picks]
+
+
+class TensorBatch(Mapping[str, Field]):
+    """A mapping of named fields that all hold the same number B of samples, plus metadata."""
+
+    def __init__(
+        self,
+        fields: Mapping[str, Field],
+        metadata: Mapping[str, Any] | None = None,
+        *,
+        batch_size: int | None = None,
+    ) -> None:
+        self._fields = dict(fields)
+        self.metadata: dict[str, Any] = dict(metadata or {})
+        sizes = {name: _field_size(name, value) for name, value in self._fields.items()}
+        if batch_size is None:
+            batch_size = next(iter(sizes.values()), 0)
+        for name, size in sizes.items():
+            if size != batch_size:
+                raise PackedError(
+                    f"field {name!r} must hold B={batch_size} samples, found {size} "
+                    f"(sizes: {sizes})"
+                )
+        self.batch_size = batch_size
+
+    # --- mapping --------------------------------------------------------------------------
+
+    def __getitem__(self, key: Any) -> Any:
+        """A field by name; a sample selection (slice, index list, mask) gives a batch."""
+        if isinstance(key, str):
+            return self._fields[key]
+        if isinstance(key, slice):
+            return self.slice(key.start, key.stop, key.step)
+        return self.gather(key)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._fields)
+
+    def __len__(self) -> int:
+        return len(self._fields)
+
+    def select(self, keys: Sequence[str]) -> TensorBatch:
+        """Only the named fields (no copy)."""
+        missing = [k for k in keys if k not in self._fields]
+        if missing:
+            raise PackedError(f"select: fields {missing} not in batch fields {list(self)}")
+        return self._with({k: self._fields[k] for k in keys})
+
+    # --- sample selection -----------------------------------------------------------------
+
+    def slice(
+        self, start: int | None = None, stop: int | None = None, step: int | None = None
+    ) -> TensorBatch:
+        """Samples ``start:stop:step``; with step 1 every field is a view."""
+        start, stop, step = slice(start, stop, step).indices(self.batch_size)
+        if step != 1:
+            return self.gather(np.arange(start, stop, step))
+        stop = max(start, stop)
+        return self._with({k: v[start:stop] for k, v in self._fields.items()}, stop - start)
+
+    def gather(self, index: Any) -> TensorBatch:
+        """Samples picked by an index list or a boolean mask (a copy)."""
+        picks = pick_indices(index, self.batch_size)
+        return self._with({k: _pick(v, picks) for k, v in self._fields.items()}, picks.size)
+
+    def chunk(self, n: int) -> list[TensorBatch]:
+        """At most ``n`` consecutive views of ceil(B / n) samples (as ``torch.chunk``)."""
+        if not isinstance(n, int) or n < 1:
+            raise PackedError(f"chunk count must be an int >= 1, found {n!r}")
+        size = -(-self.batch_size // n) if self.batch_size else 0
+        if size == 0:
+            return [self]
+        return [self.slice(lo, lo + size) for lo in range(0, self.batch_size, size)]
+
+    @staticmethod
+    def cat(batches: Sequence[TensorBatch]) -> TensorBatch:
+        """Concatenate batches with the same fields; metadata comes from the first."""
+        if not batches:
+            raise PackedError("cat needs at least one TensorBatch, found none")
+        keys = list(batches[0])
+        for i, b in enumerate(batches):
+            if list(b) != keys:
+                raise PackedError(f"cat: batch {i} must have fields {keys}, found {list(b)}")
+        fields = {k: _cat([b[k] for b in batches], k) for k in keys}
+        return TensorBatch(
+            fields, batches[0].metadata, batch_size=sum(b.batch_size for b in batches)
+        )
+
+    def repeat(self, n: int) -> TensorBatch:
+        """Tile the batch ``n`` times."""
+        return self.gather(np.tile(np.arange(self.batch_size), n))
+
+    def repeat_interleave(self, n: int) -> TensorBatch:
+        """Each sample ``n`` times in a row."""
+        return self.gather(np.repeat(np.arange(self.batch_size), n))
+
+    # --- conversion -----------------------------------------------------------------------
+
+    def to(
+        self, device: torch.device | str | None = None, non_blocking: bool = False
+    ) -> TensorBatch:
+        """Move every tensor field; lists stay on the host."""
+        return self._map(lambda v: v.to(device, non_blocking=non_blocking))
+
+    def pin_memory(self) -> TensorBatch:
+        return self._map(lambda v: v.pin_memory())
+
+    def _map(self, fn: Any) -> TensorBatch:
+        return self._with({k: v if isinstance(v, list) else fn(v) for k, v in self._fields.items()})
+
+    def _with(self, fields: dict[str, Field], batch_size: int | None = None) -> TensorBatch:
+        size = self.batch_size if batch_size is None else batch_size
+        return TensorBatch(fields, self.metadata, batch_size=size)
+
+    # --- comparison, display, pickling ----------------------------------------------------
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, TensorBatch):
+            return NotImplemented
+        return (
+            self.batch_size == other.batch_size
+            and list(self) == list(other)
+            and all(_field_equal(self[k], other[k]) for k in self)
+            and self.metadata == other.metadata
+        )
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        lines = [f"TensorBatch(B={self.batch_size}"]
+        for name, value in self._fields.items():
+            lines.append(f"  {name}: {_describe(value)}")
+        if self.metadata:
+            lines.append(f"  metadata: {sorted(self.metadata)}")
+        return "\n".join(lines) + ")"
+
+    def __reduce_ex__(self, protocol: int):
+        state = {
+            k: ("tensor", tensor_buffer(v, protocol)) if isinstance(v, torch.Tensor) else ("raw", v)
+            for k, v in self._fields.items()
+        }
+        return (_rebuild_batch, (state, self.metadata, self.batch_size))
+
+
+def _rebuild_batch(
+    state: dict[str, tuple[str, Any]], metadata: dict, batch_size: int
+) -> TensorBatch:
+    fields = {k: rebuild_tensor(v) if kind == "tensor" else v for k, (kind, v) in state.items()}
+    return TensorBatch(fields, metadata, batch_size=batch_size)
+
+
+def _cat(values: list[Field], name: str) -> Field:
+    kinds = {type(v) for v in values}
+    if len(kinds) != 1:
+        raise PackedError(
+            f"cat: field {name!r} must have one kind, found {sorted(k.__name__ for k in kinds)}"
+        )
+    first = values[0]
+    if isinstance(first, PackedTensor):
+        return PackedTensor.cat(values)
+    if isinstance(first, torch.Tensor):
+        return torch.cat(values)
+    return [item for v in values for item in v]
+
+
+def _field_equal(a: Field, b: Field) -> bool:
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, torch.Tensor):
+        return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b.to(a.device))
+    return a == b
+
+
+def _describe(value: Field) -> str:
+    if isinstance(value, PackedTensor):
+        return f"packed rows={value.total_rows} row_shape={value.row_shape} dtype={value.dtype}"
+    if isinstance(value, torch.Tensor):
+        return f"tensor shape={tuple(value.shape)} dtype={value.dtype}"
+    return f"list[{len(value)}]"

@@ -1,0 +1,384 @@
+"""``PackedTensor``: ragged token-aligned rows stored back to back.
+
+A batch of B sequences of different lengths is one ``values`` tensor ``[total_rows, *row_shape]``
+plus ``cu_seqlens`` (B+1 offsets). The offsets are also kept on the host, so looking up,
+slicing or measuring a segment never reads a device tensor (no GPU synchronisation).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any, Literal
+
+import numpy as np
+import torch
+
+from r3data.errors import PackedError, PackedIndexError
+from r3data.tensor_buffer import as_tensor, bit_view, rebuild_tensor, tensor_buffer
+
+Side = Literal["left", "right"]
+Index = int | slice | Sequence[int] | Sequence[bool] | np.ndarray | torch.Tensor
+
+
+def _host_offsets(cu_seqlens: Any) -> np.ndarray:
+    """Host int64 copy of offsets given as a tensor, array or sequence (reads a device tensor once)."""
+    if isinstance(cu_seqlens, torch.Tensor):
+        if cu_seqlens.dtype.is_floating_point or cu_seqlens.dtype == torch.bool:
+            raise PackedError(f"cu_seqlens must hold integers, found dtype {cu_seqlens.dtype}")
+        cu_seqlens = cu_seqlens.detach().cpu().numpy()
+    offsets = np.asarray(cu_seqlens)
+    if offsets.dtype.kind not in "iu" and not (offsets.size == 0 and offsets.dtype.kind == "f"):
+        raise PackedError(f"cu_seqlens must hold integers, found dtype {offsets.dtype}")
+    if offsets.ndim != 1:
+        raise PackedError(f"cu_seqlens must be 1-D, found shape {tuple(offsets.shape)}")
+    return offsets.astype(np.int64)
+
+
+def _validate_offsets(offsets: np.ndarray, total_rows: int) -> None:
+    if offsets.size == 0:
+        raise PackedError("cu_seqlens must hold B+1 >= 1 offsets, found an empty array")
+    if offsets[0] != 0:
+        raise PackedError(f"cu_seqlens must start at 0, found {int(offsets[0])}")
+    if offsets[-1] != total_rows:
+        raise PackedError(
+            f"cu_seqlens must end at the number of rows {total_rows}, found {int(offsets[-1])}"
+        )
+    steps = np.diff(offsets)
+    if steps.size and steps.min() < 0:
+        at = int(np.argmin(steps))
+        raise PackedError(
+            f"cu_seqlens must be non-decreasing, found {int(offsets[at])} then "
+            f"{int(offsets[at + 1])} at index {at}"
+        )
+    if total_rows > np.iinfo(np.int32).max:
+        raise PackedError(f"cu_seqlens is int32: at most 2**31-1 rows, found {total_rows}")
+
+
+def _offsets_from_lengths(lengths: Any) -> np.ndarray:
+    lengths = _host_offsets(lengths)
+    if lengths.size and lengths.min() < 0:
+        raise PackedError(f"lengths must be >= 0, found {int(lengths.min())}")
+    return np.concatenate(([0], np.cumsum(lengths, dtype=np.int64)))
+
+
+def _rows_of(offsets: np.ndarray, picks: np.ndarray) -> np.ndarray:
+    """Row indices of segments ``picks`` in order (one vectorised pass, no Python loop)."""
+    starts = offsets[picks]
+    lengths = offsets[picks + 1] - starts
+    total = int(lengths.sum())
+    first_of_each = np.concatenate(([0], np.cumsum(lengths)[:-1])) if picks.size else lengths
+    return np.arange(total, dtype=np.int64) + np.repeat(starts - first_of_each, lengths)
+
+
+class PackedTensor:
+    """Rows of B sequences back to back: ``values[cu_seqlens[i]:cu_seqlens[i+1]]`` is sequence i."""
+
+    __slots__ = ("_device_cu_seqlens", "_offsets", "values")
+
+    def __init__(self, values: torch.Tensor, cu_seqlens: Any) -> None:
+        if not isinstance(values, torch.Tensor):
+            raise PackedError(f"values must be a torch.Tensor, found {type(values).__name__}")
+        if values.dim() < 1:
+            raise PackedError("values must have a row dimension, found a 0-d tensor")
+        offsets = _host_offsets(cu_seqlens)
+        _validate_offsets(offsets, values.shape[0])
+        offsets.flags.writeable = False
+        self.values = values
+        self._offsets = offsets
+        self._device_cu_seqlens = cu_seqlens if _is_device_int32(cu_seqlens, values) else None
+
+    # --- constructors ---------------------------------------------------------------------
+
+    @classmethod
+    def from_lengths(cls, values: torch.Tensor | np.ndarray, lengths: Any) -> PackedTensor:
+        """Wrap ``values`` whose rows are sequences of ``lengths`` back to back."""
+        return cls(as_tensor(values), _offsets_from_lengths(lengths))
+
+    @classmethod
+    def from_segments(
+        cls,
+        segments: Iterable[torch.Tensor | np.ndarray],
+        *,
+        row_shape: Sequence[int] | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> PackedTensor:
+        """Concatenate per-sequence tensors or numpy arrays (one copy)."""
+        tensors = [as_tensor(s) for s in segments]
+        if not tensors:
+            if row_shape is None or dtype is None:
+                raise PackedError("from_segments([]) needs row_shape and dtype")
+            return cls.empty(row_shape, dtype)
+        first = tensors[0]
+        for i, t in enumerate(tensors):
+            if t.dim() < 1 or t.shape[1:] != first.shape[1:] or t.dtype != first.dtype:
+                raise PackedError(
+                    f"segment {i} must have row shape {tuple(first.shape[1:])} and dtype "
+                    f"{first.dtype}, found shape {tuple(t.shape)} and dtype {t.dtype}"
+                )
+        values = torch.cat(tensors) if len(tensors) > 1 else first
+        return cls(values, _offsets_from_lengths([t.shape[0] for t in tensors]))
+
+    @classmethod
+    def empty(
+        cls, row_shape: Sequence[int], dtype: torch.dtype, device: torch.device | str = "cpu"
+    ) -> PackedTensor:
+        """A batch of zero sequences."""
+        return cls(torch.empty((0, *row_shape), dtype=dtype, device=device), [0])
+
+    @classmethod
+    def from_padded(cls, padded: torch.Tensor, lengths: Any, side: Side = "right") -> PackedTensor:
+        """Inverse of :meth:`padded`: keep the first (right) or last (left) ``lengths[b]`` rows."""
+        offsets = _offsets_from_lengths(lengths)
+        batch = offsets.size - 1
+        if padded.dim() < 2 or padded.shape[0] != batch:
+            raise PackedError(
+                f"padded must be [B={batch}, max_len, ...], found shape {tuple(padded.shape)}"
+            )
+        max_len = padded.shape[1]
+        if batch and int(np.diff(offsets).max()) > max_len:
+            raise PackedError(
+                f"lengths must be <= max_len {max_len}, found {int(np.diff(offsets).max())}"
+            )
+        rows = _padded_rows(offsets, max_len, side)
+        flat = padded.reshape(batch * max_len, *padded.shape[2:])
+        picked = bit_view(flat).index_select(0, _index(rows, flat.device))
+        return cls(picked.view(padded.dtype), offsets)
+
+    # --- shape ----------------------------------------------------------------------------
+
+    @property
+    def offsets(self) -> np.ndarray:
+        """Host offsets (int64, read-only, B+1); reading them never touches a device."""
+        return self._offsets
+
+    @property
+    def cu_seqlens(self) -> torch.Tensor:
+        """Offsets as an int32 tensor on the values' device (created on first use)."""
+        if self._device_cu_seqlens is None:
+            host = torch.from_numpy(self._offsets.astype(np.int32))
+            self._device_cu_seqlens = host.to(self.values.device, non_blocking=True)
+        return self._device_cu_seqlens
+
+    @property
+    def lengths(self) -> np.ndarray:
+        """Rows per sequence, on the host (int64, B)."""
+        return np.diff(self._offsets)
+
+    sequence_lengths = lengths
+
+    @property
+    def total_rows(self) -> int:
+        return int(self._offsets[-1])
+
+    @property
+    def row_shape(self) -> tuple[int, ...]:
+        return tuple(self.values.shape[1:])
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.values.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.values.device
+
+    def __len__(self) -> int:
+        return self._offsets.size - 1
+
+    def max_length(self) -> int:
+        return int(self.lengths.max()) if len(self) else 0
+
+    # --- indexing -------------------------------------------------------------------------
+
+    def segment(self, i: int) -> torch.Tensor:
+        """Rows of sequence ``i`` (a view)."""
+        batch = len(self)
+        if not -batch <= i < batch:
+            raise PackedIndexError(f"segment index must be in [-{batch}, {batch}), found {i}")
+        i %= batch
+        return self.values[self._offsets[i] : self._offsets[i + 1]]
+
+    def __getitem__(self, index: Index) -> torch.Tensor | PackedTensor:
+        """An int gives one segment's rows; a contiguous slice a view; anything else a gather."""
+        if isinstance(index, (int, np.integer)) and not isinstance(index, bool):
+            return self.segment(int(index))
+        if isinstance(index, slice):
+            start, stop, step = index.indices(len(self))
+            if step == 1:
+                stop = max(start, stop)
+                lo, hi = self._offsets[start], self._offsets[stop]
+                return PackedTensor(self.values[lo:hi], self._offsets[start : stop + 1] - lo)
+            return self.gather(np.arange(start, stop, step))
+        return self.gather(index)
+
+    def gather(
+        self, index: Sequence[int] | Sequence[bool] | np.ndarray | torch.Tensor
+    ) -> PackedTensor:
+        """Copy the segments picked by an index list or a boolean mask into a new buffer."""
+        picks = pick_indices(index, len(self))
+        rows = _rows_of(self._offsets, picks)
+        values = bit_view(self.values).index_select(0, _index(rows, self.device))
+        lengths = self._offsets[picks + 1] - self._offsets[picks]
+        return PackedTensor(values.view(self.dtype), _offsets_from_lengths(lengths))
+
+    def __iter__(self):
+        return (self.segment(i) for i in range(len(self)))
+
+    # --- batch algebra --------------------------------------------------------------------
+
+    @staticmethod
+    def cat(parts: Sequence[PackedTensor]) -> PackedTensor:
+        """Concatenate batches (all must share row shape, dtype and device)."""
+        if not parts:
+            raise PackedError("cat needs at least one PackedTensor, found none")
+        first = parts[0]
+        for i, p in enumerate(parts):
+            if (p.row_shape, p.dtype, p.device) != (first.row_shape, first.dtype, first.device):
+                raise PackedError(
+                    f"cat: part {i} must have row shape {first.row_shape}, dtype {first.dtype} "
+                    f"and device {first.device}, found {p.row_shape}, {p.dtype}, {p.device}"
+                )
+        values = torch.cat([p.values for p in parts])
+        return PackedTensor(
+            values, _offsets_from_lengths(np.concatenate([p.lengths for p in parts]))
+        )
+
+    def repeat(self, n: int) -> PackedTensor:
+        """Tile the whole batch ``n`` times: B*n sequences."""
+        _check_count(n)
+        values = self.values.repeat(n, *([1] * len(self.row_shape)))
+        return PackedTensor(values, _offsets_from_lengths(np.tile(self.lengths, n)))
+
+    def repeat_interleave(self, n: int) -> PackedTensor:
+        """Repeat each sequence ``n`` times in place: B*n sequences."""
+        _check_count(n)
+        return self.gather(np.repeat(np.arange(len(self)), n))
+
+    # --- conversion -----------------------------------------------------------------------
+
+    def to(
+        self,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+        non_blocking: bool = False,
+    ) -> PackedTensor:
+        """Move or cast ``values``; the host offsets travel without a copy."""
+        values = self.values.to(device=device, dtype=dtype, non_blocking=non_blocking)
+        return self._with_values(values)
+
+    def pin_memory(self) -> PackedTensor:
+        """Page-lock ``values`` for asynchronous host-to-device copies."""
+        return self._with_values(self.values.pin_memory())
+
+    def contiguous(self) -> PackedTensor:
+        return self._with_values(self.values.contiguous())
+
+    def numpy(self) -> list[np.ndarray]:
+        """Per-sequence numpy views of CPU values (``from_segments`` inverts it)."""
+        array = self.values.numpy()
+        return [array[lo:hi] for lo, hi in zip(self._offsets[:-1], self._offsets[1:], strict=True)]
+
+    def padded(
+        self, fill: float | int = 0, side: Side = "right", max_len: int | None = None
+    ) -> torch.Tensor:
+        """A ``[B, max_len, *row_shape]`` rectangle (for code that still wants one)."""
+        longest = self.max_length()
+        max_len = longest if max_len is None else max_len
+        if max_len < longest:
+            raise PackedError(f"max_len must be >= the longest sequence {longest}, found {max_len}")
+        batch = len(self)
+        out = torch.full(
+            (batch * max_len, *self.row_shape), fill, dtype=self.dtype, device=self.device
+        )
+        rows = _padded_rows(self._offsets, max_len, side)
+        bit_view(out).index_copy_(0, _index(rows, self.device), bit_view(self.values))
+        return out.view(batch, max_len, *self.row_shape)
+
+    def _with_values(self, values: torch.Tensor) -> PackedTensor:
+        """Same offsets (already validated, shared read-only), new values of the same rows."""
+        packed = object.__new__(PackedTensor)
+        packed.values = values
+        packed._offsets = self._offsets
+        packed._device_cu_seqlens = None
+        return packed
+
+    # --- comparison and display -----------------------------------------------------------
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, PackedTensor):
+            return NotImplemented
+        return (
+            np.array_equal(self._offsets, other._offsets)
+            and self.values.shape == other.values.shape
+            and self.dtype == other.dtype
+            and torch.equal(self.values, other.values.to(self.device))
+        )
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return (
+            f"PackedTensor(B={len(self)}, rows={self.total_rows}, row_shape={self.row_shape}, "
+            f"dtype={self.dtype}, device={self.device})"
+        )
+
+    # --- pickling -------------------------------------------------------------------------
+
+    def __reduce_ex__(self, protocol: int):
+        return (_rebuild_packed, (tensor_buffer(self.values, protocol), self._offsets.tolist()))
+
+
+def _rebuild_packed(values: Any, offsets: list[int]) -> PackedTensor:
+    return PackedTensor(rebuild_tensor(values), offsets)
+
+
+def _is_device_int32(cu_seqlens: Any, values: torch.Tensor) -> bool:
+    return (
+        isinstance(cu_seqlens, torch.Tensor)
+        and cu_seqlens.dtype == torch.int32
+        and cu_seqlens.device == values.device
+    )
+
+
+def pick_indices(index: Any, batch: int) -> np.ndarray:
+    """Positions in ``range(batch)`` picked by an index list or a boolean mask, validated."""
+    if isinstance(index, torch.Tensor):
+        index = index.detach().cpu().numpy()
+    picks = np.asarray(index)
+    if picks.dtype == np.bool_:
+        if picks.shape != (batch,):
+            raise PackedError(f"boolean mask must have shape ({batch},), found {picks.shape}")
+        return np.flatnonzero(picks)
+    if picks.size == 0:
+        return np.zeros(0, dtype=np.int64)
+    if picks.dtype.kind not in "iu" or picks.ndim != 1:
+        raise PackedError(
+            f"index must be a 1-D list of ints or a boolean mask, found dtype {picks.dtype} "
+            f"and shape {picks.shape}"
+        )
+    if picks.min() < -batch or picks.max() >= batch:
+        bad = int(picks.min()) if picks.min() < -batch else int(picks.max())
+        raise PackedIndexError(f"index must be in [-{batch}, {batch}), found {bad}")
+    return picks.astype(np.int64) % max(batch, 1)
+
+
+def _padded_rows(offsets: np.ndarray, max_len: int, side: Side) -> np.ndarray:
+    """Flat ``b * max_len + t`` destination of every packed row in a padded rectangle."""
+    if side not in ("left", "right"):
+        raise PackedError(f"side must be 'left' or 'right', found {side!r}")
+    lengths = np.diff(offsets)
+    batch = lengths.size
+    seq_of_row = np.repeat(np.arange(batch, dtype=np.int64), lengths)
+    within = np.arange(offsets[-1], dtype=np.int64) - np.repeat(offsets[:-1], lengths)
+    if side == "left":
+        within += np.repeat(max_len - lengths, lengths)
+    return seq_of_row * max_len + within
+
+
+def _index(rows: np.ndarray, device: torch.device) -> torch.Tensor:
+    return torch.from_numpy(rows).to(device, non_blocking=True)
+
+
+def _check_count(n: int) -> None:
+    if not isinstance(n, (int, np.integer)) or isinstance(n, bool) or n < 0:
+        raise PackedError(f"repeat count must be an int >= 0, found {n!r}")

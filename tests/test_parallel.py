@@ -1,0 +1,116 @@
+"""Worker counts from a fake cgroup tree, and fill_rows semantics."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+
+from r3data.errors import ConfigError
+from r3data.parallel import (
+    fill_rows,
+    in_pool_thread,
+    io_workers,
+    permitted_cpus,
+    pool_workers,
+)
+
+AFFINITY = len(os.sched_getaffinity(0))
+
+
+def cgroup(tmp_path, files: dict[str, str]):
+    for name, text in files.items():
+        path = tmp_path / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return tmp_path
+
+
+def test_no_cgroup_limit_uses_affinity(tmp_path):
+    assert permitted_cpus(cgroup(tmp_path, {"cpu.max": "max 100000\n"})) == AFFINITY
+    assert permitted_cpus(tmp_path / "absent") == AFFINITY
+
+
+def test_cgroup_v2_quota_rounds_up(tmp_path):
+    root = cgroup(tmp_path, {"cpu.max": "150000 100000\n"})
+    assert permitted_cpus(root) == min(AFFINITY, 2)
+    root = cgroup(tmp_path, {"cpu.max": "50000 100000\n"})
+    assert permitted_cpus(root) == 1
+
+
+def test_cgroup_v1_quota(tmp_path):
+    root = cgroup(
+        tmp_path,
+        {"cpu,cpuacct/cpu.cfs_quota_us": "100000", "cpu,cpuacct/cpu.cfs_period_us": "100000"},
+    )
+    assert permitted_cpus(root) == 1
+    unlimited = cgroup(
+        tmp_path / "u", {"cpu/cpu.cfs_quota_us": "-1", "cpu/cpu.cfs_period_us": "100000"}
+    )
+    assert permitted_cpus(unlimited) == AFFINITY
+
+
+def test_pool_workers_honours_quota_reserve_cap_and_env(tmp_path, monkeypatch):
+    monkeypatch.delenv("R3DATA_WORKERS", raising=False)
+    monkeypatch.delenv("R3DATA_IO_WORKERS", raising=False)
+    root = cgroup(tmp_path, {"cpu.max": "100000 100000"})
+    assert pool_workers(cgroup_root=root) == 1
+    assert pool_workers(reserve=5, cgroup_root=root) == 1
+    assert io_workers(cgroup_root=root) == 8
+    assert io_workers(cap=3, cgroup_root=root) == 3
+    monkeypatch.setenv("R3DATA_WORKERS", "6")
+    assert pool_workers(cgroup_root=root) == 6
+    assert pool_workers(cap=4, cgroup_root=root) == 4
+    monkeypatch.setenv("R3DATA_IO_WORKERS", "3")
+    assert io_workers(cgroup_root=root) == 3
+    monkeypatch.setenv("R3DATA_WORKERS", "zero")
+    with pytest.raises(ConfigError, match="R3DATA_WORKERS must be an integer >= 1, found 'zero'"):
+        pool_workers()
+
+
+def test_fill_rows_returns_in_order_and_runs_concurrently():
+    running, peak, lock = [0], [0], threading.Lock()
+
+    def work(i: int) -> int:
+        with lock:
+            running[0] += 1
+            peak[0] = max(peak[0], running[0])
+        time.sleep(0.01)
+        with lock:
+            running[0] -= 1
+        return i * i
+
+    assert fill_rows(work, 12, workers=3) == [i * i for i in range(12)]
+    assert 2 <= peak[0] <= 3
+
+
+def test_fill_rows_reports_the_failing_index_and_waits_for_every_lane():
+    finished: list[int] = []
+
+    def work(i: int) -> int:
+        if i == 4:
+            raise KeyError("bad sample")
+        time.sleep(0.005)
+        finished.append(i)
+        return i
+
+    with pytest.raises(KeyError) as info:
+        fill_rows(work, 20, workers=3)
+    assert info.value.r3data_index == 4
+    assert "filling item 4" in info.value.__notes__[0]
+    settled = list(finished)
+    time.sleep(0.05)
+    assert finished == settled  # no lane is still running after the call returned
+
+
+def test_nested_fill_rows_runs_inline_in_pool_threads():
+    def outer(i: int) -> list[bool]:
+        return fill_rows(lambda _: in_pool_thread(), 3, workers=4)
+
+    results = fill_rows(outer, 4, workers=2)
+    assert results == [[True] * 3] * 4
+    assert fill_rows(lambda _: in_pool_thread(), 3, workers=1) == [False] * 3
+    with pytest.raises(ConfigError, match="workers must be >= 1, found 0"):
+        fill_rows(lambda i: i, 3, workers=0)
