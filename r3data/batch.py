@@ -7,7 +7,7 @@ fields aligned: selecting samples selects them in every field.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, MutableMapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -43,8 +43,11 @@ def _pick(value: Field, picks: np.ndarray) -> Field:
     return [value[i] for i in picks]
 
 
-class TensorBatch(Mapping[str, Field]):
-    """A mapping of named fields that all hold the same number B of samples, plus metadata."""
+class TensorBatch(MutableMapping[str, Field]):
+    """A mapping of named fields that all hold the same number B of samples, plus metadata.
+
+    Fields may be added or removed (``batch["advantages"] = tensor``) as long as B agrees.
+    """
 
     def __init__(
         self,
@@ -75,6 +78,17 @@ class TensorBatch(Mapping[str, Field]):
         if isinstance(key, slice):
             return self.slice(key.start, key.stop, key.step)
         return self.gather(key)
+
+    def __setitem__(self, key: str, value: Field) -> None:
+        if not isinstance(key, str):
+            raise PackedError(f"field names must be str, found {type(key).__name__}")
+        size = _field_size(key, value)
+        if size != self.batch_size:
+            raise PackedError(f"field {key!r} must hold B={self.batch_size} samples, found {size}")
+        self._fields[key] = value
+
+    def __delitem__(self, key: str) -> None:
+        del self._fields[key]
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._fields)

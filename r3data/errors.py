@@ -101,3 +101,18 @@ class ReplayError(R3DataError, RuntimeError):
 
 class ConfigError(R3DataError, ValueError):
     """A configuration value (environment variable, argument) is invalid."""
+
+
+def with_context(exc: Exception, context: str) -> Exception:
+    """``exc`` with ``context`` (e.g. ``"sample 'abc'"``) in front of its message.
+
+    An ``R3DataError`` becomes a new error of the same class (chained to the original), so
+    callers keep catching what they caught; any other exception gets the context as a note.
+    """
+    if isinstance(exc, R3DataError):
+        wrapped = type(exc)(f"{context}: {exc}")
+        wrapped.__cause__ = exc
+        return wrapped
+    if hasattr(exc, "add_note"):
+        exc.add_note(context)
+    return exc

@@ -115,6 +115,18 @@ def test_select_to_and_repr():
     assert TensorBatch({}, batch_size=4).chunk(2)[0].batch_size == 2
 
 
+def test_fields_can_be_added_and_removed_when_b_agrees():
+    batch = TensorBatch({"a": torch.zeros(2)}, metadata={"k": 1})
+    batch["b"] = ["x", "y"]
+    assert list(batch) == ["a", "b"]
+    del batch["a"]
+    assert list(batch) == ["b"]
+    with pytest.raises(PackedError, match="field 'c' must hold B=2 samples, found 3"):
+        batch["c"] = torch.zeros(3)
+    with pytest.raises(PackedError, match="field names must be str"):
+        batch[0] = torch.zeros(2)  # type: ignore[index]
+
+
 def test_invalid_batches():
     with pytest.raises(PackedError, match="field 'b' must hold B=2 samples, found 3"):
         TensorBatch({"a": torch.zeros(2), "b": [1, 2, 3]})

@@ -1,0 +1,110 @@
+"""Fill one packed field of a batch: allocate the final buffer once, copy each piece into it.
+
+Inline pieces are one ``memcpy`` each from the decoded wire array; by-handle pieces are read
+straight into their slice of the buffer. Samples fill in parallel on the shared pool.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import torch
+
+from r3data.buffers import empty_rows
+from r3data.errors import SegmentError
+from r3data.packed import PackedTensor
+from r3data.parallel import fill_rows, io_workers, pool_workers
+from r3data.payload.reader import PayloadReader
+from r3data.payload.segment import PayloadSegment
+from r3data.wire.rows import InlineRows
+
+Piece = InlineRows | PayloadSegment
+HandleCheck = Callable[[PayloadSegment, np.ndarray], None]
+"""Validates rows read by handle (inline rows were checked when their trace was built)."""
+
+
+def piece_dtype(piece: Piece) -> np.dtype:
+    return piece.array.dtype if isinstance(piece, InlineRows) else np.dtype(piece.dtype)
+
+
+def piece_row_shape(piece: Piece) -> tuple[int, ...]:
+    return piece.row_shape if isinstance(piece, InlineRows) else piece.shape
+
+
+def torch_dtype(dtype: np.dtype) -> torch.dtype:
+    return torch.from_numpy(np.empty(0, dtype=dtype)).dtype
+
+
+def _fill_sample(
+    field: str,
+    pieces: Sequence[Piece],
+    out: np.ndarray,
+    reader: PayloadReader | None,
+    check: HandleCheck | None,
+) -> None:
+    """Copy or read ``pieces`` back to back into ``out`` (one sample's slice)."""
+    cursor = 0
+    direct: list[tuple[list[PayloadSegment], np.ndarray]] = []
+    widened: list[tuple[PayloadSegment, np.ndarray]] = []
+    for piece in pieces:
+        if piece_row_shape(piece) != out.shape[1:]:
+            raise SegmentError(
+                f"field {field!r}: expected rows of shape {out.shape[1:]}, found "
+                f"{piece_row_shape(piece)} at position {piece.pos}"
+            )
+        target = out[cursor : cursor + piece.rows]
+        cursor += piece.rows
+        if isinstance(piece, InlineRows):
+            np.copyto(target, piece.array, casting="safe")
+        elif reader is None:
+            raise SegmentError(f"field {field!r}: a by-handle piece needs a payload reader")
+        elif np.dtype(piece.dtype) == out.dtype:
+            direct.append(([piece], target))
+        else:  # a narrower turn inside a wider batch: read, then widen
+            widened.append((piece, target))
+    if reader is None:
+        return
+    staged = [np.empty((p.rows, *out.shape[1:]), dtype=p.dtype) for p, _ in widened]
+    reader.read_many(direct + [([p], s) for (p, _), s in zip(widened, staged, strict=True)])
+    for (_, target), array in zip(widened, staged, strict=True):
+        np.copyto(target, array, casting="safe")
+    if check is not None:
+        for segments, target in direct:
+            check(segments[0], target)
+        for (segment, _), array in zip(widened, staged, strict=True):
+            check(segment, array)
+
+
+def pack_field(
+    field: str,
+    pieces: Sequence[Sequence[Piece]],
+    *,
+    row_shape: Sequence[int],
+    dtype: np.dtype,
+    reader: PayloadReader | None = None,
+    workers: int | None = None,
+    pin_memory: bool = False,
+    check: HandleCheck | None = None,
+) -> PackedTensor:
+    """One ``PackedTensor`` whose segment i holds sample i's pieces back to back.
+
+    ``reader`` reads by-handle pieces straight into the buffer and ``check`` validates what
+    it read. Failures carry the sample
+    index (``exc.r3data_index``). ``workers`` defaults to the I/O worker count when any piece
+    is by handle, else to the CPU worker count.
+    """
+    lengths = np.array([sum(p.rows for p in sample) for sample in pieces], dtype=np.int64)
+    offsets = np.concatenate(([0], np.cumsum(lengths)))
+    shape = (int(offsets[-1]), *row_shape)
+    values = empty_rows(shape, torch_dtype(np.dtype(dtype)), pin_memory=pin_memory)
+    out = values.numpy()
+    if workers is None:
+        by_handle = any(isinstance(p, PayloadSegment) for sample in pieces for p in sample)
+        workers = io_workers() if by_handle else pool_workers()
+    fill_rows(
+        lambda i: _fill_sample(field, pieces[i], out[offsets[i] : offsets[i + 1]], reader, check),
+        len(pieces),
+        workers,
+    )
+    return PackedTensor(values, offsets)

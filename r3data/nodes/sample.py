@@ -1,0 +1,159 @@
+"""``RolloutSample``: one training sample as the loader sees it, from a dict or a dataclass.
+
+A sample carries token ids, a loss mask and the route sources of its trace. Sources come as
+a ready ``Trace``/``TraceBuilder`` or as ``requests``: one entry per inference request,
+``{"prompt_len", "completion_len", "sources": [...]}``, where each source is an
+``InlineRows``, a ``PayloadSegment``, a segment dict (prime-rl's by-handle ``payload`` entries),
+or a producer response ``{"producer": "vllm" | "sglang" | "prime-rl" | "skyrl",
+"response": raw bytes or parsed dict, **producer keyword arguments}``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from r3data.errors import TraceError
+from r3data.payload.segment import PayloadSegment
+from r3data.trace import Trace, TraceBuilder
+from r3data.wire import (
+    InlineRows,
+    primerl_routes,
+    primerl_sampling_mask,
+    sglang_routes,
+    skyrl_routes,
+    vllm_routes,
+)
+
+PRODUCERS: dict[str, Callable[..., list[InlineRows]]] = {
+    "vllm": vllm_routes,
+    "sglang": sglang_routes,
+    "prime-rl": primerl_routes,
+    "prime-rl-sampling-mask": primerl_sampling_mask,
+    "skyrl": skyrl_routes,
+}
+
+
+@dataclass(frozen=True, eq=False)
+class RolloutSample:
+    """What the loader needs of one sample (``len(token_ids)`` positions are trained on)."""
+
+    sample_id: str
+    token_ids: np.ndarray
+    loss_mask: np.ndarray
+    trace: Trace
+    logprobs: np.ndarray | None = None
+    files: tuple[str, ...] = ()
+    """Payload files of every by-handle source (claimed for retention even when overridden)."""
+
+    @property
+    def sample_len(self) -> int:
+        return int(self.token_ids.shape[0])
+
+
+def _get(obj: Any, *names: str, default: Any = None) -> Any:
+    for name in names:
+        if isinstance(obj, Mapping):
+            if name in obj:
+                return obj[name]
+        elif hasattr(obj, name):
+            return getattr(obj, name)
+    return default
+
+
+def _vector(sample_id: str, name: str, value: Any, length: int | None, dtype: Any) -> np.ndarray:
+    array = np.asarray(value)
+    if array.ndim != 1 or (length is not None and array.shape[0] != length):
+        raise TraceError(
+            f"sample {sample_id!r}: {name} must be 1-D with {length} entries, "
+            f"found shape {array.shape}"
+        )
+    return array.astype(dtype, copy=False)
+
+
+def source_rows(
+    source: Any, *, prompt_len: int, completion_len: int
+) -> list[InlineRows | PayloadSegment]:
+    """Turn one request source into trace sources (decoding producer responses)."""
+    if isinstance(source, (InlineRows, PayloadSegment)):
+        return [source]
+    if isinstance(source, Mapping) and "file" in source:
+        return [PayloadSegment.from_dict(source)]
+    if isinstance(source, Mapping) and "producer" in source:
+        options = dict(source)
+        producer = options.pop("producer")
+        decode = PRODUCERS.get(producer)
+        if decode is None:
+            raise TraceError(f"producer must be one of {sorted(PRODUCERS)}, found {producer!r}")
+        response = options.pop("response", None)
+        if producer.startswith("prime-rl"):
+            options.setdefault("prompt_len", prompt_len)
+            options.setdefault("completion_len", completion_len)
+        return list(decode(response, **options))
+    raise TraceError(
+        "a request source must be InlineRows, a PayloadSegment, a segment dict with 'file' or "
+        f"a producer response with 'producer', found {type(source).__name__}"
+    )
+
+
+def _files(sources: Iterable[Any]) -> tuple[str, ...]:
+    return tuple(sorted({s.file for s in sources if isinstance(s, PayloadSegment)}))
+
+
+def _trace_of(
+    sample_id: str, obj: Any, trace_options: Mapping[str, Any]
+) -> tuple[Trace, tuple[str, ...]]:
+    trace = _get(obj, "trace")
+    if isinstance(trace, TraceBuilder):
+        trace = trace.build()
+    if isinstance(trace, Trace):
+        return trace, _files(p for pieces in trace.pieces.values() for p in pieces)
+    requests = _get(obj, "requests")
+    if requests is None:
+        raise TraceError(f"sample {sample_id!r}: expected a 'trace' or 'requests', found neither")
+    builder = TraceBuilder(sample_id, **trace_options)
+    every_source: list[Any] = []
+    for request in requests:
+        prompt_len, completion_len = request["prompt_len"], request["completion_len"]
+        sources = [
+            row
+            for source in request.get("sources", ())
+            for row in source_rows(source, prompt_len=prompt_len, completion_len=completion_len)
+        ]
+        builder.add_request(prompt_len, completion_len, sources)
+        every_source.extend(sources)
+    return builder.build(), _files(every_source)
+
+
+def as_rollout(
+    obj: Any, index: int, trace_options: Mapping[str, Any] | None = None
+) -> RolloutSample:
+    """Normalise a dict or dataclass sample; ``index`` names it when it has no id."""
+    if isinstance(obj, RolloutSample):
+        return obj
+    if dataclasses.is_dataclass(obj) or isinstance(obj, Mapping):
+        sample_id = str(_get(obj, "sample_id", "id", default=index))
+    else:
+        raise TraceError(
+            f"sample {index}: expected a dict or a dataclass, found {type(obj).__name__}"
+        )
+    tokens = _get(obj, "token_ids", "input_ids")
+    if tokens is None:
+        raise TraceError(f"sample {sample_id!r}: expected 'token_ids', found none")
+    token_ids = _vector(sample_id, "token_ids", tokens, None, np.int64)
+    n = token_ids.shape[0]
+    loss_mask = _get(obj, "loss_mask")
+    loss_mask = (
+        np.ones(n, bool)
+        if loss_mask is None
+        else _vector(sample_id, "loss_mask", loss_mask, n, bool)
+    )
+    logprobs = _get(obj, "logprobs")
+    if logprobs is not None:
+        logprobs = _vector(sample_id, "logprobs", logprobs, n, np.float32)
+    trace, files = _trace_of(sample_id, obj, trace_options or {})
+    return RolloutSample(sample_id, token_ids, loss_mask, trace, logprobs, files)

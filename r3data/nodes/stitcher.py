@@ -1,0 +1,56 @@
+"""``StitchRollout``: normalise one raw sample and stitch its trace (runs in parallel)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from r3data.errors import with_context
+from r3data.nodes.sample import RolloutSample, as_rollout
+from r3data.trace import OnGap, Placeholder, StitchedSample, stitch
+
+
+@dataclass(frozen=True, eq=False)
+class StitchedRollout:
+    """A sample and its stitched fields (None when ``on_gap="drop_sample"`` dropped it)."""
+
+    index: int
+    sample: RolloutSample
+    stitched: StitchedSample | None
+
+
+@dataclass(frozen=True)
+class StitchRollout:
+    """Maps ``(index, raw sample)`` to a :class:`StitchedRollout`; errors name the sample."""
+
+    fields: Sequence[str]
+    placeholder: Placeholder = "repeat_previous"
+    on_gap: OnGap = "drop_routes"
+    topk: int | None = None
+    trace_options: Mapping[str, Any] | None = None
+
+    def __call__(self, item: tuple[int, Any]) -> StitchedRollout:
+        index, raw = item
+        sample_id = _raw_id(raw, index)
+        try:
+            sample = as_rollout(raw, index, self.trace_options)
+            stitched = stitch(
+                sample.trace,
+                sample.sample_len,
+                fields=tuple(self.fields),
+                placeholder=self.placeholder,
+                on_gap=self.on_gap,
+                topk=self.topk,
+            )
+        except Exception as exc:
+            raise with_context(exc, f"sample {sample_id!r} (index {index})")  # noqa: B904
+        return StitchedRollout(index, sample, stitched)
+
+
+def _raw_id(raw: Any, index: int) -> str:
+    for name in ("sample_id", "id"):
+        value = raw.get(name) if isinstance(raw, Mapping) else getattr(raw, name, None)
+        if value is not None:
+            return str(value)
+    return str(index)

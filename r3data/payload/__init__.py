@@ -1,0 +1,50 @@
+"""Payloads by handle: segment files on any fsspec filesystem, read concurrently, retained safely.
+
+Inference servers write routes and masks to ``<root>/v<version>/<id>.bin`` and answer with
+:class:`PayloadSegment` handles; the trainer reads them with :class:`PayloadReader` and deletes
+them with :class:`PayloadRetention` once the batch that used them is trained on.
+"""
+
+from r3data.payload.audit import PayloadFileInfo, VerifyReport, inspect, verify
+from r3data.payload.fileformat import FORMAT_VERSION, MAGIC, FieldEntry, PayloadHeader, read_header
+from r3data.payload.fs import PayloadRoot
+from r3data.payload.ragged import RaggedRows
+from r3data.payload.reader import PayloadReader, ReadJob
+from r3data.payload.retention import (
+    GcReport,
+    PayloadRetention,
+    RetentionMetrics,
+    gc,
+    min_fresh_version,
+)
+from r3data.payload.segment import INDEX_DTYPE, PayloadSegment, clip, covers, gaps, shift
+from r3data.payload.writer import FieldData, PayloadWriter
+
+__all__ = [
+    "FORMAT_VERSION",
+    "INDEX_DTYPE",
+    "MAGIC",
+    "FieldData",
+    "FieldEntry",
+    "GcReport",
+    "PayloadFileInfo",
+    "PayloadHeader",
+    "PayloadReader",
+    "PayloadRetention",
+    "PayloadRoot",
+    "PayloadSegment",
+    "PayloadWriter",
+    "RaggedRows",
+    "ReadJob",
+    "RetentionMetrics",
+    "VerifyReport",
+    "clip",
+    "covers",
+    "gaps",
+    "gc",
+    "inspect",
+    "min_fresh_version",
+    "read_header",
+    "shift",
+    "verify",
+]

@@ -1,0 +1,84 @@
+"""``RaggedRows``: rows of varying width (sampling masks) as values plus row lengths (CSR)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from r3data.errors import SegmentError, WireFormatError
+from r3data.wire.dtypes import parse_dtype
+
+__all__ = ["RaggedRows", "as_ragged", "host_array"]
+
+
+class RaggedRows(NamedTuple):
+    """Row ``i`` is ``values[offsets[i]:offsets[i + 1]]`` with offsets the cumsum of ``row_lengths``."""
+
+    values: np.ndarray
+    row_lengths: np.ndarray
+
+    @property
+    def offsets(self) -> np.ndarray:
+        """``rows + 1`` int64 element offsets, starting at 0."""
+        return np.concatenate(([0], np.cumsum(self.row_lengths, dtype=np.int64)))
+
+
+def host_array(data: Any, what: str) -> np.ndarray:
+    """``data`` (numpy, a CPU torch tensor, anything array-like) as a C-contiguous little-endian
+    array of an allowed dtype."""
+    try:
+        array = np.asarray(data)
+    except (TypeError, ValueError, RuntimeError) as exc:
+        raise SegmentError(
+            f"{what}: expected a host array, found {type(data).__name__}: {exc}"
+        ) from None
+    dtype = array.dtype.newbyteorder("<") if array.dtype.byteorder == ">" else array.dtype
+    try:
+        dtype = parse_dtype(dtype)
+    except WireFormatError as exc:
+        raise SegmentError(f"{what}: {exc}") from None
+    return np.asarray(array, dtype=dtype, order="C")
+
+
+def as_ragged(data: tuple[Any, Any] | Sequence[Any], what: str) -> RaggedRows:
+    """Ragged rows given as ``(values, row_lengths)`` or as a list of 1-D arrays, checked."""
+    if isinstance(data, tuple):
+        if len(data) != 2:
+            raise SegmentError(
+                f"{what}: ragged rows as a tuple must be (values, row_lengths), found {len(data)} "
+                "items"
+            )
+        values = host_array(data[0], f"{what} values")
+        lengths = host_array(data[1], f"{what} row_lengths")
+    else:
+        rows = [host_array(row, f"{what} row {i}") for i, row in enumerate(data)]
+        dtypes = {row.dtype for row in rows}
+        if len(dtypes) > 1:
+            raise SegmentError(
+                f"{what}: ragged rows must share one dtype, found {sorted(map(str, dtypes))}"
+            )
+        dtype = dtypes.pop() if dtypes else np.dtype("<i4")
+        bad = next((i for i, row in enumerate(rows) if row.ndim != 1), None)
+        if bad is not None:
+            raise SegmentError(
+                f"{what}: ragged row {bad} must be 1-D, found shape {rows[bad].shape}"
+            )
+        values = np.concatenate(rows) if rows else np.empty(0, dtype)
+        lengths = np.array([row.size for row in rows], dtype=np.int64)
+    if values.ndim != 1:
+        raise SegmentError(f"{what}: ragged values must be 1-D, found shape {values.shape}")
+    if lengths.ndim != 1 or lengths.dtype.kind not in "iu":
+        raise SegmentError(
+            f"{what}: row_lengths must be a 1-D integer array, found {lengths.dtype} "
+            f"{lengths.shape}"
+        )
+    lengths = lengths.astype(np.int64)
+    if lengths.size and lengths.min() < 0:
+        raise SegmentError(f"{what}: row_lengths must be >= 0, found {int(lengths.min())}")
+    if int(lengths.sum()) != values.size:
+        raise SegmentError(
+            f"{what}: row_lengths sum to {int(lengths.sum())}, values hold {values.size} elements"
+        )
+    return RaggedRows(values, lengths)

@@ -1,0 +1,319 @@
+"""Retention of payload files: delete on consume, a version backstop, and ``gc`` for the CLI.
+
+A file may be deleted once the trainer has finished the step whose batch read it. Files nobody
+claims (cancelled rollouts, files from before a resume) are removed by the backstop once their
+policy version is too old for any future batch: with at most ``M`` off-policy steps, a batch for
+step ``s`` uses versions ``>= s - M``.
+"""
+
+from __future__ import annotations
+
+import logging
+import posixpath
+import re
+import threading
+import time
+from collections.abc import Iterable
+from concurrent.futures import Future
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from fsspec import AbstractFileSystem
+
+from r3data.errors import ConfigError, PayloadHandleError
+from r3data.parallel import shared_pool
+from r3data.payload.fs import PayloadRoot
+
+__all__ = [
+    "GcReport",
+    "PayloadRetention",
+    "RetentionMetrics",
+    "gc",
+    "list_versions",
+    "min_fresh_version",
+]
+
+logger = logging.getLogger(__name__)
+
+VERSION_DIR = re.compile(r"v(\d+)")
+
+
+def _check_count(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ConfigError(f"{name} must be an int >= 0, found {value!r}")
+    return value
+
+
+def min_fresh_version(step: int, max_off_policy_steps: int) -> int:
+    """The oldest policy version a batch for ``step`` may use: ``max(0, step - M)``."""
+    step = _check_count("step", step)
+    return max(0, step - _check_count("max_off_policy_steps", max_off_policy_steps))
+
+
+def list_versions(root: PayloadRoot) -> dict[int, list[tuple[str, int]]]:
+    """Every ``v<k>`` directory under ``root``: version -> [(root-relative file, size in bytes)]."""
+    fs = root.fs
+    try:
+        entries = fs.ls(root.path, detail=True)
+    except FileNotFoundError:
+        return {}
+    versions: dict[int, list[tuple[str, int]]] = {}
+    for entry in entries:
+        match = VERSION_DIR.fullmatch(posixpath.basename(entry["name"].rstrip("/")))
+        if entry["type"] != "directory" or match is None:
+            continue
+        versions[int(match.group(1))] = [
+            (root.name_of(f["name"]), int(f.get("size") or 0))
+            for f in fs.ls(entry["name"], detail=True)
+            if f["type"] == "file"
+        ]
+    return versions
+
+
+def _remove_dir(root: PayloadRoot, version: int) -> None:
+    """Remove an emptied version directory (object stores have none; a busy one stays)."""
+    path = posixpath.join(root.path, f"v{version}")
+    try:
+        if root.fs.isdir(path) and not root.fs.ls(path):
+            root.fs.rmdir(path)
+    except OSError as exc:
+        logger.debug("keeping %s: %s", path, exc)
+
+
+@dataclass(frozen=True)
+class RetentionMetrics:
+    """Counters of a :class:`PayloadRetention`; ``*_live`` as of the last sweep of the root."""
+
+    files_claimed: int
+    files_pending: int
+    files_live: int
+    bytes_live: int
+    files_deleted: int
+    bytes_deleted: int
+    delete_errors: int
+    deletion_latency_s_last: float
+    deletion_latency_s_mean: float
+    deletion_latency_s_max: float
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class PayloadRetention:
+    """Deletes payload files once the batches that read them are trained on.
+
+    ``claim(step, files)`` when a batch for ``step`` ships; ``on_policy_update(step)`` after the
+    optimizer step releases every claim ``<= step`` and sweeps versions older than
+    ``min_fresh_version(step + 1, max_off_policy_steps)`` of unclaimed files. Deletion runs on the
+    shared pool and never blocks the caller; a failed deletion is logged and retried on the next
+    call. ``fresh=True`` (a new run) removes every ``v<k>`` directory under the root first; a
+    resumed run passes ``fresh=False`` and lets the backstop clear what the old run left.
+    """
+
+    def __init__(
+        self,
+        root: str,
+        max_off_policy_steps: int,
+        *,
+        fs: AbstractFileSystem | None = None,
+        fresh: bool = True,
+    ) -> None:
+        self.root = PayloadRoot(root, fs)
+        self.max_off_policy_steps = _check_count("max_off_policy_steps", max_off_policy_steps)
+        self._lock = threading.Lock()
+        self._claims: dict[str, int] = {}
+        self._doomed: dict[str, float] = {}
+        self._bound = 0
+        self._sizes: dict[str, int] = {}
+        self._job: Future[None] | None = None
+        self._again = False
+        self._live = (0, 0)
+        self._deleted = (0, 0)
+        self._errors = 0
+        self._latencies: list[float] = []
+        if fresh:
+            for version in list_versions(self.root):
+                self.root.fs.rm(posixpath.join(self.root.path, f"v{version}"), recursive=True)
+        self.root.fs.makedirs(self.root.path, exist_ok=True)
+
+    def __repr__(self) -> str:
+        return f"PayloadRetention({self.root}, max_off_policy_steps={self.max_off_policy_steps})"
+
+    def __enter__(self) -> PayloadRetention:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _names(self, files: Iterable[str]) -> list[str]:
+        if isinstance(files, str):
+            raise PayloadHandleError(f"files must be a collection of handles, found str {files!r}")
+        return [self.root.relative(f) for f in files]
+
+    def claim(self, step: int, files: Iterable[str]) -> None:
+        """Keep ``files`` until ``on_policy_update(s)`` with ``s >= step``."""
+        step = _check_count("step", step)
+        names = self._names(files)
+        with self._lock:
+            for name in names:
+                self._claims[name] = max(step, self._claims.get(name, step))
+                self._doomed.pop(name, None)
+
+    def discard(self, files: Iterable[str]) -> None:
+        """Delete ``files`` of dropped samples soon, except those a shipped batch still claims."""
+        names = self._names(files)
+        now = time.monotonic()
+        with self._lock:
+            for name in names:
+                if name not in self._claims:
+                    self._doomed.setdefault(name, now)
+        self._schedule()
+
+    def on_policy_update(self, step: int) -> None:
+        """The trainer finished ``step``: delete what its batches claimed, sweep stale versions."""
+        bound = min_fresh_version(step + 1, self.max_off_policy_steps)
+        now = time.monotonic()
+        with self._lock:
+            released = [name for name, claimed in self._claims.items() if claimed <= step]
+            for name in released:
+                del self._claims[name]
+                self._doomed.setdefault(name, now)
+            self._bound = max(self._bound, bound)
+        self._schedule()
+
+    def wait(self) -> None:
+        """Block until no deletion is pending or running."""
+        while True:
+            with self._lock:
+                job = self._job
+            if job is None:
+                return
+            job.result()
+
+    def close(self) -> None:
+        """Wait for pending deletions."""
+        self.wait()
+
+    def metrics(self) -> RetentionMetrics:
+        with self._lock:
+            latencies = self._latencies
+            return RetentionMetrics(
+                files_claimed=len(self._claims),
+                files_pending=len(self._doomed),
+                files_live=self._live[0],
+                bytes_live=self._live[1],
+                files_deleted=self._deleted[0],
+                bytes_deleted=self._deleted[1],
+                delete_errors=self._errors,
+                deletion_latency_s_last=latencies[-1] if latencies else 0.0,
+                deletion_latency_s_mean=sum(latencies) / len(latencies) if latencies else 0.0,
+                deletion_latency_s_max=max(latencies, default=0.0),
+            )
+
+    def _schedule(self) -> None:
+        with self._lock:
+            if self._job is not None:
+                self._again = True
+                return
+            self._job = shared_pool().submit(self._drain)
+
+    def _drain(self) -> None:
+        while True:
+            with self._lock:
+                doomed, bound = dict(self._doomed), self._bound
+                self._again = False
+            try:
+                self._work(doomed, bound)
+            except Exception:  # the next call retries; the caller is never blocked or failed
+                logger.exception("payload retention sweep of %s failed", self.root)
+            with self._lock:
+                if not self._again:
+                    self._job = None
+                    return
+
+    def _work(self, doomed: dict[str, float], bound: int) -> None:
+        """One pass: list the root, delete released and discarded files, sweep stale versions."""
+        versions = list_versions(self.root)
+        self._sizes = {name: size for files in versions.values() for name, size in files}
+        gone = {name for name, since in doomed.items() if self._delete(name, since)}
+        for version, files in versions.items():
+            if version < bound:
+                gone.update(name for name, _ in files if name not in gone and self._delete(name))
+                _remove_dir(self.root, version)
+        live = [
+            (name, size) for files in versions.values() for name, size in files if name not in gone
+        ]
+        with self._lock:
+            self._live = (len(live), sum(size for _, size in live))
+
+    def _delete(self, name: str, since: float | None = None) -> bool:
+        """Delete ``name`` unless claimed; True when it is gone."""
+        with self._lock:
+            if name in self._claims:
+                self._doomed.pop(name, None)
+                return False
+        try:
+            self.root.fs.rm_file(self.root.full(name))
+        except FileNotFoundError:
+            pass
+        except Exception as exc:
+            logger.warning("could not delete payload file %s (retried later): %s", name, exc)
+            with self._lock:
+                self._errors += 1
+            return False
+        with self._lock:
+            self._doomed.pop(name, None)
+            self._deleted = (self._deleted[0] + 1, self._deleted[1] + self._sizes.get(name, 0))
+            if since is not None:
+                self._latencies.append(time.monotonic() - since)
+        return True
+
+
+@dataclass(frozen=True)
+class GcReport:
+    """What ``gc`` removed (or, with ``dry_run``, would remove)."""
+
+    root: str
+    bound: int
+    dry_run: bool
+    versions: list[int]
+    files: list[str]
+    bytes: int
+    errors: list[str]
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def gc(
+    root: str,
+    step: int,
+    max_off_policy_steps: int,
+    *,
+    fs: AbstractFileSystem | None = None,
+    dry_run: bool = False,
+) -> GcReport:
+    """Remove versions no batch after ``step`` may use: ``v<k>`` with
+    ``k < min_fresh_version(step + 1, max_off_policy_steps)`` (the retention backstop, offline)."""
+    payload_root = PayloadRoot(root, fs)
+    payload_root.require()
+    bound = min_fresh_version(step + 1, max_off_policy_steps)
+    versions, files, errors, nbytes = [], [], [], 0
+    for version, listed in sorted(list_versions(payload_root).items()):
+        if version >= bound:
+            continue
+        versions.append(version)
+        for name, size in listed:
+            if not dry_run:
+                try:
+                    payload_root.fs.rm_file(payload_root.full(name))
+                except FileNotFoundError:
+                    continue
+                except OSError as exc:
+                    errors.append(f"{name}: {exc}")
+                    continue
+            files.append(name)
+            nbytes += size
+        if not dry_run:
+            _remove_dir(payload_root, version)
+    return GcReport(payload_root.url, bound, dry_run, versions, files, nbytes, errors)

@@ -1,0 +1,183 @@
+"""``PayloadWriter``: publish several fields as one self-describing payload file, atomically."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import posixpath
+import uuid
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+from fsspec import AbstractFileSystem
+
+from r3data.errors import PayloadWriteError, SegmentError
+from r3data.payload.fileformat import FieldEntry, checksum, place_fields
+from r3data.payload.fs import PayloadRoot
+from r3data.payload.ragged import RaggedRows, as_ragged, host_array
+from r3data.payload.segment import INDEX_DTYPE, PayloadSegment
+
+__all__ = ["FieldData", "PayloadWriter", "TEMP_SUFFIX"]
+
+FieldData = np.ndarray | RaggedRows | tuple[Any, Any] | Sequence[Any]
+"""A fixed-width field is an array ``[rows, *row_shape]`` (numpy or CPU torch); a ragged field
+is ``(values, row_lengths)`` (or :class:`RaggedRows`) or a list of 1-D arrays, one per row."""
+
+TEMP_SUFFIX = ".tmp"
+"""Files being written are named ``.<id>.bin.tmp`` next to their final name."""
+
+
+class PayloadWriter:
+    """Writes files ``<root>/v<version>/<id>.bin`` and returns segments that name them.
+
+    A file is never visible under its final name until it is complete: on a local or network
+    (POSIX) filesystem it is written to a temporary name in the same directory, fsynced and
+    renamed, then the directory is fsynced; on any other fsspec filesystem (object stores,
+    ``memory://``) it is uploaded in a single put.
+    """
+
+    def __init__(self, root: str | os.PathLike[str], *, fs: AbstractFileSystem | None = None):
+        self.root = PayloadRoot(root, fs)
+
+    def __repr__(self) -> str:
+        return f"PayloadWriter({self.root})"
+
+    def write(
+        self,
+        version: int,
+        fields: Mapping[str, FieldData],
+        *,
+        pos: int | Mapping[str, int] = 0,
+    ) -> list[PayloadSegment]:
+        """Write ``fields`` (name -> rows) produced by policy ``version``; one segment per field.
+
+        ``pos`` is the first token position of every field, or a mapping with one per field
+        (routes and masks of one request usually start at different positions). Segments carry
+        the CRC-32C of their bytes and name the file relative to the root (``v3/<id>.bin``).
+        """
+        if isinstance(version, bool) or not isinstance(version, (int, np.integer)) or version < 0:
+            raise SegmentError(f"payload version must be an int >= 0, found {version!r}")
+        if not isinstance(fields, Mapping) or not fields:
+            raise SegmentError(
+                f"fields must be a non-empty mapping of name -> rows, found {fields!r:.80}"
+            )
+        file = f"v{int(version)}/{uuid.uuid4().hex}.bin"
+        drafts, buffers = zip(
+            *(_draft(file, name, data, _first_pos(pos, name)) for name, data in fields.items()),
+            strict=True,
+        )
+        header, placed = place_fields(int(version), drafts)
+        parts: list[Any] = [header]
+        cursor = len(header)
+        for entry, field_buffers in zip(placed, buffers, strict=True):
+            for (start, stop), buffer in zip(entry.byte_ranges, field_buffers, strict=True):
+                parts.append(bytes(start - cursor))
+                parts.append(buffer)
+                cursor = stop
+        if self.root.local:
+            self._publish_local(file, parts)
+        else:
+            self._publish_put(file, parts)
+        return [entry.segment for entry in placed]
+
+    def _publish_local(self, file: str, parts: list[Any]) -> None:
+        final = self.root.full(file)
+        directory, name = posixpath.split(final)
+        temp = posixpath.join(directory, f".{name}{TEMP_SUFFIX}")
+        try:
+            created = not os.path.isdir(directory)
+            os.makedirs(directory, exist_ok=True)
+            if created:
+                _fsync_dir(posixpath.dirname(directory))
+            fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
+            try:
+                try:
+                    for part in parts:
+                        _write_all(fd, part)
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+                os.rename(temp, final)
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    os.unlink(temp)
+                raise
+            _fsync_dir(directory)
+        except OSError as exc:
+            raise PayloadWriteError(f"writing payload file {final}: {exc}") from exc
+
+    def _publish_put(self, file: str, parts: list[Any]) -> None:
+        final = self.root.full(file)
+        try:
+            self.root.fs.makedirs(posixpath.dirname(final), exist_ok=True)
+            self.root.fs.pipe_file(final, b"".join(map(_byte_view, parts)))
+        except OSError as exc:
+            raise PayloadWriteError(
+                f"writing payload file {self.root.fs.unstrip_protocol(final)}: {exc}"
+            ) from exc
+
+
+def _first_pos(pos: int | Mapping[str, int], name: str) -> int:
+    if isinstance(pos, Mapping):
+        if name not in pos:
+            raise SegmentError(
+                f"pos must give a first position for field {name!r}, has {sorted(pos)}"
+            )
+        return pos[name]
+    return pos
+
+
+def _draft(file: str, name: str, data: FieldData, pos: int) -> tuple[FieldEntry, list[Any]]:
+    """The field's segment before placement (offsets 0) and the buffers that hold its bytes."""
+    what = f"field {name!r}"
+    if isinstance(data, (tuple, list)):
+        ragged = as_ragged(data, what)
+        index = ragged.offsets.astype(INDEX_DTYPE)
+        segment = PayloadSegment(
+            name,
+            file,
+            0,
+            pos,
+            len(ragged.row_lengths),
+            ragged.values.dtype.name,
+            (),
+            index=0,
+            crc32c=checksum(ragged.values, index),
+        )
+        return FieldEntry(segment, ragged.values.nbytes), [ragged.values, index]
+    array = host_array(data, what)
+    if array.ndim < 1:
+        raise SegmentError(f"{what}: expected rows first (at least 1-D), found a scalar")
+    segment = PayloadSegment(
+        name,
+        file,
+        0,
+        pos,
+        array.shape[0],
+        array.dtype.name,
+        array.shape[1:],
+        crc32c=checksum(array),
+    )
+    return FieldEntry(segment, array.nbytes), [array]
+
+
+def _byte_view(buffer: np.ndarray | bytes) -> memoryview:
+    if isinstance(buffer, np.ndarray):
+        return memoryview(buffer.reshape(-1).view(np.uint8))
+    return memoryview(buffer)
+
+
+def _write_all(fd: int, buffer: np.ndarray | bytes) -> None:
+    view = _byte_view(buffer)
+    while view:
+        view = view[os.write(fd, view) :]
+
+
+def _fsync_dir(directory: str) -> None:
+    """Make a rename or a new entry in ``directory`` durable (where directories can be opened)."""
+    fd = os.open(directory, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

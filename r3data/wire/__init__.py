@@ -1,0 +1,65 @@
+"""Routes and side channels on the wire: envelopes, one-pass body splicing, producer formats.
+
+- :mod:`~r3data.wire.dtypes`: the dtypes allowed on the wire;
+- :mod:`~r3data.wire.envelope`: ``{"data": base64, "shape", "dtype", ...}`` packing;
+- :mod:`~r3data.wire.splice`: parsing a JSON body without turning its blobs into strings;
+- :mod:`~r3data.wire.producers`: vLLM, SGLang, prime-rl and SkyRL response formats;
+- :mod:`~r3data.wire.masks`: CSR sampling masks and per-token floats.
+"""
+
+from r3data.wire.dtypes import ALL_DTYPES, ROUTE_DTYPES, parse_dtype
+from r3data.wire.envelope import compact_routes, decode_base64, pack_ndarray, unpack_ndarray
+from r3data.wire.masks import (
+    MASK_FILL,
+    NEG_INF_SENTINEL,
+    check_csr,
+    csr_to_padded,
+    floats_from_json,
+    floats_to_json,
+    pack_csr,
+    padded_to_csr,
+    unpack_csr,
+)
+from r3data.wire.producers import (
+    OnZero,
+    dense_layers,
+    primerl_routes,
+    primerl_sampling_mask,
+    read_npy,
+    screen_routes,
+    sglang_routes,
+    skyrl_routes,
+    vllm_routes,
+)
+from r3data.wire.rows import InlineRows
+from r3data.wire.splice import load_packed_body
+
+__all__ = [
+    "ALL_DTYPES",
+    "MASK_FILL",
+    "NEG_INF_SENTINEL",
+    "ROUTE_DTYPES",
+    "InlineRows",
+    "OnZero",
+    "check_csr",
+    "compact_routes",
+    "csr_to_padded",
+    "decode_base64",
+    "dense_layers",
+    "floats_from_json",
+    "floats_to_json",
+    "load_packed_body",
+    "pack_csr",
+    "pack_ndarray",
+    "padded_to_csr",
+    "parse_dtype",
+    "primerl_routes",
+    "primerl_sampling_mask",
+    "read_npy",
+    "screen_routes",
+    "sglang_routes",
+    "skyrl_routes",
+    "unpack_csr",
+    "unpack_ndarray",
+    "vllm_routes",
+]

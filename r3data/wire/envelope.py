@@ -1,0 +1,250 @@
+"""Packed-array envelopes: ``{"data": <base64>, "shape": [...], "dtype": name, **sidecar}``.
+
+``data`` is the array's little-endian bytes in C order, base64 with padding (RFC 4648, no line
+breaks), and comes first so a reader can cut the blob out of a raw body before parsing the
+rest (see :mod:`r3data.wire.splice`). Every claim an envelope makes (dtype, shape, byte count)
+is checked against the blob's length before anything sized by the claim is allocated.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import numpy as np
+import pybase64
+
+from r3data.errors import WireFormatError
+from r3data.wire.dtypes import ROUTE_DTYPES, DTypeLike, parse_dtype
+
+__all__ = [
+    "ENVELOPE_KEYS",
+    "array_from_buffer",
+    "compact_routes",
+    "decode_base64",
+    "decoded_length",
+    "envelope_spec",
+    "pack_ndarray",
+    "unpack_ndarray",
+]
+
+#: Keys an envelope reserves; everything else is sidecar.
+ENVELOPE_KEYS = ("data", "shape", "dtype")
+
+_MAX_NDIM = 32  # numpy 1.x limit; nothing on the wire needs more
+_PAD = ord("=")
+
+Base64Data = str | bytes | bytearray | memoryview
+
+
+def _host_array(array: object, what: str) -> np.ndarray:
+    """``array`` as a numpy array on the host (torch tensors from any device are moved)."""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(array, torch.Tensor):
+        if array.dtype == torch.bfloat16:
+            raise WireFormatError(f"{what}: bfloat16 has no numpy dtype; cast the tensor first")
+        return array.detach().resolve_conj().resolve_neg().cpu().contiguous().numpy()
+    if isinstance(array, np.ndarray):
+        return array
+    raise WireFormatError(
+        f"{what}: expected a numpy array or torch tensor, found {type(array).__name__}"
+    )
+
+
+def pack_ndarray(
+    array: Any, *, allowed_dtypes: Iterable[DTypeLike] | None = None, **sidecar: Any
+) -> dict[str, Any]:
+    """Encode ``array`` (numpy, or torch on any device) as an envelope with ``data`` first.
+
+    ``sidecar`` entries are appended after the three reserved keys and may not reuse them.
+    """
+    clash = sorted(set(ENVELOPE_KEYS) & sidecar.keys())
+    if clash:
+        raise WireFormatError(f"pack_ndarray: sidecar keys {clash} collide with {ENVELOPE_KEYS}")
+    host = _host_array(array, "pack_ndarray")
+    if host.dtype.byteorder == ">":
+        host = host.astype(host.dtype.newbyteorder("<"))
+    dtype = parse_dtype(host.dtype, allowed_dtypes)
+    flat = np.ascontiguousarray(host).reshape(-1).view(np.uint8)
+    return {
+        "data": pybase64.b64encode_as_string(flat),
+        "shape": [int(n) for n in host.shape],
+        "dtype": dtype.name,
+        **sidecar,
+    }
+
+
+def _as_base64_buffer(data: object, what: str) -> Base64Data:
+    if isinstance(data, str | bytes | bytearray):
+        return data
+    if isinstance(data, memoryview):
+        try:
+            return data.cast("B")
+        except TypeError as err:
+            raise WireFormatError(f"{what}: base64 buffer is not contiguous ({err})") from None
+    raise WireFormatError(
+        f"{what}: expected base64 as str, bytes, bytearray or memoryview, "
+        f"found {type(data).__name__}"
+    )
+
+
+def decoded_length(data: Base64Data, what: str = "data") -> int:
+    """Bytes that padded base64 ``data`` decodes to, computed from its length alone."""
+    size = len(data)
+    if size % 4:
+        raise WireFormatError(
+            f"{what}: base64 must be padded to a multiple of 4 characters, found {size}"
+        )
+    if size == 0:
+        return 0
+    last, before = data[-1], data[-2]
+    if isinstance(data, str):
+        pad = (last == "=") + (last == "=" and before == "=")
+    else:
+        pad = (last == _PAD) + (last == _PAD and before == _PAD)
+    return size // 4 * 3 - pad
+
+
+def decode_base64(
+    data: object, *, expected_nbytes: int | None = None, what: str = "data"
+) -> bytearray:
+    """Strictly decode padded base64 into a new (writable) ``bytearray``.
+
+    When ``expected_nbytes`` is given, the decoded size (known from the length) must match it
+    before anything is decoded. A ``str`` is decoded in place, never copied to another string.
+    """
+    buffer = _as_base64_buffer(data, what)
+    nbytes = decoded_length(buffer, what)
+    if expected_nbytes is not None and nbytes != expected_nbytes:
+        raise WireFormatError(
+            f"{what}: expected {expected_nbytes} bytes, found base64 of {len(buffer)} "
+            f"characters that decodes to {nbytes} bytes"
+        )
+    try:
+        decoded = pybase64.b64decode_as_bytearray(buffer, validate=True)
+    except (ValueError, TypeError) as err:
+        raise WireFormatError(
+            f"{what}: invalid base64 in {len(buffer)} characters ({err})"
+        ) from None
+    if len(decoded) != nbytes:
+        raise WireFormatError(
+            f"{what}: expected base64 decoding to {nbytes} bytes, found {len(decoded)}"
+        )
+    return decoded
+
+
+def _parse_shape(shape: object, ndim: int | None, what: str) -> tuple[int, ...]:
+    if not isinstance(shape, list | tuple):
+        raise WireFormatError(
+            f"{what}.shape: expected a list of ints, found {type(shape).__name__}"
+        )
+    if len(shape) > _MAX_NDIM or (ndim is not None and len(shape) != ndim):
+        wanted = f"{ndim}" if ndim is not None else f"at most {_MAX_NDIM}"
+        raise WireFormatError(f"{what}.shape: expected {wanted} dimensions, found {len(shape)}")
+    for n in shape:
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise WireFormatError(
+                f"{what}.shape: expected non-negative ints, found {n!r} in {list(shape)!r:.80}"
+            )
+    return tuple(shape)
+
+
+def envelope_spec(
+    envelope: object,
+    *,
+    allowed_dtypes: Iterable[DTypeLike] | None = None,
+    ndim: int | None = None,
+    what: str = "envelope",
+) -> tuple[np.dtype, tuple[int, ...], dict[str, Any]]:
+    """Check an envelope's keys, dtype and shape; return ``(dtype, shape, sidecar)``."""
+    if not isinstance(envelope, Mapping):
+        raise WireFormatError(
+            f"{what}: expected an object with {list(ENVELOPE_KEYS)}, "
+            f"found {type(envelope).__name__}"
+        )
+    missing = [key for key in ENVELOPE_KEYS if key not in envelope]
+    if missing:
+        raise WireFormatError(f"{what}: missing {missing}, found keys {list(envelope)[:8]}")
+    dtype = parse_dtype(envelope["dtype"], allowed_dtypes)
+    shape = _parse_shape(envelope["shape"], ndim, what)
+    sidecar = {key: value for key, value in envelope.items() if key not in ENVELOPE_KEYS}
+    return dtype, shape, sidecar
+
+
+def array_from_buffer(
+    buffer: bytes | bytearray | memoryview,
+    dtype: np.dtype,
+    shape: tuple[int, ...],
+    *,
+    what: str = "data",
+) -> np.ndarray:
+    """View decoded bytes as an array of ``shape`` and ``dtype``; the sizes must agree."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    if len(buffer) != nbytes:
+        raise WireFormatError(
+            f"{what}: expected {nbytes} bytes for shape {list(shape)} of {dtype.name}, "
+            f"found {len(buffer)} decoded bytes"
+        )
+    return np.frombuffer(buffer, dtype=dtype).reshape(shape)
+
+
+def unpack_ndarray(
+    envelope: object,
+    *,
+    allowed_dtypes: Iterable[DTypeLike] | None = None,
+    ndim: int | None = None,
+    what: str = "envelope",
+) -> tuple[np.ndarray, dict[str, Any]]:
+    """Decode an envelope into ``(array, sidecar)``.
+
+    ``data`` may be a ``str``, ``bytes``, ``bytearray`` or ``memoryview`` of base64, or the
+    array :func:`~r3data.wire.splice.load_packed_body` already decoded (checked against
+    ``shape`` and ``dtype``, not copied). A decoded array is writable and owns its buffer;
+    ``sidecar`` holds every key but the reserved three.
+    """
+    dtype, shape, sidecar = envelope_spec(
+        envelope, allowed_dtypes=allowed_dtypes, ndim=ndim, what=what
+    )
+    data = envelope["data"]
+    if isinstance(data, np.ndarray):
+        if data.dtype != dtype or data.shape != shape:
+            raise WireFormatError(
+                f"{what}.data: expected an array of shape {list(shape)} and {dtype.name}, "
+                f"found {list(data.shape)} and {data.dtype}"
+            )
+        return data, sidecar
+    where = f"{what}.data (shape {list(shape)}, {dtype.name})"
+    decoded = decode_base64(data, expected_nbytes=math.prod(shape) * dtype.itemsize, what=where)
+    return array_from_buffer(decoded, dtype, shape, what=where), sidecar
+
+
+def compact_routes(array: Any) -> np.ndarray:
+    """Routes ``[rows, layers, topk]`` in the smallest dtype holding their largest expert id.
+
+    uint8 up to 255, uint16 up to 65535, else int32; negative ids are rejected. Returns the
+    input itself when it already has that dtype.
+    """
+    routes = _host_array(array, "compact_routes")
+    if routes.ndim != 3:
+        raise WireFormatError(
+            f"compact_routes: expected [rows, layers, topk], found shape {routes.shape}"
+        )
+    if routes.dtype.kind not in "iu":
+        raise WireFormatError(f"compact_routes: expected integer ids, found {routes.dtype}")
+    if routes.size == 0:
+        return routes.astype(ROUTE_DTYPES[0], copy=False)
+    if routes.dtype.kind == "i" and (low := int(routes.min())) < 0:
+        row, layer, slot = np.unravel_index(int(routes.argmin()), routes.shape)
+        raise WireFormatError(
+            f"compact_routes: expected expert ids >= 0, found {low} at row {row}, "
+            f"layer {layer}, slot {slot}"
+        )
+    high = int(routes.max())
+    for dtype in ROUTE_DTYPES[:3]:
+        if high <= np.iinfo(dtype).max:
+            return routes.astype(dtype, copy=False)
+    raise WireFormatError(
+        f"compact_routes: expected expert ids <= {np.iinfo(np.int32).max}, found {high}"
+    )

@@ -1,0 +1,172 @@
+"""Per-token side channels: ragged sampling masks (CSR) and float values such as logprobs.
+
+A sampling mask gives, for each completion token, the set of token ids the sampler kept
+(after top-k/top-p/min-p). On the wire it is CSR, ``{"ids": <int32 envelope>, "counts":
+<int32 envelope>}`` with ``counts[i]`` the size of token i's set and ``ids`` every set back
+to back. Token-aligned batches want one row per token, so the padded form is ``[tokens,
+widest]`` int32 with each row's ids first and :data:`MASK_FILL` (-1) after them.
+
+Per-token floats travel as float32 envelopes, where -inf is an ordinary IEEE value. JSON
+number lists cannot hold -inf (``json`` writes the non-standard ``-Infinity``; orjson and
+JavaScript write ``null``), so :func:`floats_to_json` writes :data:`NEG_INF_SENTINEL`, the
+most negative float32, instead; :func:`floats_from_json` reads it, anything below it, and
+``null`` back as -inf.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from r3data.errors import WireFormatError
+from r3data.wire.envelope import pack_ndarray, unpack_ndarray
+
+__all__ = [
+    "DEFAULT_MAX_ELEMENTS",
+    "MASK_FILL",
+    "NEG_INF_SENTINEL",
+    "check_csr",
+    "csr_to_padded",
+    "floats_from_json",
+    "floats_to_json",
+    "pack_csr",
+    "padded_to_csr",
+    "unpack_csr",
+]
+
+#: Padding of a padded mask row after its kept ids.
+MASK_FILL = -1
+
+#: Largest padded mask (cells) built unless the caller raises it: 1 GiB of int32.
+DEFAULT_MAX_ELEMENTS = 1 << 28
+
+#: What -inf becomes in a JSON list of floats: the most negative float32 (exact in float64).
+NEG_INF_SENTINEL = float(np.finfo(np.float32).min)
+
+_INT32_MAX = int(np.iinfo(np.int32).max)
+
+
+def _int_vector(values: Any, what: str) -> np.ndarray:
+    array = np.asarray(values)
+    if array.ndim != 1 or (array.size and array.dtype.kind not in "iu"):
+        raise WireFormatError(
+            f"{what}: expected a 1-D integer array, found shape {array.shape} of {array.dtype}"
+        )
+    return array
+
+
+def check_csr(ids: Any, counts: Any, *, what: str = "mask") -> tuple[np.ndarray, np.ndarray]:
+    """Validate a CSR mask; return ``(ids, counts)`` as int32 arrays."""
+    ids = _int_vector(ids, f"{what}.ids")
+    counts = _int_vector(counts, f"{what}.counts")
+    if counts.size and int(counts.min()) < 0:
+        raise WireFormatError(
+            f"{what}.counts: expected sizes >= 0, found {int(counts.min())} at token "
+            f"{int(counts.argmin())}"
+        )
+    total = int(counts.sum(dtype=np.int64))
+    if total != ids.size:
+        raise WireFormatError(
+            f"{what}: expected len(ids) == sum(counts) == {total}, found {ids.size} ids"
+        )
+    if ids.size and (int(ids.min()) < 0 or int(ids.max()) > _INT32_MAX):
+        raise WireFormatError(
+            f"{what}.ids: expected token ids in [0, {_INT32_MAX}], found "
+            f"[{int(ids.min())}, {int(ids.max())}]"
+        )
+    return ids.astype(np.int32, copy=False), counts.astype(np.int32, copy=False)
+
+
+def csr_to_padded(
+    ids: Any, counts: Any, *, max_elements: int = DEFAULT_MAX_ELEMENTS, what: str = "mask"
+) -> np.ndarray:
+    """CSR mask -> ``[tokens, widest]`` int32, each row's ids first, then :data:`MASK_FILL`.
+
+    Raises :class:`WireFormatError` before allocating when ``tokens * widest`` exceeds
+    ``max_elements``.
+    """
+    ids, counts = check_csr(ids, counts, what=what)
+    widest = int(counts.max()) if counts.size else 0
+    if counts.size * widest > max_elements:
+        raise WireFormatError(
+            f"{what}: padded form [{counts.size}, {widest}] exceeds {max_elements} elements"
+        )
+    padded = np.full((counts.size, widest), MASK_FILL, dtype=np.int32)
+    padded[np.arange(widest) < counts[:, None]] = ids
+    return padded
+
+
+def padded_to_csr(padded: Any, *, what: str = "mask") -> tuple[np.ndarray, np.ndarray]:
+    """``[tokens, widest]`` mask padded with :data:`MASK_FILL` -> CSR ``(ids, counts)`` int32."""
+    array = np.asarray(padded)
+    if array.ndim != 2 or (array.size and array.dtype.kind not in "iu"):
+        raise WireFormatError(
+            f"{what}: expected a [tokens, widest] integer array, found shape {array.shape} "
+            f"of {array.dtype}"
+        )
+    kept = array != MASK_FILL
+    counts = kept.sum(axis=1, dtype=np.int32)
+    holes = kept != (np.arange(array.shape[1]) < counts[:, None])
+    if holes.any():
+        row = int(holes.any(axis=1).argmax())
+        raise WireFormatError(
+            f"{what}: row {row} has {MASK_FILL} before a kept id; padding must come last"
+        )
+    ids = array[kept]
+    if ids.size and (int(ids.min()) < 0 or int(ids.max()) > _INT32_MAX):
+        raise WireFormatError(
+            f"{what}: expected token ids in [0, {_INT32_MAX}] or {MASK_FILL}, found "
+            f"[{int(ids.min())}, {int(ids.max())}]"
+        )
+    return ids.astype(np.int32, copy=False), counts
+
+
+def pack_csr(ids: Any, counts: Any, *, what: str = "mask") -> dict[str, dict[str, Any]]:
+    """CSR mask -> ``{"ids": <int32 envelope>, "counts": <int32 envelope>}``."""
+    ids, counts = check_csr(ids, counts, what=what)
+    return {"ids": pack_ndarray(ids), "counts": pack_ndarray(counts)}
+
+
+def unpack_csr(mask: object, *, what: str = "mask") -> tuple[np.ndarray, np.ndarray]:
+    """``{"ids": <envelope>, "counts": <envelope>}`` (encoded or spliced) -> ``(ids, counts)``."""
+    if not isinstance(mask, Mapping) or "ids" not in mask or "counts" not in mask:
+        found = list(mask)[:8] if isinstance(mask, Mapping) else type(mask).__name__
+        raise WireFormatError(f"{what}: expected an object with 'ids' and 'counts', found {found}")
+    ids, _ = unpack_ndarray(mask["ids"], allowed_dtypes=("int32",), ndim=1, what=f"{what}.ids")
+    counts, _ = unpack_ndarray(
+        mask["counts"], allowed_dtypes=("int32",), ndim=1, what=f"{what}.counts"
+    )
+    return check_csr(ids, counts, what=what)
+
+
+def floats_to_json(values: Any, *, what: str = "floats") -> list[float]:
+    """1-D floats -> a JSON-safe list, -inf written as :data:`NEG_INF_SENTINEL`.
+
+    NaN and +inf have no JSON form and raise :class:`WireFormatError`.
+    """
+    array = np.asarray(values, dtype=np.float64)
+    if array.ndim != 1:
+        raise WireFormatError(f"{what}: expected a 1-D array, found shape {array.shape}")
+    bad = np.isnan(array) | np.isposinf(array)
+    if bad.any():
+        index = int(bad.argmax())
+        raise WireFormatError(
+            f"{what}: expected finite values or -inf, found {array[index]} at token {index}"
+        )
+    return np.where(np.isneginf(array), NEG_INF_SENTINEL, array).tolist()
+
+
+def floats_from_json(
+    values: Sequence[float | None], *, dtype: Any = np.float32, what: str = "floats"
+) -> np.ndarray:
+    """A JSON list of floats -> 1-D array; the sentinel, anything below it and null -> -inf."""
+    try:
+        array = np.asarray(values, dtype=np.float64)
+    except (TypeError, ValueError) as err:
+        raise WireFormatError(f"{what}: expected a list of numbers or null ({err})") from None
+    if array.ndim != 1:
+        raise WireFormatError(f"{what}: expected a flat list, found shape {array.shape}")
+    array[np.isnan(array) | (array <= NEG_INF_SENTINEL)] = -np.inf
+    return array.astype(dtype)

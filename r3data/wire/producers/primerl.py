@@ -1,0 +1,154 @@
+"""prime-rl: inline route envelopes and CSR sampling masks per choice.
+
+The format (DESIGN.md, "Facts the formats must honour"):
+
+- routes inline: ``choices[i].routed_experts = {"data": base64, "shape": [rows, layers,
+  topk], "start": int, "dtype": "uint8" | "uint16"}``. Routes are anchored at the end: they
+  cover ``[prompt_len + completion_len - 1 - rows, prompt_len + completion_len - 1)``, and
+  ``start`` names the first of those positions.
+- sampling masks: ``choices[i].sampling_mask = {"ids": <int32 envelope>, "counts": <int32
+  envelope>}``; ``counts[i]`` is the kept-set size of completion token i, whose position is
+  ``prompt_len + i``.
+- by handle, a choice carries ``payload: [segment, ...]`` instead; those are read by
+  :mod:`r3data.payload`, not here.
+
+Parse a raw body once for both fields with ``load_packed_body(raw, ("routed_experts",
+"sampling_mask"))`` and pass the result to both functions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from r3data.errors import ConfigError, EngineRoutesError, WireFormatError
+from r3data.wire.dtypes import ROUTE_DTYPES
+from r3data.wire.envelope import unpack_ndarray
+from r3data.wire.masks import DEFAULT_MAX_ELEMENTS, csr_to_padded, unpack_csr
+from r3data.wire.producers.common import (
+    OnZero,
+    choice_token_lengths,
+    optional_position,
+    parse_response,
+    screen_routes,
+    select_choices,
+)
+from r3data.wire.rows import InlineRows
+
+__all__ = ["primerl_routes", "primerl_sampling_mask"]
+
+
+def _lengths(
+    parsed: Mapping[str, Any],
+    entry: Mapping[str, Any],
+    prompt_len: int | None,
+    completion_len: int | None,
+) -> tuple[int | None, int | None]:
+    found_prompt, found_completion = choice_token_lengths(parsed, entry)
+    return (
+        found_prompt if prompt_len is None else prompt_len,
+        found_completion if completion_len is None else completion_len,
+    )
+
+
+def _field_value(entry: Mapping[str, Any], field: str, what: str) -> Any:
+    value = entry.get(field)
+    if value is None and entry.get("payload") is not None:
+        raise WireFormatError(
+            f"{what}: rows travel by handle ('payload' segments); read them with r3data.payload"
+        )
+    if value is None:
+        raise WireFormatError(f"{what}: missing (null or absent)")
+    return value
+
+
+def primerl_routes(
+    response: Any,
+    *,
+    choice: int | None = None,
+    prompt_len: int | None = None,
+    completion_len: int | None = None,
+    on_zero: OnZero = "raise",
+    field: str = "routed_experts",
+) -> list[InlineRows]:
+    """Inline routes of each choice (or of ``choice``) of a prime-rl response.
+
+    Positions come from the end anchor when the prompt and completion lengths are known
+    (arguments, else the choice's token id lists); the envelope's ``start`` must then agree.
+    Without them, ``start`` alone places the rows.
+    """
+    prompt_arg = optional_position(prompt_len, "prompt_len", ConfigError)
+    completion_arg = optional_position(completion_len, "completion_len", ConfigError)
+    parsed = parse_response(response, (field,))
+    out = []
+    for index, entry in select_choices(parsed, choice, "prime-rl response"):
+        what = f"prime-rl choices[{index}].{field}"
+        routes, sidecar = unpack_ndarray(
+            _field_value(entry, field, what), allowed_dtypes=ROUTE_DTYPES, ndim=3, what=what
+        )
+        start = optional_position(sidecar.get("start"), f"{what}.start", WireFormatError)
+        prompt, completion = _lengths(parsed, entry, prompt_arg, completion_arg)
+        if prompt is not None and completion is not None:
+            anchored = prompt + completion - 1 - routes.shape[0]
+            if anchored < 0 or (start is not None and start != anchored):
+                raise EngineRoutesError(
+                    f"{what}: {routes.shape[0]} rows ending at prompt {prompt} + completion "
+                    f"{completion} - 1 start at {anchored}, but the envelope says start {start}"
+                )
+            start = anchored
+        if start is None:
+            raise WireFormatError(
+                f"{what}: cannot place the rows: no 'start' and no prompt/completion lengths"
+            )
+        keep, dense = screen_routes(routes, on_zero, what)
+        if keep:
+            meta = {
+                "producer": "prime-rl",
+                "choice": index,
+                "prompt_len": prompt,
+                "completion_len": completion,
+                "dense_layers": dense,
+            }
+            out.append(InlineRows(field, routes, start, meta))
+    return out
+
+
+def primerl_sampling_mask(
+    response: Any,
+    *,
+    choice: int | None = None,
+    prompt_len: int | None = None,
+    completion_len: int | None = None,
+    max_elements: int = DEFAULT_MAX_ELEMENTS,
+    field: str = "sampling_mask",
+) -> list[InlineRows]:
+    """Sampling masks of each choice (or of ``choice``), padded ``[completion, widest]``.
+
+    Row i is completion token i at position ``prompt_len + i``; the prompt length is
+    required (argument, else the token id lists). ``meta["widest"]`` is the largest set.
+    """
+    prompt_arg = optional_position(prompt_len, "prompt_len", ConfigError)
+    completion_arg = optional_position(completion_len, "completion_len", ConfigError)
+    parsed = parse_response(response, (field,))
+    out = []
+    for index, entry in select_choices(parsed, choice, "prime-rl response"):
+        what = f"prime-rl choices[{index}].{field}"
+        ids, counts = unpack_csr(_field_value(entry, field, what), what=what)
+        prompt, completion = _lengths(parsed, entry, prompt_arg, completion_arg)
+        if prompt is None:
+            raise WireFormatError(f"{what}: cannot place the mask rows without the prompt length")
+        if completion is not None and counts.size != completion:
+            raise WireFormatError(
+                f"{what}: expected one kept-set size per completion token ({completion}), "
+                f"found {counts.size}"
+            )
+        padded = csr_to_padded(ids, counts, max_elements=max_elements, what=what)
+        meta = {
+            "producer": "prime-rl",
+            "choice": index,
+            "prompt_len": prompt,
+            "completion_len": counts.size,
+            "widest": padded.shape[1],
+        }
+        out.append(InlineRows(field, padded, prompt, meta))
+    return out

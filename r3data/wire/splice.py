@@ -1,0 +1,356 @@
+"""Parse a JSON body whose big base64 blobs never become Python strings.
+
+A response carrying routes is mostly base64 (a 120 MiB body can hold 90 MiB of routes).
+``orjson.loads`` on it would build one huge ``str`` per blob, then decoding copies it again.
+:func:`load_packed_body` instead finds every registered field's blob in the raw bytes and
+decodes it at once (while it is still in cache) into its final buffer, parses the body with
+each blob replaced by an integer placeholder (a per-call random 16-digit base plus the blob's
+index, so no value in the body can pass for one), then checks every decoded blob against the
+shape and dtype its envelope claims. Nothing is sized by a claim: the decoded blobs are 3/4 of
+their base64, and the spliced copy is the rest of the body.
+
+What a registered field's value may be:
+
+- ``null``: left as ``None``;
+- a bare base64 string (vLLM's ``.npy`` file, SGLang's flat int32): becomes the decoded
+  ``bytearray``, for the producer to interpret;
+- an envelope ``{"data": "<base64>", "shape": [...], "dtype": name, ...sidecar}`` with
+  ``data`` first: stays a dict whose ``data`` is the decoded, writable ``np.ndarray``;
+- a group of envelopes such as a CSR mask ``{"ids": <envelope>, "counts": <envelope>}``
+  (the first member's value is an object or null): each member envelope is decoded as above.
+
+Registered keys are found by one regular-expression pass over the bytes outside the blobs,
+however many fields are registered. A key counts only where JSON allows a key (after ``{`` or
+``,``), so a string value that mentions a field, a key that merely ends with a field's name,
+or an escaped quote never matches. Registered keys nested inside a registered value (an
+envelope's sidecar) are left as parsed, and so is the value of a key written with escapes
+(``"routed\\u005fexperts"``), which the byte scan does not see.
+
+What cannot be spliced raises :class:`~r3data.errors.WireFormatError` naming the field and
+byte offset: an envelope without ``data`` first, an unterminated blob, a blob with escapes
+(``\\/``), invalid base64, invalid JSON, or a shape or dtype its blob does not match. These
+are deterministic; only the transport that produced the bytes is worth retrying.
+"""
+
+from __future__ import annotations
+
+import bisect
+import mmap
+import re
+import secrets
+from collections.abc import Iterable
+from functools import lru_cache
+from typing import Any, NamedTuple
+
+import orjson
+
+from r3data.errors import ConfigError, WireFormatError
+from r3data.wire.dtypes import DTypeLike
+from r3data.wire.envelope import array_from_buffer, decode_base64, envelope_spec
+
+__all__ = ["load_packed_body"]
+
+_WHITESPACE = b" \t\r\n"
+_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
+_TOKEN = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"|[\[{]|[\]}]|[^"\[\]{}]+', re.DOTALL)
+_OPENERS = b"[{"
+_CONTAINERS = frozenset({dict, list})
+
+
+class _Blob(NamedTuple):
+    """The base64 blob of ``field`` at ``raw[start:end]`` (between quotes), decoded."""
+
+    field: str
+    start: int
+    end: int
+    decoded: bytearray
+
+
+@lru_cache(maxsize=64)
+def _key_pattern(fields: tuple[str, ...]) -> re.Pattern[bytes]:
+    names = []
+    for name in fields:
+        if not isinstance(name, str) or not name or orjson.dumps(name)[1:-1] != name.encode():
+            raise ConfigError(
+                f"load_packed_body fields: expected non-empty names that JSON writes without "
+                f"escapes, found {name!r}"
+            )
+        names.append(re.escape(name.encode()))
+    names.sort(key=len, reverse=True)
+    return re.compile(rb'"(' + b"|".join(names) + rb')"[ \t\r\n]*:[ \t\r\n]*')
+
+
+def _skip_whitespace(raw: bytes, pos: int) -> int:
+    while pos < len(raw) and raw[pos] in _WHITESPACE:
+        pos += 1
+    return pos
+
+
+def _is_key_position(raw: bytes, quote: int) -> bool:
+    """True when the quote at ``quote`` follows ``{`` or ``,`` (whitespace aside)."""
+    pos = quote - 1
+    while pos >= 0 and raw[pos] in _WHITESPACE:
+        pos -= 1
+    return pos >= 0 and raw[pos] in b"{,"
+
+
+def _found(raw: bytes, pos: int) -> str:
+    return repr(bytes(raw[pos : pos + 24])) if pos < len(raw) else "end of body"
+
+
+class _Scanner:
+    """Finds the blobs of registered fields in ``raw`` (see the module docstring)."""
+
+    def __init__(self, raw: bytes, pattern: re.Pattern[bytes]) -> None:
+        self.raw = raw
+        self.pattern = pattern
+        self.blobs: list[_Blob] = []
+
+    def scan(self) -> list[_Blob]:
+        pos = 0
+        with memoryview(self.raw) as self.view:
+            while (match := self.pattern.search(self.raw, pos)) is not None:
+                if _is_key_position(self.raw, match.start()):
+                    pos = self._value(match.group(1).decode(), match.end())
+                else:
+                    pos = match.start() + 1
+        return self.blobs
+
+    def _blob(self, field: str, quote: int) -> int:
+        end = self.raw.find(b'"', quote + 1)
+        if end < 0:
+            raise WireFormatError(
+                f"field {field!r}: unterminated base64 string starting at byte {quote} "
+                f"of a {len(self.raw)}-byte body"
+            )
+        decoded = decode_base64(
+            self.view[quote + 1 : end], what=f"field {field!r} base64 string at byte {quote}"
+        )
+        self.blobs.append(_Blob(field, quote + 1, end, decoded))
+        return end + 1
+
+    def _value(self, field: str, pos: int) -> int:
+        head = self.raw[pos : pos + 1]
+        if head == b'"':
+            return self._blob(field, pos)
+        if head == b"{":
+            return self._object(field, pos)
+        if self.raw[pos : pos + 4] == b"null":
+            return pos + 4
+        raise WireFormatError(
+            f"field {field!r} at byte {pos}: expected a base64 string, an envelope object or "
+            f"null, found {_found(self.raw, pos)}"
+        )
+
+    def _key(self, field: str, pos: int) -> tuple[bytes | None, int]:
+        """Read ``"key":`` at ``pos``; ``(None, pos)`` at a closing brace."""
+        pos = _skip_whitespace(self.raw, pos)
+        if self.raw[pos : pos + 1] == b"}":
+            return None, pos
+        match = _STRING.match(self.raw, pos)
+        if match is None:
+            raise WireFormatError(
+                f"field {field!r} at byte {pos}: expected a key, found {_found(self.raw, pos)}"
+            )
+        colon = _skip_whitespace(self.raw, match.end())
+        if self.raw[colon : colon + 1] != b":":
+            raise WireFormatError(
+                f"field {field!r} at byte {colon}: expected ':', found {_found(self.raw, colon)}"
+            )
+        return match.group(), _skip_whitespace(self.raw, colon + 1)
+
+    def _object(self, field: str, brace: int) -> int:
+        key, pos = self._key(field, brace + 1)
+        if key == b'"data"':
+            return self._envelope_rest(field, pos)
+        if key is not None and (
+            self.raw[pos : pos + 1] == b"{" or self.raw[pos : pos + 4] == b"null"
+        ):
+            return self._group(field, key, pos)
+        raise WireFormatError(
+            f"field {field!r} at byte {brace}: expected an envelope with 'data' as its first "
+            f"key (or an object of envelopes), found "
+            f"{'an empty object' if key is None else 'first key ' + key.decode(errors='replace')}"
+        )
+
+    def _envelope_rest(self, field: str, pos: int) -> int:
+        """Splice the blob at ``pos`` (after ``"data":``) and skip the rest of its envelope."""
+        if self.raw[pos : pos + 1] != b'"':
+            raise WireFormatError(
+                f"field {field!r} at byte {pos}: expected 'data' to be a base64 string, "
+                f"found {_found(self.raw, pos)}"
+            )
+        return self._close(field, self._blob(field, pos))
+
+    def _group(self, field: str, key: bytes, pos: int) -> int:
+        while True:
+            member = f"{field}.{key.decode(errors='replace')[1:-1]}"
+            if self.raw[pos : pos + 4] == b"null":
+                pos += 4
+            elif (
+                self.raw[pos : pos + 1] == b"{"
+                and (inner := self._key(member, pos + 1))[0] == b'"data"'
+            ):
+                pos = self._envelope_rest(member, inner[1])
+            else:
+                raise WireFormatError(
+                    f"field {member!r} at byte {pos}: expected an envelope with 'data' first "
+                    f"or null, found {_found(self.raw, pos)}"
+                )
+            pos = _skip_whitespace(self.raw, pos)
+            if self.raw[pos : pos + 1] == b"}":
+                return pos + 1
+            if self.raw[pos : pos + 1] != b",":
+                raise WireFormatError(
+                    f"field {field!r} at byte {pos}: expected ',' or '}}' between envelopes, "
+                    f"found {_found(self.raw, pos)}"
+                )
+            key, pos = self._key(field, pos + 1)
+            if key is None:
+                raise WireFormatError(f"field {field!r} at byte {pos}: trailing ',' in object")
+
+    def _close(self, field: str, pos: int) -> int:
+        """Skip to just past the ``}`` closing the object that ``pos`` is inside."""
+        depth = 1
+        while depth:
+            match = _TOKEN.match(self.raw, pos)
+            if match is None:
+                raise WireFormatError(
+                    f"field {field!r}: unterminated envelope, found {_found(self.raw, pos)} "
+                    f"at byte {pos}"
+                )
+            head = self.raw[pos]
+            if head in _OPENERS:
+                depth += 1
+            elif head in b"]}":
+                depth -= 1
+            pos = match.end()
+        return pos
+
+
+def _splice(raw: bytes, blobs: list[_Blob], base: int) -> tuple[bytes, list[int], list[int]]:
+    """The body with blob ``i`` (quotes included) replaced by ``base + i``, plus an offset
+    map from the spliced body back to ``raw``."""
+    parts: list[bytes | memoryview] = []
+    spliced_at: list[int] = []
+    raw_at: list[int] = []
+    size = prev = 0
+    with memoryview(raw) as view:
+        for index, blob in enumerate(blobs):
+            spliced_at.append(size)
+            raw_at.append(prev)
+            parts.append(view[prev : blob.start - 1])
+            placeholder = b"%d" % (base + index)
+            parts.append(placeholder)
+            size += blob.start - 1 - prev + len(placeholder)
+            prev = blob.end + 1
+        spliced_at.append(size)
+        raw_at.append(prev)
+        parts.append(view[prev:])
+        spliced = b"".join(parts)
+        parts.clear()
+    return spliced, spliced_at, raw_at
+
+
+def _parse(raw: bytes, blobs: list[_Blob], base: int) -> Any:
+    spliced, spliced_at, raw_at = _splice(raw, blobs, base)
+    try:
+        return orjson.loads(spliced)
+    except orjson.JSONDecodeError as err:
+        part = bisect.bisect_right(spliced_at, err.pos) - 1
+        offset = raw_at[part] + err.pos - spliced_at[part]
+        raise WireFormatError(
+            f"body: invalid JSON near byte {offset} of {len(raw)} ({err.msg})"
+        ) from None
+
+
+class _Resolver:
+    """Puts every decoded blob where its placeholder landed, each exactly once."""
+
+    def __init__(self, blobs: list[_Blob], base: int, allowed: Iterable[DTypeLike] | None) -> None:
+        self.blobs = blobs
+        self.base = base
+        self.allowed = allowed
+        self.claimed = bytearray(len(blobs))
+        self.unclaimed = len(blobs)
+
+    def _claim(self, value: object) -> _Blob | None:
+        """The blob whose placeholder ``value`` is, claimed; ``None`` for any other value."""
+        index = value - self.base if type(value) is int else -1
+        if not 0 <= index < len(self.blobs) or self.claimed[index]:
+            return None
+        self.claimed[index] = 1
+        self.unclaimed -= 1
+        return self.blobs[index]
+
+    def _envelope(self, envelope: object) -> bool:
+        """Decode ``envelope`` if it is a spliced one; ``False`` if not."""
+        if type(envelope) is not dict or (blob := self._claim(envelope.get("data"))) is None:
+            return False
+        what = f"field {blob.field!r} envelope at byte {blob.start - 1}"
+        dtype, shape, _ = envelope_spec(envelope, allowed_dtypes=self.allowed, what=what)
+        envelope["data"] = array_from_buffer(blob.decoded, dtype, shape, what=what)
+        return True
+
+    def _resolve(self, node: dict[str, Any], field: str) -> None:
+        value = node[field]
+        if (blob := self._claim(value)) is not None:
+            node[field] = blob.decoded
+        elif type(value) is dict and not self._envelope(value):
+            for member in value.values():
+                self._envelope(member)
+
+    def walk(self, root: Any, fields: frozenset[str]) -> None:
+        """Resolve the registered keys in ``root``, objects before lists, stopping once every
+        blob is placed (so long lists of numbers are usually never visited)."""
+        objects = [root] if type(root) is dict else []
+        lists = [root] if type(root) is list else []
+        while self.unclaimed and (objects or lists):
+            if objects:
+                node = objects.pop()
+                for key, value in node.items():
+                    if key in fields:
+                        self._resolve(node, key)
+                    elif type(value) is dict:
+                        objects.append(value)
+                    elif type(value) is list:
+                        lists.append(value)
+            else:
+                items = lists.pop()
+                if not _CONTAINERS.isdisjoint(map(type, items)):
+                    objects.extend(item for item in items if type(item) is dict)
+                    lists.extend(item for item in items if type(item) is list)
+        if self.unclaimed:
+            lost = self.blobs[self.claimed.index(0)]
+            raise WireFormatError(
+                f"field {lost.field!r}: blob at byte {lost.start - 1} is missing from the "
+                f"parsed body (duplicate key?)"
+            )
+
+
+def load_packed_body(
+    raw: bytes | bytearray | memoryview | mmap.mmap,
+    fields: Iterable[str] = ("routed_experts",),
+    *,
+    allowed_dtypes: Iterable[DTypeLike] | None = None,
+) -> Any:
+    """Parse JSON ``raw`` with every ``fields`` value decoded in one pass (see module doc).
+
+    ``allowed_dtypes`` narrows the dtypes envelopes may use (default: any wire dtype). A
+    ``memoryview`` is copied once to ``bytes``; pass ``bytes``, ``bytearray`` or ``mmap``
+    to avoid that.
+    """
+    if isinstance(raw, memoryview):
+        raw = raw.tobytes()
+    if not isinstance(raw, bytes | bytearray | mmap.mmap):
+        raise WireFormatError(
+            f"body: expected bytes, bytearray, memoryview or mmap, found {type(raw).__name__}"
+        )
+    names = tuple(fields)
+    if not names:
+        raise ConfigError("load_packed_body fields: expected at least one field name")
+    blobs = _Scanner(raw, _key_pattern(names)).scan()
+    base = secrets.randbelow(9 * 10**15) + 10**15
+    root = _parse(raw, blobs, base)
+    _Resolver(blobs, base, allowed_dtypes).walk(root, frozenset(names))
+    return root

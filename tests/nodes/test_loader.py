@@ -1,0 +1,282 @@
+"""r3data.loader end to end: inline and by-handle samples against a naive reference."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import DataLoader
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+from r3data import TensorBatch, loader
+from r3data.errors import PayloadNotFoundError, PayloadReadError, TraceError
+from r3data.nodes import RolloutDataset
+from r3data.payload import PayloadRetention, PayloadWriter
+from r3data.wire import InlineRows, pack_ndarray
+
+LAYERS, TOPK, EXPERTS = 3, 2, 40
+
+
+def make_rollouts(rng: np.random.Generator, count: int, root=None, version: int = 0):
+    """Multi-turn samples with engine routes; half inline, half by handle when ``root`` is given.
+
+    Returns the samples and, per sample, the naive expected routes ``[sample_len, L, K]``
+    and valid mask.
+    """
+    writer = PayloadWriter(root) if root is not None else None
+    samples, expected = [], []
+    for i in range(count):
+        turns = int(rng.integers(1, 4))
+        tokens = 0
+        requests = []
+        engine = {}
+        for _ in range(turns):
+            prompt_len = tokens + int(rng.integers(1, 6))
+            completion_len = int(rng.integers(1, 8))
+            forwarded = prompt_len + completion_len - 1
+            rows = rng.integers(0, EXPERTS, (forwarded, LAYERS, TOPK)).astype(np.uint8)
+            for p in range(forwarded):
+                engine[p] = rows[p]
+            if writer is not None and i % 2:
+                source = writer.write(version, {"routed_experts": rows}, pos=0)[0].to_dict()
+            elif i % 3 == 0:
+                source = {
+                    "producer": "prime-rl",
+                    "response": {"choices": [{"routed_experts": pack_ndarray(rows, start=0)}]},
+                }
+            else:
+                source = InlineRows("routed_experts", rows, 0)
+            requests.append(
+                {"prompt_len": prompt_len, "completion_len": completion_len, "sources": [source]}
+            )
+            tokens = prompt_len + completion_len
+        token_ids = rng.integers(0, 1000, tokens)
+        samples.append(
+            {
+                "id": f"s{i}",
+                "token_ids": token_ids,
+                "loss_mask": rng.integers(0, 2, tokens).astype(bool),
+                "logprobs": rng.normal(size=tokens).astype(np.float32),
+                "requests": requests,
+            }
+        )
+        routes = np.stack([engine.get(p, engine[tokens - 2]) for p in range(tokens)])
+        valid = np.array([p in engine for p in range(tokens)])
+        expected.append((routes, valid))
+    return samples, expected
+
+
+def check_batch(batch: TensorBatch, samples, expected, first: int) -> None:
+    for b in range(batch.batch_size):
+        sample = samples[first + b]
+        routes, valid = expected[first + b]
+        assert batch["sample_id"][b] == sample["id"]
+        assert np.array_equal(batch["routed_experts"][b].numpy(), routes)
+        assert np.array_equal(batch["routed_experts_valid"][b].numpy(), valid)
+        assert np.array_equal(batch["token_ids"][b].numpy(), sample["token_ids"])
+        assert np.array_equal(batch["loss_mask"][b].numpy(), sample["loss_mask"])
+        assert np.array_equal(batch["logprobs"][b].numpy(), sample["logprobs"])
+
+
+@pytest.mark.parametrize("workers", [1, 3])
+def test_inline_and_by_handle_batches_equal_the_naive_reference(tmp_path, workers):
+    samples, expected = make_rollouts(np.random.default_rng(0), 11, root=tmp_path)
+    batches = list(
+        loader(samples, batch_size=4, payload_root=tmp_path, workers=workers, prefetch=2)
+    )
+    assert [b.batch_size for b in batches] == [4, 4, 3]
+    for k, batch in enumerate(batches):
+        check_batch(batch, samples, expected, 4 * k)
+        assert batch["routed_experts"].dtype == torch.uint8
+        assert batch["routed_experts"].values.nbytes == sum(
+            expected[4 * k + b][0].nbytes for b in range(batch.batch_size)
+        )
+    used = {f for b in batches for f in b.metadata["files"]}
+    on_disk = {
+        os.path.relpath(os.path.join(d, f), tmp_path)
+        for d, _, names in os.walk(tmp_path)
+        for f in names
+    }
+    assert used == on_disk
+    assert sum(b.metadata["stats"].samples for b in batches) == 11
+
+
+@pytest.mark.parametrize("prefetch", [0, 3])
+def test_resume_at_every_batch_boundary_yields_exactly_the_rest(tmp_path, prefetch):
+    samples, _ = make_rollouts(np.random.default_rng(1), 9, root=tmp_path)
+    options = {"batch_size": 2, "payload_root": tmp_path, "workers": 2, "prefetch": prefetch}
+    full = list(loader(samples, **options))
+    for cut in range(len(full) + 1):
+        first = loader(samples, **options)
+        it = iter(first)
+        for _ in range(cut):
+            next(it)
+        state = first.state_dict()
+        resumed = loader(samples, **options)
+        resumed.load_state_dict(state)
+        rest = list(resumed)
+        assert len(rest) == len(full) - cut
+        for got, want in zip(rest, full[cut:], strict=True):
+            assert got == want
+
+
+def test_a_missing_file_names_the_sample_and_does_not_hang(tmp_path):
+    samples, _ = make_rollouts(np.random.default_rng(2), 6, root=tmp_path)
+    victim = samples[3]
+    segment = victim["requests"][0]["sources"][0]
+    os.remove(tmp_path / segment["file"])
+    batches = iter(loader(samples, batch_size=3, payload_root=tmp_path, workers=2))
+    next(batches)
+    with pytest.raises(PayloadNotFoundError, match=r"sample 's3'") as info:
+        next(batches)
+    assert isinstance(info.value, PayloadReadError)
+    assert segment["file"] in str(info.value)
+
+
+def test_a_bad_sample_names_itself():
+    rows = np.zeros((1, LAYERS, TOPK), np.uint8) + 1
+    request = {
+        "prompt_len": 1,
+        "completion_len": 1,
+        "sources": [InlineRows("routed_experts", rows, 0)],
+    }
+    samples = [
+        {"id": "ok", "token_ids": [1, 2], "requests": [request]},
+        {"id": "bad", "requests": []},
+    ]
+    with pytest.raises(TraceError, match=r"sample 'bad' \(index 1\).*token_ids"):
+        list(loader(samples, batch_size=2, workers=1))
+
+
+def test_retention_claims_each_batch_when_the_trainer_takes_it(tmp_path):
+    samples, _ = make_rollouts(np.random.default_rng(3), 8, root=tmp_path, version=0)
+    retention = PayloadRetention(str(tmp_path), max_off_policy_steps=4, fresh=False)
+    try:
+        it = iter(loader(samples, batch_size=4, payload_root=tmp_path, retention=retention))
+        first = next(it)
+        assert first.metadata["step"] == 0
+        retention.on_policy_update(0)
+        retention.wait()
+        for f in first.metadata["files"]:
+            assert not (tmp_path / f).exists()
+        second = next(it)
+        assert second.metadata["step"] == 1
+        assert all((tmp_path / f).exists() for f in second.metadata["files"])
+        retention.on_policy_update(1)
+        retention.wait()
+        assert not any((tmp_path / f).exists() for f in second.metadata["files"])
+    finally:
+        retention.close()
+
+
+def test_dataloader_and_stateful_dataloader_adapters(tmp_path):
+    samples, expected = make_rollouts(np.random.default_rng(4), 7, root=tmp_path)
+    options = {"batch_size": 3, "payload_root": tmp_path, "workers": 2}
+    plain = list(DataLoader(RolloutDataset(samples, **options), batch_size=None))
+    assert [b.batch_size for b in plain] == [3, 3, 1]
+    check_batch(plain[1], samples, expected, 3)
+    assert "stats" in plain[0].metadata
+    stateful = StatefulDataLoader(RolloutDataset(samples, **options), batch_size=None)
+    it = iter(stateful)
+    next(it)
+    state = stateful.state_dict()
+    resumed = StatefulDataLoader(RolloutDataset(samples, **options), batch_size=None)
+    resumed.load_state_dict(state)
+    rest = list(resumed)
+    assert [b["sample_id"] for b in rest] == [["s3", "s4", "s5"], ["s6"]]
+
+
+def test_sampling_masks_and_widened_routes_collate(tmp_path):
+    """Masks inline (prime-rl CSR) and by handle (ragged file rows) pad to the batch's widest
+    set with -1; a uint16 turn widens a uint8 trace; valid marks engine rows only."""
+    from r3data.wire import pack_csr
+
+    writer = PayloadWriter(tmp_path)
+    rng = np.random.default_rng(5)
+    narrow = rng.integers(0, 200, (4, LAYERS, TOPK)).astype(np.uint8)
+    wide = rng.integers(300, 900, (7, LAYERS, TOPK)).astype(np.uint16)
+    mask_rows = [rng.choice(50, size=int(w), replace=False).astype(np.int32) for w in (2, 5, 1)]
+    by_handle = writer.write(
+        1,
+        {"routed_experts": narrow, "sampling_mask": mask_rows},
+        pos={"routed_experts": 0, "sampling_mask": 2},
+    )
+    ids = np.concatenate(mask_rows[:2])
+    inline_mask = {
+        "producer": "prime-rl-sampling-mask",
+        "response": {"choices": [{"sampling_mask": pack_csr(ids, np.array([2, 5], np.int32))}]},
+    }
+    samples = [
+        {
+            "id": "handle",
+            "token_ids": np.arange(5),
+            "requests": [
+                {"prompt_len": 2, "completion_len": 3, "sources": [s.to_dict() for s in by_handle]}
+            ],
+        },
+        {
+            "id": "two-turns",
+            "token_ids": np.arange(9),
+            "requests": [
+                {
+                    "prompt_len": 3,
+                    "completion_len": 2,
+                    "sources": [
+                        InlineRows("routed_experts", narrow, 0),
+                        InlineRows("sampling_mask", np.array([[7], [8]], np.int32), 3),
+                    ],
+                },
+                {
+                    "prompt_len": 6,
+                    "completion_len": 2,
+                    "sources": [InlineRows("routed_experts", wide, 0), inline_mask],
+                },
+            ],
+        },
+    ]
+    (batch,) = loader(
+        samples,
+        batch_size=2,
+        payload_root=tmp_path,
+        fields=("routed_experts", "sampling_mask"),
+        workers=2,
+    )
+    routes = batch["routed_experts"]
+    assert routes.dtype == torch.uint16
+    assert np.array_equal(routes[0][:4].numpy(), narrow)
+    assert np.array_equal(routes[0][4].numpy(), narrow[3])  # placeholder repeats the last row
+    assert np.array_equal(routes[1][:7].numpy(), wide)
+    assert batch["routed_experts_valid"][0].tolist() == [True] * 4 + [False]
+    masks = batch["sampling_mask"]
+    assert masks.row_shape == (5,)
+    first = masks[0].numpy()
+    assert (first[:2] == -1).all()
+    for i, row in enumerate(mask_rows):
+        assert sorted(first[2 + i][first[2 + i] >= 0]) == sorted(row)
+    second = masks[1].numpy()
+    assert sorted(second[6][second[6] >= 0]) == sorted(mask_rows[0])
+    assert sorted(second[7][second[7] >= 0]) == sorted(mask_rows[1])
+    assert second[3].tolist() == [7, -1, -1, -1, -1]
+    assert batch["sampling_mask_valid"][1].tolist() == [False] * 3 + [True] * 2 + [False] + [
+        True
+    ] * 2 + [False]
+
+
+def test_by_handle_expert_ids_are_checked_once_read(tmp_path):
+    rows = np.full((3, LAYERS, TOPK), 5, np.uint8)
+    rows[1, 2, 1] = EXPERTS + 7
+    (segment,) = PayloadWriter(tmp_path).write(0, {"routed_experts": rows})
+    samples = [
+        {
+            "id": "too-many-experts",
+            "token_ids": np.arange(4),
+            "requests": [{"prompt_len": 2, "completion_len": 2, "sources": [segment.to_dict()]}],
+        }
+    ]
+    options = {"batch_size": 1, "payload_root": tmp_path, "workers": 1}
+    with pytest.raises(TraceError, match=r"sample 'too-many-experts'.*found 47 at position 1"):
+        list(loader(samples, trace_options={"num_experts": EXPERTS}, **options))
+    (batch,) = loader(samples, trace_options={"num_experts": 64}, **options)
+    assert int(batch["routed_experts"].values.max()) == EXPERTS + 7

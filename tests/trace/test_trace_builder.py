@@ -1,0 +1,226 @@
+"""TraceBuilder: overlap resolution, anchoring helpers and the validation hooks."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from trace_engine import engine_rows, routes
+
+from r3data.errors import TraceError
+from r3data.payload.reader import PayloadReader
+from r3data.payload.writer import PayloadWriter
+from r3data.trace import (
+    TraceBuilder,
+    check_expert_ids,
+    distinct_row,
+    end_anchored_pos,
+    start_anchored_pos,
+    stitch,
+    widened_dtype,
+)
+from r3data.trace.spans import complement, intersect, merge
+from r3data.wire.rows import InlineRows
+
+
+def spans_of(builder: TraceBuilder, field: str = "routed_experts") -> list[tuple[int, int]]:
+    return [(p.pos, p.end) for p in builder.build().pieces[field]]
+
+
+def test_a_source_inside_an_earlier_one_splits_it_into_views():
+    builder = TraceBuilder("t")
+    first = routes(1, 0, 10)
+    builder.add_request(6, 5, [first])
+    builder.add_request(6, 5, [routes(2, 3, 5)])
+    assert spans_of(builder) == [(0, 3), (3, 5), (5, 10)]
+    head, _, tail = builder.build().pieces["routed_experts"]
+    assert np.shares_memory(head.array, first.array)
+    assert np.shares_memory(tail.array, first.array)
+    np.testing.assert_array_equal(tail.array, engine_rows(1, 5, 10))
+
+
+def test_a_source_spanning_several_pieces_replaces_them(payload):
+    write, _ = payload
+    builder = TraceBuilder("t")
+    (first,) = write(routes(1, 0, 5))
+    builder.add_request(4, 2, [first])
+    builder.add_request(8, 2, [routes(2, 5, 9)])
+    (third,) = write(routes(3, 9, 13))
+    builder.add_request(12, 2, [third])
+    builder.add_request(12, 3, [routes(4, 2, 11)])
+    assert spans_of(builder) == [(0, 2), (2, 11), (11, 13)]
+    head, middle, tail = builder.build().pieces["routed_experts"]
+    assert (head.file, head.offset, head.rows) == (first.file, first.offset, 2)
+    assert (tail.file, tail.offset, tail.rows) == (third.file, third.offset + 2 * 4, 2)
+    np.testing.assert_array_equal(middle.array, engine_rows(4, 2, 11))
+
+
+def test_anchoring_helpers():
+    # prime-rl: rows end at the last forwarded token, position prompt_len + completion_len - 1
+    assert end_anchored_pos(4, 3, 6) == 0
+    assert end_anchored_pos(9, 2, 4) == 6
+    with pytest.raises(TraceError, match="at most 6 rows"):
+        end_anchored_pos(4, 3, 7)
+    # vLLM: rows start at routed_experts_prompt_start
+    assert start_anchored_pos(9, 2, 4, prompt_start=6) == 6
+    assert start_anchored_pos(9, 2, 10) == 0
+    with pytest.raises(TraceError, match=r"expected an int in \[0, 9\]"):
+        start_anchored_pos(9, 2, 1, prompt_start=10)
+    with pytest.raises(TraceError, match="past the 11 tokens"):
+        start_anchored_pos(9, 2, 6, prompt_start=6)
+    with pytest.raises(TraceError, match="prompt_len"):
+        start_anchored_pos(-1, 2, 1)
+
+
+def test_sources_past_the_request_and_foreign_objects_are_refused():
+    builder = TraceBuilder("t")
+    with pytest.raises(TraceError, match=r"'t' field 'routed_experts'.*\[5, 10\).*9 tokens"):
+        builder.add_request(5, 4, [routes(1, 5, 10)])
+    with pytest.raises(TraceError, match="found dict"):
+        builder.add_request(5, 4, [{"data": "..."}])
+
+
+def test_a_refused_request_leaves_the_trace_unchanged():
+    builder = TraceBuilder("t", num_experts=8)
+    builder.add_request(4, 3, [routes(1, 0, 6)])
+    before = builder.build()
+    bad = InlineRows("routed_experts", np.full((2, 2, 2), 9, np.uint8), 6)
+    with pytest.raises(TraceError):
+        builder.add_request(9, 2, [routes(2, 6, 8), bad])
+    after = builder.build()
+    assert after.requests == before.requests
+    assert spans_of(builder) == [(0, 6)]
+
+
+def test_expert_ids_are_checked_against_num_experts():
+    builder = TraceBuilder("t", num_experts=8)
+    array = engine_rows(1, 0, 6)  # ids up to 6
+    array[4, 1, 0] = 8
+    with pytest.raises(
+        TraceError, match=r"'t' field 'routed_experts'.*\[0, 8\), found 8 at position 4 \(layer 1\)"
+    ):
+        builder.add_request(4, 3, [InlineRows("routed_experts", array, 0)])
+    negative = engine_rows(1, 0, 3, "int32")
+    negative[2, 0, 1] = -1
+    with pytest.raises(TraceError, match="found -1 at position 7"):
+        check_expert_ids(negative, 8, trace_id="t", field="routed_experts", pos=5)
+
+
+@pytest.mark.parametrize("policy", ["missing", "raise", "keep"])
+def test_all_zero_route_rows(policy, caplog):
+    array = engine_rows(1, 0, 6)
+    array[2:4] = 0
+    builder = TraceBuilder("t", zero_rows=policy)
+    source = InlineRows("routed_experts", array, 0)
+    if policy == "raise":
+        with pytest.raises(TraceError, match=r"2 all-zero route rows .* \[2, 4\)"):
+            builder.add_request(4, 3, [source])
+        return
+    builder.add_request(4, 3, [source])
+    sample = stitch(builder, 7)
+    if policy == "keep":
+        assert sample.valid[:6].all()
+        return
+    assert spans_of(builder) == [(0, 2), (4, 6)]
+    assert "[2, 4)" in caplog.text
+    assert any("all-zero" in w for w in sample.warnings)
+    assert not sample.valid.any()  # the rows are missing: a gap, dropped by default
+
+
+def test_route_dtypes_widen_across_turns_and_never_narrow():
+    builder = TraceBuilder("t")
+    builder.add_request(4, 3, [routes(1, 0, 6, "uint8")])
+    wide = engine_rows(2, 6, 10, "uint16")
+    wide[0, 0, 0] = 300
+    builder.add_request(9, 2, [InlineRows("routed_experts", wide, 6)])
+    builder.add_request(13, 3, [routes(3, 10, 15, "uint8")])
+    assert builder.build().info["routed_experts"].dtype == np.uint16
+    routes_ = stitch(builder, 16).materialize("routed_experts")
+    assert routes_.dtype == np.uint16
+    assert routes_[6, 0, 0] == 300
+    builder.add_request(13, 3, [routes(4, 10, 15, "int32")])
+    assert builder.build().info["routed_experts"].dtype == np.int32
+    with pytest.raises(TraceError, match="expected route dtype"):
+        builder.add_request(13, 3, [routes(4, 10, 15, "float32")])
+
+
+def test_dtype_widening_rule():
+    where = {"trace_id": "t", "field": "f", "pos": 3}
+    assert widened_dtype(np.dtype("uint8"), np.dtype("uint16"), **where) == np.uint16
+    assert widened_dtype(np.dtype("int32"), np.dtype("uint16"), **where) == np.int32
+    assert widened_dtype(np.dtype("float16"), np.dtype("float32"), **where) == np.float32
+    for a, b in [("int16", "uint16"), ("int32", "float32"), ("uint32", "int32")]:
+        with pytest.raises(TraceError, match=f"'f': rows from position 3 have dtype {b}"):
+            widened_dtype(np.dtype(a), np.dtype(b), **where)
+
+
+def test_row_shapes_must_agree_across_turns():
+    builder = TraceBuilder("t")
+    builder.add_request(4, 3, [routes(1, 0, 6)])
+    wrong = InlineRows("routed_experts", np.ones((4, 3, 2), np.uint8), 6)
+    with pytest.raises(TraceError, match=r"position 6 have row shape \[3, 2\], expected \[2, 2\]"):
+        builder.add_request(9, 2, [wrong])
+    with pytest.raises(TraceError, match="padded 2-D"):
+        builder.add_request(9, 2, [InlineRows("sampling_mask", np.ones(2, np.int32), 4)])
+
+
+def test_distinct_rows():
+    np.testing.assert_array_equal(
+        distinct_row((3, 4), np.dtype("uint8")), np.tile(np.arange(4), (3, 1))
+    )
+    flat = distinct_row((12,), np.dtype("int32"), topk=4)
+    np.testing.assert_array_equal(flat, np.tile(np.arange(4), 3))
+    with pytest.raises(TraceError, match="topk"):
+        distinct_row((3, 8), np.dtype("uint8"), topk=4)  # would repeat experts within a layer
+    with pytest.raises(TraceError, match="topk"):
+        distinct_row((3, 300), np.dtype("uint8"))
+
+
+span_lists = st.lists(st.tuples(st.integers(0, 40), st.integers(0, 40)), max_size=8)
+
+
+@settings(max_examples=60, deadline=None)
+@given(a=span_lists, b=span_lists, lo=st.integers(0, 20), width=st.integers(0, 25))
+def test_span_algebra_matches_sets(a, b, lo, width):
+    def points(spans):
+        return {p for s, e in spans for p in range(s, e)}
+
+    ma, mb = merge(a), merge(b)
+    assert points(ma) == points(a)
+    assert all(x[1] < y[0] for x, y in itertools.pairwise(ma))
+    assert points(intersect(ma, mb)) == points(a) & points(b)
+    assert points(complement(ma, lo, lo + width)) == set(range(lo, lo + width)) - points(a)
+
+
+def test_builder_arguments_and_ragged_agreement(tmp_path):
+    with pytest.raises(TraceError, match="zero_rows"):
+        TraceBuilder("t", zero_rows="drop")
+    with pytest.raises(TraceError, match="num_experts"):
+        TraceBuilder("t", num_experts=0)
+    rows = [np.array([1, 2], np.int32), np.array([3], np.int32), np.array([], np.int32)]
+    ragged = PayloadWriter(tmp_path).write(0, {"token_mask": rows}, pos=4)
+    builder = TraceBuilder("t")
+    builder.add_request(4, 3, [InlineRows("token_mask", np.ones(3, np.int32), 4)])
+    with pytest.raises(TraceError, match="'token_mask': ragged rows at position 4 after fixed"):
+        builder.add_request(4, 3, ragged)
+    # a field first sent ragged by handle takes padded inline rows later
+    masks = TraceBuilder("t", ragged_fields=())
+    masks.add_request(4, 3, ragged)
+    masks.add_request(9, 2, [InlineRows("token_mask", np.full((2, 4), 7, np.int32), 9)])
+    info = masks.build().info["token_mask"]
+    assert (info.ragged, info.row_shape) == (True, (4,))
+    dense = stitch(masks, 11, fields=("token_mask",), on_gap="raise").materialize(
+        "token_mask", PayloadReader(tmp_path)
+    )
+    assert dense[4:7].tolist() == [[1, 2, -1, -1], [3, -1, -1, -1], [-1] * 4]
+    assert dense[9:].tolist() == [[7] * 4] * 2
+
+
+def test_expert_id_checks_need_integers():
+    where = {"trace_id": "t", "field": "f", "pos": 0}
+    check_expert_ids(np.zeros((0, 2, 2), np.uint8), 1, **where)
+    with pytest.raises(TraceError, match="integer expert ids, found dtype float32"):
+        check_expert_ids(np.zeros((1, 2, 2), np.float32), 4, **where)

@@ -1,0 +1,289 @@
+"""Hand-checked multi-turn traces: which row each position gets, and which are valid."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from trace_engine import engine_rows, routes
+
+from r3data.errors import TraceError, TraceGapError
+from r3data.payload.segment import PayloadSegment
+from r3data.trace import (
+    PLACEHOLDER_META,
+    StitchStats,
+    TraceBuilder,
+    end_anchored_pos,
+    start_anchored_pos,
+    stitch,
+)
+from r3data.wire.rows import InlineRows
+
+# Three chat turns: (prompt_len, completion_len). Each prompt holds every earlier token plus
+# 2 new user tokens, so the final sequence has 16 tokens and 15 forwarded positions.
+TURNS = [(4, 3), (9, 2), (13, 3)]
+LENGTH = 16
+
+
+def vllm_trace(starts=(0, 6, 10), shorten=(0, 0, 0), extra=(0, 0, 0)) -> tuple:
+    """vLLM answering with ``routed_experts_prompt_start`` = ``starts[j]``; an engine may send
+    ``shorten[j]`` rows fewer or ``extra[j]`` more than the forwarded tokens."""
+    builder = TraceBuilder("chat-1")
+    arrays = []
+    for turn, ((p, c), start) in enumerate(zip(TURNS, starts, strict=True), 1):
+        rows = p + c - 1 - start - shorten[turn - 1] + extra[turn - 1]
+        pos = start_anchored_pos(p, c, rows, prompt_start=start)
+        source = routes(turn, pos, pos + rows)
+        arrays.append(source.array)
+        builder.add_request(p, c, [source])
+    return builder, arrays
+
+
+def turns_of(materialized: np.ndarray) -> list[int]:
+    return materialized[:, 0, 0].tolist()
+
+
+def positions_of(materialized: np.ndarray) -> list[int]:
+    return (materialized[:, 0, 1].astype(int) - 1).tolist()
+
+
+def test_three_turns_with_prompt_start():
+    builder, arrays = vllm_trace()
+    sample = stitch(builder, LENGTH)
+    routes_ = sample.materialize("routed_experts")
+    assert turns_of(routes_) == [1] * 6 + [2] * 4 + [3] * 6
+    # the final token is never forwarded: it repeats the row of position 14
+    assert positions_of(routes_) == [*range(15), 14]
+    assert sample.valid.tolist() == [True] * 15 + [False]
+    pieces = sample["routed_experts"].pieces
+    assert [(p.pos, p.end) for p in pieces] == [(0, 6), (6, 10), (10, 15), (15, 16)]
+    assert pieces[-1].meta[PLACEHOLDER_META] == "repeat_previous"
+    for piece, array in zip(pieces, [*arrays, arrays[-1]], strict=True):
+        assert np.shares_memory(piece.array, array)  # views, never copies
+    assert sample.stats == StitchStats(
+        samples=1, rows_captured=15, placeholders=1, bytes=15 * routes_[0].nbytes
+    )
+
+
+def test_overlapping_starts_later_request_wins():
+    builder, _ = vllm_trace(starts=(0, 4, 8))
+    routes_ = stitch(builder, LENGTH).materialize("routed_experts")
+    assert turns_of(routes_) == [1] * 4 + [2] * 4 + [3] * 8
+    assert positions_of(routes_) == [*range(15), 14]
+
+
+def test_truncated_sample():
+    builder, _ = vllm_trace()
+    sample = stitch(builder, 12)
+    assert turns_of(sample.materialize("routed_experts")) == [1] * 6 + [2] * 4 + [3] * 2
+    assert sample.valid.all()
+    assert sample.stats.placeholders == 0
+    assert [(p.pos, p.end) for p in sample["routed_experts"].pieces][-1] == (10, 12)
+
+
+def test_synthetic_eos_repeats_or_gets_distinct_experts():
+    builder, _ = vllm_trace()
+    repeated = stitch(builder, LENGTH + 1)
+    routes_ = repeated.materialize("routed_experts")
+    assert positions_of(routes_)[-3:] == [14, 14, 14]
+    assert repeated.valid.tolist()[-3:] == [True, False, False]
+    distinct = stitch(builder, LENGTH + 1, placeholder="distinct").materialize("routed_experts")
+    np.testing.assert_array_equal(distinct[15:], [[[0, 1], [0, 1]]] * 2)
+    np.testing.assert_array_equal(distinct[:15], routes_[:15])
+
+
+def test_engine_sending_a_row_for_the_last_token_keeps_it():
+    builder, _ = vllm_trace(extra=(0, 0, 1))
+    sample = stitch(builder, LENGTH)
+    assert sample.valid.all()
+    assert positions_of(sample.materialize("routed_experts")) == list(range(16))
+
+
+def test_engine_returning_the_full_prefix_each_turn():
+    builder, arrays = vllm_trace(starts=(0, 0, 0))
+    trace = builder.build()
+    assert len(trace.pieces["routed_experts"]) == 1  # earlier turns fully replaced
+    sample = stitch(trace, LENGTH)
+    assert turns_of(sample.materialize("routed_experts")) == [3] * 16
+    assert np.shares_memory(sample["routed_experts"].pieces[0].array, arrays[-1])
+
+
+def test_engine_one_row_short_is_a_gap_for_each_on_gap():
+    builder, _ = vllm_trace(shorten=(0, 0, 1))
+    with pytest.raises(TraceGapError, match=r"'chat-1'.*'routed_experts'.*\[14, 15\)"):
+        stitch(builder, LENGTH, on_gap="raise")
+    assert stitch(builder, LENGTH, on_gap="drop_sample") is None
+    dropped = stitch(builder, LENGTH, on_gap="drop_routes")
+    assert not dropped.valid.any()
+    np.testing.assert_array_equal(
+        dropped.materialize("routed_experts"), np.broadcast_to([[0, 1], [0, 1]], (16, 2, 2))
+    )
+    assert any("'chat-1'" in w and "[14, 15)" in w for w in dropped.warnings)
+    assert dropped.stats == StitchStats(samples=1, placeholders=16, gaps=1, rows_dropped=14)
+    # a sample truncated before the gap has none
+    assert stitch(builder, 14, on_gap="raise").valid.all()
+
+
+def test_off_by_one_prompt_start_leaves_a_gap_inside():
+    builder, _ = vllm_trace(starts=(0, 7, 10))
+    with pytest.raises(TraceGapError, match=r"\[6, 7\)"):
+        stitch(builder, LENGTH, on_gap="raise")
+
+
+def test_batch_statistics_sum_samples_and_count_dropped():
+    good, _ = vllm_trace()
+    short, _ = vllm_trace(shorten=(0, 0, 1))
+    samples = [
+        stitch(good, LENGTH),
+        stitch(short, LENGTH, on_gap="drop_sample"),
+        stitch(short, LENGTH),
+    ]
+    total = StitchStats.total(samples)
+    assert total.samples == 3
+    assert total.samples_dropped == 1
+    assert total.rows_captured == samples[0].stats.rows_captured
+    assert total.placeholders == 1 + 16
+    assert total.rows_dropped == 14
+
+
+def test_prime_rl_end_anchored_by_handle(payload):
+    write, reader = payload
+    builder = TraceBuilder("chat-2")
+    covered = 0
+    segments = []
+    for turn, (p, c) in enumerate(TURNS, 1):
+        rows = p + c - 1 - covered
+        pos = end_anchored_pos(p, c, rows)
+        assert pos == covered
+        segments.append(write(routes(turn, pos, pos + rows))[0])
+        builder.add_request(p, c, [segments[-1]])
+        covered += rows
+    sample = stitch(builder, LENGTH + 1)
+    pieces = sample["routed_experts"].pieces
+    assert all(isinstance(p, PayloadSegment) for p in pieces)
+    last = segments[-1]
+    row_14 = last.offset + (14 - last.pos) * last.row_bytes
+    assert [(p.pos, p.rows, p.offset, p.file) for p in pieces[-2:]] == [
+        (15, 1, row_14, last.file),
+        (16, 1, row_14, last.file),
+    ]
+    routes_ = sample.materialize("routed_experts", reader)
+    np.testing.assert_array_equal(routes_[15], engine_rows(3, 14, 15)[0])
+    np.testing.assert_array_equal(routes_[16], engine_rows(3, 14, 15)[0])
+    assert turns_of(routes_) == [1] * 6 + [2] * 4 + [3] * 7
+    with pytest.raises(TraceError, match="reader"):
+        sample.materialize("routed_experts")
+
+
+def test_handles_and_inline_mix_and_clip(payload):
+    write, reader = payload
+    builder = TraceBuilder("chat-3")
+    builder.add_request(4, 3, write(routes(1, 0, 6)))
+    builder.add_request(9, 2, [routes(2, 4, 10)])
+    builder.add_request(13, 3, write(routes(3, 8, 15)))
+    sample = stitch(builder, 14, placeholder="distinct")
+    kinds = [(type(p).__name__, p.pos, p.end) for p in sample["routed_experts"].pieces]
+    assert kinds == [
+        ("PayloadSegment", 0, 4),
+        ("InlineRows", 4, 8),
+        ("PayloadSegment", 8, 14),
+    ]
+    routes_ = sample.materialize("routed_experts", reader)
+    assert turns_of(routes_) == [1] * 4 + [2] * 4 + [3] * 6
+    assert positions_of(routes_) == list(range(14))
+
+
+def masks(lo: int, widths: list[int]) -> InlineRows:
+    """Sampling-mask rows padded with -1: row i keeps ``widths[i]`` ids ``100*pos + j``."""
+    array = np.full((len(widths), max(widths)), -1, dtype=np.int32)
+    for i, w in enumerate(widths):
+        array[i, :w] = 100 * (lo + i) + np.arange(w)
+    return InlineRows("sampling_mask", array, lo)
+
+
+def mask_sources() -> list[InlineRows]:
+    return [masks(4, [2, 1, 2]), masks(9, [3, 1]), masks(13, [1, 1, 1])]
+
+
+def test_sampling_masks_are_anchored_on_completion_tokens():
+    builder, _ = vllm_trace()
+    trace = TraceBuilder("chat-4")
+    for (p, c), route, mask in zip(
+        TURNS, builder.build().pieces["routed_experts"], mask_sources(), strict=True
+    ):
+        trace.add_request(p, c, [route, mask])
+    sample = stitch(trace, LENGTH + 1, fields=("routed_experts", "sampling_mask"))
+    mask = sample["sampling_mask"]
+    completion = [4, 5, 6, 9, 10, 13, 14, 15]
+    assert np.flatnonzero(mask.valid).tolist() == completion
+    assert sample.valid.tolist() == [True] * 15 + [False, False]  # the routes' mask
+    dense = sample.materialize("sampling_mask")
+    assert dense.shape == (17, 3)
+    assert dense[5].tolist() == [500, -1, -1]
+    assert dense[9].tolist() == [900, 901, 902]
+    prompt = [p for p in range(17) if p not in completion]
+    assert (dense[prompt] == -1).all()
+    assert sample.stats.gaps == 0
+    assert sample.stats.rows_captured == 15 + len(completion)
+
+
+def test_ragged_masks_by_handle_equal_inline(payload, tmp_path):
+    from r3data.payload.writer import PayloadWriter
+
+    _, reader = payload
+    writer = PayloadWriter(tmp_path)
+    inline, by_handle = TraceBuilder("m"), TraceBuilder("m")
+    for (p, c), mask in zip(TURNS, mask_sources(), strict=True):
+        rows = [row[row >= 0] for row in mask.array]
+        inline.add_request(p, c, [mask])
+        by_handle.add_request(p, c, writer.write(0, {"sampling_mask": rows}, pos=mask.pos))
+    a = stitch(inline, 15, fields=("sampling_mask",), on_gap="raise")
+    b = stitch(by_handle, 15, fields=("sampling_mask",), on_gap="raise")
+    assert b["sampling_mask"].ragged
+    np.testing.assert_array_equal(a["sampling_mask"].valid, b["sampling_mask"].valid)
+    np.testing.assert_array_equal(
+        a.materialize("sampling_mask"), b.materialize("sampling_mask", reader)
+    )
+
+
+def test_missing_masks_of_one_turn_drop_only_that_field():
+    builder, _ = vllm_trace()
+    trace = TraceBuilder("chat-5")
+    for j, ((p, c), route, mask) in enumerate(
+        zip(TURNS, builder.build().pieces["routed_experts"], mask_sources(), strict=True)
+    ):
+        trace.add_request(p, c, [route] if j == 1 else [route, mask])
+    with pytest.raises(TraceGapError, match=r"'sampling_mask'.*\[9, 11\)"):
+        stitch(trace, LENGTH, fields=("routed_experts", "sampling_mask"), on_gap="raise")
+    sample = stitch(trace, LENGTH, fields=("routed_experts", "sampling_mask"))
+    assert sample.valid[:15].all()
+    assert not sample["sampling_mask"].valid.any()
+    assert (sample.materialize("sampling_mask") == -1).all()
+
+
+def test_logprobs_fill_prompt_positions_with_zero():
+    trace = TraceBuilder("chat-6")
+    for turn, (p, c) in enumerate(TURNS, 1):
+        logprobs = -np.arange(1, c + 1, dtype=np.float32) * turn
+        trace.add_request(p, c, [InlineRows("logprobs", logprobs, p)])
+    sample = stitch(trace, LENGTH, fields=("logprobs",))
+    values = sample.materialize("logprobs")
+    assert values.dtype == np.float32
+    np.testing.assert_array_equal(values[13:16], [-3, -6, -9])
+    assert values[[0, 1, 2, 3, 7, 8, 11, 12]].tolist() == [0.0] * 8
+    assert sample.valid.sum() == 8
+
+
+def test_stitch_refuses_bad_arguments():
+    builder, _ = vllm_trace()
+    with pytest.raises(TraceError, match="sample_len"):
+        stitch(builder, -1)
+    with pytest.raises(TraceError, match="placeholder"):
+        stitch(builder, 4, placeholder="zeros")
+    with pytest.raises(TraceError, match="on_gap"):
+        stitch(builder, 4, on_gap="ignore")
+    with pytest.raises(TraceError, match="distinct field names"):
+        stitch(builder, 4, fields=("routed_experts", "routed_experts"))
+    with pytest.raises(TraceError, match="'logprobs': no rows anywhere"):
+        stitch(builder, 4, fields=("routed_experts", "logprobs"), on_gap="drop_routes")
+    with pytest.raises(TraceGapError, match="'logprobs'"):
+        stitch(builder, 8, fields=("logprobs",), on_gap="raise")
