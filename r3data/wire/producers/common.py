@@ -12,6 +12,7 @@ import numpy as np
 
 from r3data.errors import ConfigError, EngineRoutesError, WireFormatError
 from r3data.wire.envelope import decode_base64
+from r3data.wire.rows import InlineRows
 from r3data.wire.splice import load_packed_body
 
 __all__ = [
@@ -24,6 +25,7 @@ __all__ = [
     "optional_position",
     "parse_response",
     "screen_routes",
+    "screened_rows",
     "select_choices",
 ]
 
@@ -143,6 +145,15 @@ def dense_layers(routes: np.ndarray) -> tuple[int, ...]:
         return ()
     candidates = np.flatnonzero(~routes[0].any(axis=-1))
     return tuple(int(layer) for layer in candidates if not routes[:, layer].any())
+
+
+def screened_rows(
+    field: str, routes: np.ndarray, pos: int, on_zero: OnZero, what: str, **meta: Any
+) -> list[InlineRows]:
+    """``routes`` as one :class:`InlineRows` (with ``meta`` and ``dense_layers``), or none when
+    they are zero in every layer and ``on_zero`` drops them."""
+    keep, dense = screen_routes(routes, on_zero, what)
+    return [InlineRows(field, routes, pos, {**meta, "dense_layers": dense})] if keep else []
 
 
 def screen_routes(routes: np.ndarray, on_zero: OnZero, what: str) -> tuple[bool, tuple[int, ...]]:

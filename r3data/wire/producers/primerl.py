@@ -30,7 +30,7 @@ from r3data.wire.producers.common import (
     choice_token_lengths,
     optional_position,
     parse_response,
-    screen_routes,
+    screened_rows,
     select_choices,
 )
 from r3data.wire.rows import InlineRows
@@ -100,16 +100,17 @@ def primerl_routes(
             raise WireFormatError(
                 f"{what}: cannot place the rows: no 'start' and no prompt/completion lengths"
             )
-        keep, dense = screen_routes(routes, on_zero, what)
-        if keep:
-            meta = {
-                "producer": "prime-rl",
-                "choice": index,
-                "prompt_len": prompt,
-                "completion_len": completion,
-                "dense_layers": dense,
-            }
-            out.append(InlineRows(field, routes, start, meta))
+        out += screened_rows(
+            field,
+            routes,
+            start,
+            on_zero,
+            what,
+            producer="prime-rl",
+            choice=index,
+            prompt_len=prompt,
+            completion_len=completion,
+        )
     return out
 
 

@@ -26,7 +26,7 @@ from r3data.wire.producers.common import (
     expect_rows,
     optional_position,
     parse_response,
-    screen_routes,
+    screened_rows,
 )
 from r3data.wire.rows import InlineRows
 
@@ -89,14 +89,15 @@ def sglang_routes(
             meta_info.get("completion_tokens"), f"{what}: completion_tokens", WireFormatError
         )
         expect_rows(routes.shape[0], prompt_len, completion_len, first, what)
-        keep, dense = screen_routes(routes, on_zero, what)
-        if keep:
-            meta = {
-                "producer": "sglang",
-                "index": index,
-                "prompt_len": prompt_len,
-                "completion_len": completion_len,
-                "dense_layers": dense,
-            }
-            out.append(InlineRows(field, routes, first, meta))
+        out += screened_rows(
+            field,
+            routes,
+            first,
+            on_zero,
+            what,
+            producer="sglang",
+            index=index,
+            prompt_len=prompt_len,
+            completion_len=completion_len,
+        )
     return out

@@ -14,7 +14,7 @@ from typing import Any
 from r3data.errors import ConfigError, WireFormatError
 from r3data.wire.dtypes import ROUTE_DTYPES
 from r3data.wire.envelope import unpack_ndarray
-from r3data.wire.producers.common import OnZero, optional_position, parse_response, screen_routes
+from r3data.wire.producers.common import OnZero, optional_position, parse_response, screened_rows
 from r3data.wire.rows import InlineRows
 
 __all__ = ["skyrl_routes"]
@@ -63,8 +63,7 @@ def skyrl_routes(
         for key in ("start", "pos"):
             if first is None:
                 first = optional_position(sidecar.get(key), f"{what}.{key}", WireFormatError)
-        keep, dense = screen_routes(routes, on_zero, what)
-        if keep:
-            meta = {"producer": "skyrl", "where": where, "sidecar": sidecar, "dense_layers": dense}
-            out.append(InlineRows(field, routes, first or 0, meta))
+        out += screened_rows(
+            field, routes, first or 0, on_zero, what, producer="skyrl", where=where, sidecar=sidecar
+        )
     return out

@@ -34,7 +34,7 @@ from r3data.wire.producers.common import (
     expect_rows,
     optional_position,
     parse_response,
-    screen_routes,
+    screened_rows,
     select_choices,
 )
 from r3data.wire.rows import InlineRows
@@ -106,14 +106,15 @@ def vllm_routes(
         routes = read_npy(decoded_blob(entry.get(field), what), what=what)
         prompt_len, completion_len = choice_token_lengths(parsed, entry)
         expect_rows(routes.shape[0], prompt_len, completion_len, start, what)
-        keep, dense = screen_routes(routes, on_zero, what)
-        if keep:
-            meta = {
-                "producer": "vllm",
-                "choice": index,
-                "prompt_len": prompt_len,
-                "completion_len": completion_len,
-                "dense_layers": dense,
-            }
-            out.append(InlineRows(field, routes, start, meta))
+        out += screened_rows(
+            field,
+            routes,
+            start,
+            on_zero,
+            what,
+            producer="vllm",
+            choice=index,
+            prompt_len=prompt_len,
+            completion_len=completion_len,
+        )
     return out
