@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from r3data.batch import TensorBatch
+from r3data.buffers import BufferPool
 from r3data.errors import SegmentError, with_context
 from r3data.nodes.fill import pack_field, torch_dtype
 from r3data.nodes.stitcher import StitchedRollout
@@ -82,6 +83,8 @@ class CollateRollouts:
     """When given, by-handle route rows are checked against it once read."""
     routes_field: str = ROUTES_FIELD
     layout: TokenLayout | None = None
+    pool: BufferPool = dataclasses.field(default_factory=BufferPool, compare=False)
+    """Recycles the buffers of batches the trainer has dropped."""
 
     def __call__(self, rollouts: Sequence[StitchedRollout]) -> TensorBatch:
         kept = [r for r in rollouts if r.stitched is not None]
@@ -151,6 +154,7 @@ class CollateRollouts:
             reader=self.reader,
             workers=self.workers,
             pin_memory=self.pin_memory,
+            pool=self.pool,
         )
 
     def _pack_ragged(self, name: str, kept: list[StitchedRollout]) -> PackedTensor:

@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from r3data.buffers import HUGE_PAGE_MIN_BYTES, empty_rows
+from r3data.buffers import POOL_MIN_BYTES, BufferPool, empty_rows
 from r3data.errors import PayloadError, SegmentError, with_context
 from r3data.nodes.fill import pack_field
 from r3data.payload import PayloadReader, PayloadWriter
@@ -64,15 +64,39 @@ def test_pack_field_refuses_wrong_shapes_and_missing_reader(tmp_path):
         )
 
 
-@pytest.mark.parametrize("nbytes", [16, HUGE_PAGE_MIN_BYTES * 2])
-def test_empty_rows_gives_writable_tensors_of_the_asked_shape(nbytes):
+@pytest.mark.parametrize("nbytes", [16, POOL_MIN_BYTES * 2])
+def test_pool_buffers_are_writable_tensors_of_the_asked_shape(nbytes):
     rows = nbytes // (8 * 2)
-    tensor = empty_rows((rows, 8), torch.uint16)
+    tensor = empty_rows((rows, 8), torch.uint16, pool=BufferPool())
     assert tensor.shape == (rows, 8)
     assert tensor.dtype == torch.uint16
     tensor.view(torch.int16).fill_(7)
     assert int(tensor.view(torch.int16).sum()) == 7 * rows * 8
     assert empty_rows((0, 3), torch.int32).shape == (0, 3)
+
+
+def test_pool_recycles_a_buffer_only_once_nothing_uses_it():
+    pool = BufferPool(max_free=1)
+    shape = (POOL_MIN_BYTES // 64, 64)
+    first = pool.empty(shape, torch.uint8)
+    address = first.data_ptr()
+    first.fill_(5)
+    view = first[3:9].numpy()
+    del first
+    second = pool.empty(shape, torch.uint8)
+    assert second.data_ptr() != address  # a numpy view of the first batch is still alive
+    assert int(view.sum()) == 5 * view.size  # and untouched
+    del view
+    third = pool.empty(shape, torch.uint8)
+    assert third.data_ptr() == address  # recycled: no new mapping, no page faults
+    assert pool.empty((shape[0] // 4, 64), torch.uint8).data_ptr() not in (
+        address,
+        second.data_ptr(),
+    )
+    mapped = pool.nbytes
+    del second, third
+    pool.empty((shape[0] * 3, 64), torch.uint8)  # too big for the free ones: new, and trim
+    assert pool.nbytes <= mapped + 3 * POOL_MIN_BYTES * 1.2
 
 
 def test_with_context_keeps_the_class_and_chains():

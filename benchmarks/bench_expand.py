@@ -1,0 +1,229 @@
+"""Expand one rank's routes: :func:`r3data.layout.expand` vs a plain copy of the output bytes.
+
+The batch holds ``--sequences`` samples (default 256, lengths uniform in [512, 4096]) of uint8
+routes, 48 layers x top-8, packed back to back. One rank of a TP 2 x CP 2 grid with sequence
+parallelism expands them into int32 per-layer tensors: the whole batch as one THD (packed)
+micro-batch, and as BSHD (seq-major) micro-batches of ``--micro-batch`` sequences.
+
+Timed side by side in one run, interleaved, median of ``--repeats``:
+
+- copy: ``clone()`` of a tensor the size of the output (allocation plus copy, as ``expand``
+  allocates its output too), and ``copy_`` into a preallocated tensor, for reference;
+- ours: ``expand(routes, layout)``.
+
+Peak extra memory of ``expand`` (output included) is the process's resident high-water mark
+above its resident size before the call (``/proc/self/clear_refs`` resets the mark) on the
+CPU, or ``torch.cuda.max_memory_allocated`` on a GPU. Targets: >= 0.5x the copy's throughput,
+peak extra memory <= 1.2x the output size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import ctypes.util
+import gc
+import json
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from r3data.layout import TokenLayout, expand
+from r3data.packed import PackedTensor
+
+TARGETS = {"copy_throughput_ratio": 0.5, "peak_extra_ratio": 1.2}
+DEFAULT_OUT = Path(__file__).parent / "results" / "bench_expand.json"
+_M_MMAP_THRESHOLD = -3
+
+
+def build_routes(
+    sequences: int, min_len: int, max_len: int, layers: int, topk: int, device: str, seed: int = 0
+) -> PackedTensor:
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(min_len, max_len + 1, size=sequences)
+    values = torch.from_numpy(
+        rng.integers(0, 128, size=(int(lengths.sum()), layers, topk), dtype=np.uint8)
+    )
+    return PackedTensor.from_lengths(values.to(device), lengths)
+
+
+def _status_kib(key: str) -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(key):
+                return int(line.split()[1])
+    raise OSError(f"/proc/self/status has no {key}")
+
+
+def pin_mmap_threshold(threshold: int = 1 << 17) -> None:
+    """Make glibc map every block of ``threshold`` bytes or more on its own and unmap it on free.
+
+    glibc otherwise raises the threshold after large frees and keeps freed blocks resident,
+    which hides later allocations from the resident high-water mark.
+    """
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.mallopt(_M_MMAP_THRESHOLD, threshold)
+    except (OSError, AttributeError):
+        pass
+
+
+def peak_extra_bytes(call: Callable[[], Any], device: torch.device) -> int | None:
+    """Peak memory ``call`` adds (its result included), or None where it cannot be measured."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+        result = call()
+        torch.cuda.synchronize(device)
+        peak = torch.cuda.max_memory_allocated(device) - before
+    else:
+        try:
+            with open("/proc/self/clear_refs", "w") as refs:
+                refs.write("5")
+            before = _status_kib("VmRSS")
+        except OSError:
+            return None
+        result = call()
+        peak = (_status_kib("VmHWM") - before) * 1024
+    del result
+    return peak
+
+
+def time_interleaved(
+    cases: dict[str, Callable[[], Any]], repeats: int, device: torch.device
+) -> dict[str, list[float]]:
+    seconds: dict[str, list[float]] = {name: [] for name in cases}
+    for _ in range(repeats):
+        for name, call in cases.items():
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            start = time.perf_counter()
+            result = call()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            seconds[name].append(time.perf_counter() - start)
+            del result
+    return seconds
+
+
+def bench_layout(
+    name: str, micro_batches: list[PackedTensor], layout: TokenLayout, repeats: int
+) -> dict:
+    """Expand every micro-batch for one rank vs copying the same output bytes."""
+    device = micro_batches[0].device
+    outputs = [expand(routes, layout) for routes in micro_batches]
+    sizes = [sum(t.numel() * t.element_size() for t in per_layer) for per_layer in outputs]
+    tokens = sum(per_layer[0].shape[0] for per_layer in outputs)
+    del outputs
+    output_bytes = sum(sizes)
+    sources = [torch.ones(size // 4, dtype=torch.int32, device=device) for size in sizes]
+    targets = [torch.empty_like(source) for source in sources]
+
+    def expand_all() -> list[list[torch.Tensor]]:
+        return [expand(routes, layout) for routes in micro_batches]
+
+    seconds = time_interleaved(
+        {
+            "clone": lambda: [source.clone() for source in sources],
+            "copy_into": lambda: [t.copy_(s) for t, s in zip(targets, sources, strict=True)],
+            "expand": expand_all,
+        },
+        repeats,
+        device,
+    )
+    median = {case: statistics.median(values) for case, values in seconds.items()}
+    peak = peak_extra_bytes(expand_all, device)
+    ratio = median["clone"] / median["expand"]
+    peak_ratio = None if peak is None else peak / output_bytes
+    return {
+        "layout": name,
+        "micro_batches": len(micro_batches),
+        "local_tokens": tokens,
+        "output_bytes": output_bytes,
+        "seconds_median": median,
+        "seconds_all": seconds,
+        "expand_gib_per_s": output_bytes / median["expand"] / 2**30,
+        "copy_throughput_ratio": ratio,
+        "copy_into_throughput_ratio": median["copy_into"] / median["expand"],
+        "peak_extra_bytes": peak,
+        "peak_extra_ratio": peak_ratio,
+        "met": {
+            "copy_throughput_ratio": ratio >= TARGETS["copy_throughput_ratio"],
+            "peak_extra_ratio": peak_ratio is not None
+            and peak_ratio <= TARGETS["peak_extra_ratio"],
+        },
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="small batch, few repeats")
+    parser.add_argument("--sequences", type=int, default=None)
+    parser.add_argument("--min-len", type=int, default=None)
+    parser.add_argument("--max-len", type=int, default=None)
+    parser.add_argument("--layers", type=int, default=48)
+    parser.add_argument("--topk", type=int, default=8)
+    parser.add_argument("--micro-batch", type=int, default=4, help="sequences per BSHD micro-batch")
+    parser.add_argument("--repeats", type=int, default=None)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    args = parser.parse_args(argv)
+    sequences = args.sequences or (16 if args.quick else 256)
+    min_len = args.min_len or (64 if args.quick else 512)
+    max_len = args.max_len or (256 if args.quick else 4096)
+    repeats = args.repeats or (3 if args.quick else 7)
+
+    pin_mmap_threshold()
+    routes = build_routes(sequences, min_len, max_len, args.layers, args.topk, args.device)
+    grid = {"tp_size": 2, "tp_rank": 1, "sequence_parallel": True, "cp_size": 2, "cp_rank": 0}
+    bshd = [routes[i : i + args.micro_batch] for i in range(0, sequences, args.micro_batch)]
+    results = [
+        bench_layout("thd tp2 cp2 sp", [routes], TokenLayout(packed=True, **grid), repeats),
+        bench_layout("bshd tp2 cp2 sp", bshd, TokenLayout(packed=False, **grid), repeats),
+    ]
+    result = {
+        "benchmark": "expand",
+        "config": {
+            "sequences": sequences,
+            "min_len": min_len,
+            "max_len": max_len,
+            "layers": args.layers,
+            "topk": args.topk,
+            "route_dtype": "uint8",
+            "output_dtype": "int32",
+            "bshd_micro_batch": args.micro_batch,
+            "repeats": repeats,
+            "device": args.device,
+            "torch_threads": torch.get_num_threads(),
+            "quick": args.quick,
+        },
+        "batch_rows": routes.total_rows,
+        "targets": TARGETS,
+        "results": results,
+        "met": all(all(r["met"].values()) for r in results),
+    }
+    for r in results:
+        peak = "n/a" if r["peak_extra_ratio"] is None else f"{r['peak_extra_ratio']:.2f}x"
+        print(
+            f"{r['layout']:>16}: {r['local_tokens']:>9} tokens, "
+            f"{r['output_bytes'] / 2**20:8.1f} MiB, expand {r['expand_gib_per_s']:6.2f} GiB/s, "
+            f"{r['copy_throughput_ratio']:.2f}x clone "
+            f"(target >= {TARGETS['copy_throughput_ratio']}), "
+            f"{r['copy_into_throughput_ratio']:.2f}x copy_, peak extra {peak} of output "
+            f"(target <= {TARGETS['peak_extra_ratio']})"
+        )
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
+
+if __name__ == "__main__":
+    main()

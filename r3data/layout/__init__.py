@@ -1,0 +1,11 @@
+"""Where routes go on a Megatron grid: padding, THD packing, CP zigzag, SP slices, PP layers.
+
+Pure geometry over host integers and one gather on the routes' device: no files, no JSON, no
+megatron import.
+"""
+
+from r3data.layout.gather import dense, expand, expand_mask
+from r3data.layout.stages import ModelLayers
+from r3data.layout.token_layout import PAD, LayerAxis, TokenLayout
+
+__all__ = ["PAD", "LayerAxis", "ModelLayers", "TokenLayout", "dense", "expand", "expand_mask"]

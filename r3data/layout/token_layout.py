@@ -1,0 +1,326 @@
+"""``TokenLayout``: where every token of a micro-batch sits on one rank of a Megatron grid.
+
+A micro-batch of B samples with real lengths ``lengths`` reaches a rank as follows (the rules
+megatron-core 0.16 applies, verified against its source; see ``docs/megatron.md``):
+
+- **BSHD** (``packed=False``): every sample is padded to one length S (``seq_length``, or the
+  longest sample rounded up to ``pad_multiple``), on the right or the left.
+- **THD** (``packed=True``): each sample is padded on the right to a multiple of
+  ``pad_multiple`` and the padded samples are concatenated (``cu_seqlens_padded``).
+- **CP** (``cp_size > 1``): a sequence of padded length P is cut into ``2 * cp_size`` chunks of
+  ``P / (2 * cp_size)``; rank r keeps chunks r and ``2 * cp_size - 1 - r``, in that order. BSHD
+  cuts the common length S (``get_batch_on_this_cp_rank``), THD each sample on its own
+  (Transformer Engine's ``thd_get_partitioned_indices``).
+- **SP** (``sequence_parallel`` with ``tp_size > 1``): TP rank t keeps the t-th contiguous
+  1/TP slice of the CP-local sequence dimension. Without SP every TP rank sees all of it.
+- The router flattens hidden states ``[seq, batch, hidden]``, so local tokens are **seq-major**:
+  token ``s * B + b`` is sample b at local sequence index s (THD has batch 1).
+
+``pad_multiple`` defaults to ``tp_size * 2 * cp_size`` with CP, else ``tp_size``; an override
+(e.g. for FP8 alignment) must stay a multiple of ``2 * cp_size`` (with CP) times ``tp_size``
+(with SP), so every chunk and slice is whole.
+
+Positions below are sample-relative: position p of sample b is row ``offsets[b] + p`` of the
+packed batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+
+from r3data.errors import LayoutError
+from r3data.layout.stages import ModelLayers
+
+#: ``token_index`` entry of a padding token.
+PAD = -1
+
+LayerAxis = Literal["all", "moe"]
+Ranges = list[list[tuple[int, int]]]
+
+
+def _check_rank(name: str, size: int, rank: int) -> None:
+    if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+        raise LayoutError(f"{name}_size must be an int >= 1, found {size!r}")
+    if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < size:
+        raise LayoutError(f"{name}_rank must be in [0, {size}), found {rank!r}")
+
+
+def as_lengths(lengths: Any) -> np.ndarray:
+    """Sample lengths as a host int64 array (B), validated."""
+    if hasattr(lengths, "detach"):
+        lengths = lengths.detach().cpu().numpy()
+    array = np.asarray(lengths)
+    if array.ndim != 1 or (array.size and array.dtype.kind not in "iu"):
+        raise LayoutError(
+            f"lengths must be a 1-D integer array, found dtype {array.dtype} and shape {array.shape}"
+        )
+    array = array.astype(np.int64)
+    if array.size and array.min() < 0:
+        raise LayoutError(
+            f"lengths must be >= 0, found {int(array.min())} at {int(array.argmin())}"
+        )
+    return array
+
+
+def aranges(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """``concatenate([arange(s, s + n) for s, n in zip(starts, counts)])`` in one pass."""
+    total = int(counts.sum())
+    firsts = np.cumsum(counts) - counts
+    return np.arange(total, dtype=np.int64) + np.repeat(starts - firsts, counts)
+
+
+@dataclass(frozen=True)
+class TokenLayout:
+    """How one micro-batch sits on one (TP, CP, PP) rank. Geometry methods take the lengths."""
+
+    tp_size: int = 1
+    tp_rank: int = 0
+    sequence_parallel: bool = False
+    cp_size: int = 1
+    cp_rank: int = 0
+    pp_size: int = 1
+    pp_rank: int = 0
+    vpp_size: int | None = None
+    packed: bool = True
+    padding_side: Literal["left", "right"] = "right"
+    pad_multiple: int | None = None
+    seq_length: int | None = None
+    layers: ModelLayers | None = None
+
+    def __post_init__(self) -> None:
+        _check_rank("tp", self.tp_size, self.tp_rank)
+        _check_rank("cp", self.cp_size, self.cp_rank)
+        _check_rank("pp", self.pp_size, self.pp_rank)
+        if self.vpp_size not in (None, 1):
+            raise LayoutError(
+                f"virtual pipeline parallelism is not supported, found vpp_size={self.vpp_size}: "
+                "Megatron's RouterReplay pops one backward FIFO per router in forward order, "
+                "which interleaved model chunks do not follow"
+            )
+        if self.padding_side not in ("left", "right"):
+            raise LayoutError(
+                f"padding_side must be 'left' or 'right', found {self.padding_side!r}"
+            )
+        if self.packed and self.padding_side != "right":
+            raise LayoutError("packed (THD) layouts pad each sample on the right, found 'left'")
+        if self.packed and self.seq_length is not None:
+            raise LayoutError(f"seq_length is for BSHD layouts, found {self.seq_length} with THD")
+        need = self.required_multiple
+        if self.pad_multiple is not None and (
+            not isinstance(self.pad_multiple, int)
+            or self.pad_multiple < 1
+            or self.pad_multiple % need
+        ):
+            raise LayoutError(
+                f"pad_multiple must be a positive multiple of {need} (2*CP with CP, times TP with "
+                f"SP), found {self.pad_multiple!r}"
+            )
+        if self.seq_length is not None and (
+            not isinstance(self.seq_length, int) or self.seq_length < 0 or self.seq_length % need
+        ):
+            raise LayoutError(
+                f"seq_length must be a non-negative multiple of {need}, found {self.seq_length!r}"
+            )
+        if self.layers is not None and not isinstance(self.layers, ModelLayers):
+            raise LayoutError(f"layers must be a ModelLayers, found {type(self.layers).__name__}")
+
+    # --- derived sizes --------------------------------------------------------------------
+
+    @property
+    def sp_size(self) -> int:
+        """How many ranks split the CP-local sequence (TP with sequence parallelism, else 1)."""
+        return self.tp_size if self.sequence_parallel else 1
+
+    @property
+    def sp_rank(self) -> int:
+        return self.tp_rank if self.sequence_parallel else 0
+
+    @property
+    def required_multiple(self) -> int:
+        """The least multiple every padded length must be: 2*CP (with CP) times TP (with SP)."""
+        return (2 * self.cp_size if self.cp_size > 1 else 1) * self.sp_size
+
+    @property
+    def multiple(self) -> int:
+        """The multiple samples are padded to (``pad_multiple`` or the default)."""
+        if self.pad_multiple is not None:
+            return self.pad_multiple
+        return self.tp_size * (2 * self.cp_size if self.cp_size > 1 else 1)
+
+    # --- per-batch geometry ---------------------------------------------------------------
+
+    def padded_lengths(self, lengths: Any) -> np.ndarray:
+        """Length of every sample after padding (THD: own multiple; BSHD: the common S)."""
+        lengths = as_lengths(lengths)
+        if self.packed:
+            return -(-lengths // self.multiple) * self.multiple
+        return np.full(lengths.size, self._common_length(lengths), dtype=np.int64)
+
+    def cu_seqlens(self, lengths: Any) -> np.ndarray:
+        """Offsets of the real tokens, B+1 (host int64)."""
+        return np.concatenate(([0], np.cumsum(as_lengths(lengths))))
+
+    def cu_seqlens_padded(self, lengths: Any) -> np.ndarray:
+        """Offsets of the padded samples, B+1 (host int64); THD attention takes both."""
+        return np.concatenate(([0], np.cumsum(self.padded_lengths(lengths))))
+
+    def num_local_tokens(self, lengths: Any) -> int:
+        """Tokens this rank's routers see, padding included."""
+        return int(self.padded_lengths(lengths).sum()) // (self.cp_size * self.sp_size)
+
+    def token_grid(self, lengths: Any, *, local: bool = False) -> np.ndarray:
+        """``[local_seq, batch]``: the packed-batch row of every local token, or ``PAD``.
+
+        Row s, column b is sample b at local sequence index s (THD: one column). Flattened
+        row-major it is the router's token order. With ``local=True`` rows index a batch
+        holding only each sample's :meth:`local_ranges` back to back (a rank-local read).
+        """
+        lengths = as_lengths(lengths)
+        grid = self._thd_index(lengths)[:, None] if self.packed else self._bshd_index(lengths)
+        if local:
+            grid = self._to_local_rows(grid.reshape(-1), lengths).reshape(grid.shape)
+        return grid
+
+    def token_index(self, lengths: Any, *, local: bool = False) -> np.ndarray:
+        """For every local token in router order: its packed-batch row, or ``PAD``."""
+        return self.token_grid(lengths, local=local).reshape(-1)
+
+    def local_ranges(self, lengths: Any) -> Ranges:
+        """Per sample, the sorted disjoint ``(lo, hi)`` position ranges this rank's tokens cover."""
+        lengths = as_lengths(lengths)
+        sample, start, count = self._position_runs(lengths)
+        real_lo = np.maximum(start, 0)
+        real_hi = np.minimum(start + count, lengths[sample])
+        keep = real_hi > real_lo
+        ranges: Ranges = [[] for _ in range(lengths.size)]
+        for b, lo, hi in zip(
+            sample[keep].tolist(), real_lo[keep].tolist(), real_hi[keep].tolist(), strict=True
+        ):
+            ranges[b].append((lo, hi))
+        return [_merge(r) for r in ranges]
+
+    def local_lengths(self, lengths: Any) -> np.ndarray:
+        """Rows per sample a rank-local read holds (the sizes of :meth:`local_ranges`)."""
+        return np.array(
+            [sum(hi - lo for lo, hi in r) for r in self.local_ranges(lengths)], np.int64
+        )
+
+    def moe_layers(self, route_layers: int, layer_axis: LayerAxis) -> tuple[int, ...]:
+        """Indices into a routes' layer axis of the MoE layers this pipeline stage builds.
+
+        ``layer_axis="all"``: the axis has one entry per decoder layer (vLLM, SGLang: dense
+        layers are zero rows). ``"moe"``: one entry per MoE layer, in layer order. Without
+        ``layers`` every entry of the axis is taken to be an MoE layer.
+        """
+        if layer_axis not in ("all", "moe"):
+            raise LayoutError(f"layer_axis must be 'all' or 'moe', found {layer_axis!r}")
+        model = self.layers or ModelLayers(num_layers=max(route_layers, 1))
+        moe_ids = model.moe_layer_ids
+        expected = model.num_layers if layer_axis == "all" else len(moe_ids)
+        if route_layers != expected:
+            raise LayoutError(
+                f"routes hold {route_layers} layers; layer_axis={layer_axis!r} of a model with "
+                f"{model.num_layers} layers ({len(moe_ids)} MoE) expects {expected}"
+            )
+        local = model.moe_stage(self.pp_size, self.pp_rank)
+        if layer_axis == "all":
+            return local
+        position = {layer: i for i, layer in enumerate(moe_ids)}
+        return tuple(position[layer] for layer in local)
+
+    # --- internals ------------------------------------------------------------------------
+
+    @property
+    def _cp_split(self) -> int:
+        return 2 * self.cp_size if self.cp_size > 1 else 1
+
+    def _common_length(self, lengths: np.ndarray) -> int:
+        longest = int(lengths.max()) if lengths.size else 0
+        if self.seq_length is None:
+            return -(-longest // self.multiple) * self.multiple
+        if longest > self.seq_length:
+            raise LayoutError(f"samples must fit seq_length {self.seq_length}, found {longest}")
+        return self.seq_length
+
+    def _cp_runs(self, padded: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(sequence, start, count) runs this CP rank keeps, in local order."""
+        sequences = np.arange(padded.size, dtype=np.int64)
+        if self.cp_size == 1:
+            return sequences, np.zeros_like(padded), padded
+        chunk = padded // self._cp_split
+        first, second = self.cp_rank, self._cp_split - 1 - self.cp_rank
+        sequence = np.repeat(sequences, 2)
+        start = np.stack([first * chunk, second * chunk], axis=1).reshape(-1)
+        return sequence, start, np.repeat(chunk, 2)
+
+    def _sp_clip(
+        self, runs: tuple[np.ndarray, np.ndarray, np.ndarray]
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Keep the SP rank's contiguous slice of a stream of runs."""
+        sequence, start, count = runs
+        if self.sp_size == 1:
+            return runs
+        ends = np.cumsum(count)
+        slice_len = int(ends[-1]) // self.sp_size if ends.size else 0
+        lo, hi = self.sp_rank * slice_len, (self.sp_rank + 1) * slice_len
+        begins = ends - count
+        new_begin, new_end = np.maximum(begins, lo), np.minimum(ends, hi)
+        keep = new_end > new_begin
+        return sequence[keep], (start + new_begin - begins)[keep], (new_end - new_begin)[keep]
+
+    def _position_runs(self, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(sample, first real-or-padded position, count) runs local to this rank."""
+        padded = self.padded_lengths(lengths)
+        if self.packed:
+            return self._sp_clip(self._cp_runs(padded))
+        _, start, count = self._sp_clip(self._cp_runs(padded[:1]))
+        batch = lengths.size
+        shift = padded - lengths if self.padding_side == "left" else np.zeros_like(lengths)
+        sample = np.repeat(np.arange(batch, dtype=np.int64), start.size)
+        return sample, np.tile(start, batch) - np.repeat(shift, start.size), np.tile(count, batch)
+
+    def _thd_index(self, lengths: np.ndarray) -> np.ndarray:
+        sequence, start, count = self._sp_clip(self._cp_runs(self.padded_lengths(lengths)))
+        positions = aranges(start, count)
+        owner = np.repeat(sequence, count)
+        offsets = np.cumsum(lengths) - lengths
+        return np.where(positions < lengths[owner], offsets[owner] + positions, PAD)
+
+    def _bshd_index(self, lengths: np.ndarray) -> np.ndarray:
+        """``[local_seq, B]``: row of sample b at local sequence index s, or ``PAD``."""
+        padded = self.padded_lengths(lengths)
+        if not lengths.size:
+            return np.zeros((0, 0), dtype=np.int64)
+        _, start, count = self._sp_clip(self._cp_runs(padded[:1]))
+        positions = aranges(start, count)[:, None]
+        shift = padded - lengths if self.padding_side == "left" else np.zeros_like(lengths)
+        real = positions - shift[None, :]
+        offsets = np.cumsum(lengths) - lengths
+        inside = (real >= 0) & (real < lengths[None, :])
+        return np.where(inside, offsets[None, :] + real, PAD)
+
+    def _to_local_rows(self, index: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+        """Map full-batch rows to rows of the batch holding only the local ranges."""
+        offsets = np.cumsum(lengths) - lengths
+        ranges = self.local_ranges(lengths)
+        lo = np.array([offsets[b] + lo for b, rs in enumerate(ranges) for lo, _ in rs], np.int64)
+        size = np.array([hi - lo for rs in ranges for lo, hi in rs], np.int64)
+        local_start = np.cumsum(size) - size
+        real = index != PAD
+        which = np.searchsorted(lo, index[real], side="right") - 1
+        out = np.full_like(index, PAD)
+        out[real] = local_start[which] + index[real] - lo[which]
+        return out
+
+
+def _merge(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    merged: list[tuple[int, int]] = []
+    for lo, hi in sorted(ranges):
+        if merged and lo <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(hi, merged[-1][1]))
+        else:
+            merged.append((lo, hi))
+    return merged

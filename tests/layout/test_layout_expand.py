@@ -1,0 +1,259 @@
+"""expand / dense / expand_mask against a per-token reference, on every rank."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from layout_reference import PAD, rank_rows
+
+from r3data.errors import LayoutError
+from r3data.layout import ModelLayers, TokenLayout, dense, expand, expand_mask
+from r3data.packed import PackedTensor
+
+DTYPES = {torch.uint8: 256, torch.uint16: 65536, torch.int32: 2**31 - 1}
+
+
+def random_routes(lengths, layers, topk, dtype, seed=0) -> PackedTensor:
+    rng = np.random.default_rng(seed)
+    high = DTYPES[dtype]
+    values = rng.integers(high // 2, high, size=(sum(lengths), layers, topk))  # top half: sign bugs
+    return PackedTensor.from_lengths(torch.from_numpy(values).to(dtype), lengths)
+
+
+def reference(routes: PackedTensor, rows: list[int], layer_ids, fill) -> list[np.ndarray]:
+    values = routes.values.to(torch.int64).numpy()
+    fill = np.asarray(fill)
+    topk = routes.row_shape[1]
+    return [
+        np.array([values[r, layer] if r != PAD else fill for r in rows]).reshape(len(rows), topk)
+        for layer in layer_ids
+    ]
+
+
+def all_ranks(tp, cp, sp, packed, side="right", **extra) -> list[TokenLayout]:
+    return [
+        TokenLayout(
+            tp_size=tp,
+            tp_rank=t,
+            cp_size=cp,
+            cp_rank=c,
+            sequence_parallel=sp,
+            packed=packed,
+            padding_side="right" if packed else side,
+            **extra,
+        )
+        for c in range(cp)
+        for t in range(tp)
+    ]
+
+
+CASES = st.fixed_dictionaries(
+    {
+        "tp": st.sampled_from([1, 2]),
+        "cp": st.sampled_from([1, 2, 3]),
+        "sp": st.booleans(),
+        "packed": st.booleans(),
+        "side": st.sampled_from(["left", "right"]),
+        "lengths": st.lists(st.integers(0, 30), min_size=1, max_size=5),
+        "layers": st.integers(1, 4),
+        "topk": st.integers(1, 4),
+        "dtype": st.sampled_from(list(DTYPES)),
+    }
+)
+
+
+@settings(max_examples=50, deadline=None)
+@given(case=CASES)
+def test_expand_matches_the_reference_and_pads_with_distinct_experts(case):
+    routes = random_routes(case["lengths"], case["layers"], case["topk"], case["dtype"])
+    for layout in all_ranks(case["tp"], case["cp"], case["sp"], case["packed"], case["side"]):
+        rows = rank_rows(layout, case["lengths"])
+        got = expand(routes, layout)
+        want = reference(routes, rows, range(case["layers"]), np.arange(case["topk"]))
+        assert len(got) == case["layers"]
+        for tensor, expected in zip(got, want, strict=True):
+            assert tensor.dtype == torch.int32
+            assert tensor.shape == (len(rows), case["topk"])
+            np.testing.assert_array_equal(tensor.numpy(), expected)
+            pads = tensor[torch.tensor([r == PAD for r in rows], dtype=torch.bool)]
+            assert all(len(set(row)) == case["topk"] for row in pads.tolist())
+
+
+@settings(max_examples=40, deadline=None)
+@given(case=CASES)
+def test_expanding_local_rows_equals_expanding_the_full_batch(case):
+    routes = random_routes(case["lengths"], case["layers"], case["topk"], case["dtype"])
+    for layout in all_ranks(case["tp"], case["cp"], case["sp"], case["packed"], case["side"]):
+        ranges = layout.local_ranges(case["lengths"])
+        local = PackedTensor.from_segments(
+            [
+                torch.cat([segment[lo:hi] for lo, hi in sample_ranges] or [segment[:0]])
+                for segment, sample_ranges in zip(routes, ranges, strict=True)
+            ]
+        )
+        full = expand(routes, layout, dtype=torch.int64)
+        rank_local = expand(local, layout, dtype=torch.int64, local=True, lengths=case["lengths"])
+        for a, b in zip(full, rank_local, strict=True):
+            assert torch.equal(a, b)
+
+
+@settings(max_examples=30, deadline=None)
+@given(case=CASES)
+def test_dense_is_batch_major_with_the_same_tokens(case):
+    routes = random_routes(case["lengths"], case["layers"], case["topk"], case["dtype"])
+    for layout in all_ranks(case["tp"], case["cp"], case["sp"], packed=False, side=case["side"]):
+        rows = rank_rows(layout, case["lengths"])
+        batch = len(case["lengths"])
+        seq_major = np.asarray(rows).reshape(-1, batch)
+        got = dense(routes, layout)
+        for tensor, expected in zip(
+            got,
+            reference(routes, rows, range(case["layers"]), np.arange(case["topk"])),
+            strict=True,
+        ):
+            assert tensor.shape == (batch, seq_major.shape[0], case["topk"])
+            want = expected.reshape(seq_major.shape[0], batch, case["topk"]).transpose(1, 0, 2)
+            np.testing.assert_array_equal(tensor.numpy(), want)
+
+
+@pytest.mark.parametrize("packed", [True, False])
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.uint16, torch.int32])
+def test_long_runs_and_interleaved_dense_layers(packed, dtype):
+    """Long samples take slice copies, here with dense layers to skip and pieces to split."""
+    lengths = [700, 333, 1024, 5]
+    model = ModelLayers(num_layers=6, moe_layer_freq=(1, 0, 1, 1, 0, 1))
+    routes = random_routes(lengths, 6, 3, dtype, seed=3)
+    for layout in all_ranks(2, 2, True, packed, layers=model, pp_size=2):
+        for stage in range(2):
+            staged = TokenLayout(**{**layout.__dict__, "pp_rank": stage})
+            rows = rank_rows(staged, lengths)
+            layer_ids = model.moe_stage(2, stage)
+            for tensor, expected in zip(
+                expand(routes, staged), reference(routes, rows, layer_ids, [0, 1, 2]), strict=True
+            ):
+                np.testing.assert_array_equal(tensor.numpy(), expected)
+
+
+def test_moe_only_layer_axis_selects_the_same_routes():
+    model = ModelLayers(num_layers=5, moe_layer_freq=(0, 1, 1, 0, 1))
+    all_layers = random_routes([9, 4], 5, 2, torch.uint8)
+    moe_only = PackedTensor(all_layers.values[:, [1, 2, 4]].contiguous(), all_layers.offsets)
+    for pp_rank in range(1):
+        layout = TokenLayout(layers=model, pp_rank=pp_rank)
+        a = expand(all_layers, layout, layer_axis="all")
+        b = expand(moe_only, layout, layer_axis="moe")
+        assert len(a) == 3
+        assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+def test_custom_fill_and_output_dtype():
+    routes = random_routes([3], 1, 3, torch.uint8)
+    layout = TokenLayout(tp_size=4)
+    (tensor,) = expand(routes, layout, fill=[7, 5, 6], dtype=torch.int64)
+    assert tensor.dtype == torch.int64
+    assert tensor[3].tolist() == [7, 5, 6]
+    assert torch.equal(tensor[:3], routes.values[:, 0].to(torch.int64))
+
+
+def test_an_empty_batch_and_a_stage_without_moe_layers():
+    empty = PackedTensor.empty((2, 2), torch.uint8)
+    assert [t.shape for t in expand(empty, TokenLayout())] == [(0, 2), (0, 2)]
+    routes = random_routes([4], 2, 2, torch.uint8)
+    no_moe = TokenLayout(
+        layers=ModelLayers(num_layers=2, moe_layer_freq=(1, 0)), pp_size=2, pp_rank=1
+    )
+    assert expand(routes, no_moe) == []
+
+
+def test_all_padding_when_the_rank_holds_no_real_tokens():
+    routes = PackedTensor.from_lengths(torch.zeros((0, 1, 2), dtype=torch.uint8), [0, 0])
+    (tensor,) = expand(routes, TokenLayout(packed=False, seq_length=4))
+    assert tensor.tolist() == [[0, 1]] * 8
+
+
+def test_expand_mask_follows_the_token_order():
+    lengths = [5, 11, 3]
+    rng = np.random.default_rng(1)
+    mask = PackedTensor.from_lengths(torch.from_numpy(rng.random(sum(lengths)) > 0.5), lengths)
+    for layout in all_ranks(2, 2, True, packed=True) + all_ranks(1, 2, False, packed=False):
+        rows = rank_rows(layout, lengths)
+        want = [bool(mask.values[r]) if r != PAD else False for r in rows]
+        assert expand_mask(mask, layout).tolist() == want
+        ranges = layout.local_ranges(lengths)
+        local = PackedTensor.from_segments(
+            [
+                torch.cat([m[lo:hi] for lo, hi in r] or [m[:0]])
+                for m, r in zip(mask, ranges, strict=True)
+            ]
+        )
+        assert expand_mask(local, layout, local=True, lengths=lengths).tolist() == want
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda r: expand(r.values, TokenLayout()), "must be a PackedTensor, found Tensor"),
+        (
+            lambda r: expand(r, TokenLayout(layers=ModelLayers(num_layers=4))),
+            "routes hold 3 layers; layer_axis='all' of a model with 4 layers",
+        ),
+        (lambda r: expand(r, TokenLayout(), local=True), "local=True needs lengths"),
+        (lambda r: expand(r, TokenLayout(), lengths=[2, 3]), "sample 0 must hold 2 rows, found 3"),
+        (
+            lambda r: expand(r, TokenLayout(), lengths=[3]),
+            "lengths name 1 samples, the batch holds 2",
+        ),
+        (
+            lambda r: expand(
+                r, TokenLayout(tp_size=2, sequence_parallel=True), local=True, lengths=[3, 3]
+            ),
+            "sample 1 must hold 0 local rows, found 3",
+        ),
+        (lambda r: expand(r, TokenLayout(), fill="zeros"), "'distinct' or 2 distinct"),
+        (lambda r: expand(r, TokenLayout(), fill=[1, 1]), "2 distinct expert ids >= 0, found"),
+        (lambda r: expand(r, TokenLayout(), fill=[1.0, 2.0]), "2 integer expert ids"),
+        (lambda r: expand(r, TokenLayout(), dtype=torch.float32), "integer torch dtype"),
+        (lambda r: dense(r, TokenLayout()), "BSHD layout"),
+        (lambda r: expand_mask(r, TokenLayout()), r"scalars, found row shape \(3, 2\)"),
+        (lambda r: expand_mask(r.values, TokenLayout()), "mask must be a PackedTensor"),
+    ],
+)
+def test_bad_arguments_raise(call, message):
+    routes = random_routes([3, 3], 3, 2, torch.uint8)
+    with pytest.raises(LayoutError, match=message):
+        call(routes)
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        (torch.zeros((4, 2), dtype=torch.uint8), r"\[layers, topk\], found row shape \(2,\)"),
+        (torch.zeros((4, 2, 0), dtype=torch.uint8), r"found row shape \(2, 0\)"),
+        (torch.zeros((4, 2, 2), dtype=torch.float32), "integer expert ids, found dtype"),
+    ],
+)
+def test_malformed_routes_raise(values, message):
+    with pytest.raises(LayoutError, match=message):
+        expand(PackedTensor.from_lengths(values, [4]), TokenLayout())
+
+
+def test_expand_mask_on_a_rank_without_real_tokens():
+    mask = PackedTensor.from_lengths(torch.ones(3, dtype=torch.bool), [3])
+    layout = TokenLayout(tp_size=2, tp_rank=1, sequence_parallel=True, pad_multiple=8)
+    assert expand_mask(mask, layout).tolist() == [False] * 4
+
+
+def test_lengths_may_be_a_tensor():
+    routes = random_routes([4, 2], 1, 2, torch.uint8)
+    layout = TokenLayout(cp_size=2, cp_rank=1)
+    ranges = layout.local_ranges(torch.tensor([4, 2]))
+    assert ranges == layout.local_ranges([4, 2])
+    local = PackedTensor.from_segments(
+        [torch.cat([s[lo:hi] for lo, hi in r]) for s, r in zip(routes, ranges, strict=True)]
+    )
+    (a,) = expand(routes, layout)
+    (b,) = expand(local, layout, local=True, lengths=torch.tensor([4, 2]))
+    assert torch.equal(a, b)

@@ -1,0 +1,200 @@
+"""TokenLayout geometry: padding, THD/BSHD, CP zigzag, SP slices, local ranges."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from layout_reference import rank_rows, round_up
+
+from r3data.errors import LayoutError
+from r3data.layout import PAD, ModelLayers, TokenLayout
+
+GRIDS = st.fixed_dictionaries(
+    {
+        "tp_size": st.sampled_from([1, 2, 4]),
+        "cp_size": st.sampled_from([1, 2, 3, 4]),
+        "sequence_parallel": st.booleans(),
+        "packed": st.booleans(),
+        "padding_side": st.sampled_from(["left", "right"]),
+    }
+)
+LENGTHS = st.lists(st.integers(0, 40), min_size=0, max_size=6)
+
+
+def layouts_of(grid: dict, **extra) -> list[TokenLayout]:
+    """Every (tp, cp) rank of ``grid``."""
+    grid = dict(grid)
+    if grid["packed"]:
+        grid["padding_side"] = "right"
+    return [
+        TokenLayout(tp_rank=t, cp_rank=c, **grid, **extra)
+        for c in range(grid["cp_size"])
+        for t in range(grid["tp_size"])
+    ]
+
+
+@settings(max_examples=60, deadline=None)
+@given(grid=GRIDS, lengths=LENGTHS)
+def test_token_order_matches_the_reference_on_every_rank(grid, lengths):
+    for layout in layouts_of(grid):
+        index = layout.token_index(lengths)
+        assert index.tolist() == rank_rows(layout, lengths)
+        assert index.size == layout.num_local_tokens(lengths)
+
+
+@settings(max_examples=60, deadline=None)
+@given(grid=GRIDS, lengths=LENGTHS)
+def test_every_real_token_sits_on_exactly_one_rank_in_order(grid, lengths):
+    layouts = layouts_of(grid)
+    total = sum(lengths)
+    seen = np.zeros(total, dtype=np.int64)
+    starts = np.cumsum([0, *lengths])
+    for layout in layouts:
+        grid_rows = layout.token_grid(lengths)
+        # Without SP the TP ranks of a CP rank all see its tokens: count TP rank 0, compare.
+        if layout.sequence_parallel or layout.tp_rank == 0:
+            np.add.at(seen, grid_rows[grid_rows != PAD], 1)
+        else:
+            twin = TokenLayout(**{**layout.__dict__, "tp_rank": 0})
+            assert np.array_equal(grid_rows, twin.token_grid(lengths))
+        for column in grid_rows.T:
+            rows = column[column != PAD]
+            sample = np.searchsorted(starts, rows, side="right") - 1
+            for b in np.unique(sample):
+                assert np.all(np.diff(rows[sample == b]) > 0), "a sample's tokens out of order"
+    assert np.all(seen == 1)
+    sizes = {layout.num_local_tokens(lengths) for layout in layouts}
+    assert len(sizes) <= 1, "ranks of one micro-batch must see the same number of tokens"
+
+
+@settings(max_examples=50, deadline=None)
+@given(grid=GRIDS, lengths=LENGTHS)
+def test_local_ranges_cover_exactly_the_real_tokens_of_the_rank(grid, lengths):
+    starts = np.cumsum([0, *lengths])
+    for layout in layouts_of(grid):
+        ranges = layout.local_ranges(lengths)
+        assert len(ranges) == len(lengths)
+        covered = []
+        for b, sample_ranges in enumerate(ranges):
+            for (_, hi), (lo, _) in itertools.pairwise(sample_ranges):
+                assert hi < lo, "ranges must be sorted, disjoint and merged"
+            for lo, hi in sample_ranges:
+                assert 0 <= lo < hi <= lengths[b]
+                covered.extend(range(starts[b] + lo, starts[b] + hi))
+        index = layout.token_index(lengths)
+        assert sorted(covered) == sorted(index[index != PAD].tolist())
+        assert layout.local_lengths(lengths).tolist() == [
+            sum(hi - lo for lo, hi in r) for r in ranges
+        ]
+
+
+@settings(max_examples=40, deadline=None)
+@given(grid=GRIDS, lengths=LENGTHS)
+def test_local_token_index_points_into_the_local_rows(grid, lengths):
+    starts = np.cumsum([0, *lengths])
+    for layout in layouts_of(grid):
+        full = layout.token_index(lengths)
+        local = layout.token_index(lengths, local=True)
+        assert np.array_equal(full == PAD, local == PAD)
+        kept = [
+            starts[b] + p
+            for b, sample_ranges in enumerate(layout.local_ranges(lengths))
+            for lo, hi in sample_ranges
+            for p in range(lo, hi)
+        ]
+        assert np.array_equal(
+            np.asarray(kept, dtype=np.int64)[local[local != PAD]], full[full != PAD]
+        )
+
+
+@settings(max_examples=40, deadline=None)
+@given(grid=GRIDS, lengths=LENGTHS.filter(bool))
+def test_padded_lengths_and_offsets(grid, lengths):
+    layout = layouts_of(grid)[0]
+    padded = layout.padded_lengths(lengths)
+    assert np.all(padded >= lengths)
+    assert np.all(padded % layout.required_multiple == 0)
+    if layout.packed:
+        assert padded.tolist() == [round_up(n, layout.multiple) for n in lengths]
+    else:
+        assert set(padded.tolist()) == {round_up(max(lengths), layout.multiple)}
+    assert layout.cu_seqlens(lengths).tolist() == np.cumsum([0, *lengths]).tolist()
+    assert layout.cu_seqlens_padded(lengths).tolist() == np.cumsum([0, *padded]).tolist()
+
+
+def test_default_pad_multiple_follows_tp_and_cp():
+    assert TokenLayout(tp_size=4).multiple == 4
+    assert TokenLayout(tp_size=2, cp_size=3).multiple == 12
+    assert TokenLayout(tp_size=2, cp_size=2, pad_multiple=64).multiple == 64
+
+
+def test_seq_length_fixes_the_bshd_length():
+    layout = TokenLayout(packed=False, cp_size=2, cp_rank=1, seq_length=16)
+    assert layout.padded_lengths([3, 9]).tolist() == [16, 16]
+    assert layout.token_index([3, 9]).tolist() == rank_rows(layout, [3, 9])
+    with pytest.raises(LayoutError, match="fit seq_length 16, found 17"):
+        layout.token_index([17])
+
+
+def test_left_padding_keeps_the_last_tokens_at_the_end():
+    layout = TokenLayout(packed=False, padding_side="left")
+    assert layout.token_grid([2, 4]).tolist() == [[PAD, 2], [PAD, 3], [0, 4], [1, 5]]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"tp_size": 0}, "tp_size must be an int >= 1, found 0"),
+        ({"tp_size": 2, "tp_rank": 2}, r"tp_rank must be in \[0, 2\), found 2"),
+        ({"cp_rank": -1}, r"cp_rank must be in \[0, 1\), found -1"),
+        ({"pp_size": 2, "pp_rank": 3}, r"pp_rank must be in \[0, 2\), found 3"),
+        ({"vpp_size": 2}, "vpp_size=2"),
+        ({"padding_side": "middle", "packed": False}, "'left' or 'right', found 'middle'"),
+        ({"padding_side": "left"}, "pad each sample on the right"),
+        ({"seq_length": 8}, "seq_length is for BSHD"),
+        ({"cp_size": 2, "pad_multiple": 6}, "multiple of 4 .* found 6"),
+        ({"tp_size": 2, "sequence_parallel": True, "pad_multiple": 3}, "multiple of 2 .* found 3"),
+        ({"packed": False, "cp_size": 2, "seq_length": 6}, "seq_length must be .* multiple of 4"),
+        ({"layers": 4}, "layers must be a ModelLayers, found int"),
+    ],
+)
+def test_invalid_layouts_raise(kwargs, message):
+    with pytest.raises(LayoutError, match=message):
+        TokenLayout(**kwargs)
+
+
+def test_vpp_of_one_is_accepted():
+    assert TokenLayout(vpp_size=1, pp_size=2).vpp_size == 1
+
+
+@pytest.mark.parametrize(
+    ("lengths", "message"),
+    [([[1, 2]], "1-D integer array"), ([1.5], "1-D integer array"), ([3, -1], ">= 0, found -1")],
+)
+def test_bad_lengths_raise(lengths, message):
+    with pytest.raises(LayoutError, match=message):
+        TokenLayout().token_index(lengths)
+
+
+def test_moe_layers_map_the_route_axis_to_this_stage():
+    layers = ModelLayers(num_layers=6, moe_layer_freq=(1, 0, 1, 1, 0, 1))
+    first = TokenLayout(pp_size=2, pp_rank=0, layers=layers)
+    second = TokenLayout(pp_size=2, pp_rank=1, layers=layers)
+    assert first.moe_layers(6, "all") == (0, 2)
+    assert second.moe_layers(6, "all") == (3, 5)
+    assert first.moe_layers(4, "moe") == (0, 1)
+    assert second.moe_layers(4, "moe") == (2, 3)
+    with pytest.raises(LayoutError, match=r"routes hold 4 layers; layer_axis='all' .* expects 6"):
+        first.moe_layers(4, "all")
+    with pytest.raises(LayoutError, match="'all' or 'moe', found 'dense'"):
+        first.moe_layers(6, "dense")  # type: ignore[arg-type]
+
+
+def test_without_model_layers_every_route_layer_is_moe_and_split_evenly():
+    assert TokenLayout(pp_size=2, pp_rank=1).moe_layers(8, "all") == (4, 5, 6, 7)
+    with pytest.raises(LayoutError, match="split evenly"):
+        TokenLayout(pp_size=3).moe_layers(8, "moe")
