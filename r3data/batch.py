@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from r3data.errors import PackedError
-from r3data.packed import PackedTensor, pick_indices
+from r3data.packed import PackedTensor, check_count, pick_indices
 from r3data.tensor_buffer import bit_view, rebuild_tensor, tensor_buffer
 
 Field = torch.Tensor | PackedTensor | list
@@ -145,10 +145,12 @@ class TensorBatch(MutableMapping[str, Field]):
 
     def repeat(self, n: int) -> TensorBatch:
         """Tile the batch ``n`` times."""
+        check_count(n)
         return self.gather(np.tile(np.arange(self.batch_size), n))
 
     def repeat_interleave(self, n: int) -> TensorBatch:
         """Each sample ``n`` times in a row."""
+        check_count(n)
         return self.gather(np.repeat(np.arange(self.batch_size), n))
 
     # --- conversion -----------------------------------------------------------------------

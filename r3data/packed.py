@@ -245,13 +245,13 @@ class PackedTensor:
 
     def repeat(self, n: int) -> PackedTensor:
         """Tile the whole batch ``n`` times: B*n sequences."""
-        _check_count(n)
+        check_count(n)
         values = self.values.repeat(n, *([1] * len(self.row_shape)))
         return PackedTensor(values, _offsets_from_lengths(np.tile(self.lengths, n)))
 
     def repeat_interleave(self, n: int) -> PackedTensor:
         """Repeat each sequence ``n`` times in place: B*n sequences."""
-        _check_count(n)
+        check_count(n)
         return self.gather(np.repeat(np.arange(len(self)), n))
 
     # --- conversion -----------------------------------------------------------------------
@@ -379,6 +379,6 @@ def _index(rows: np.ndarray, device: torch.device) -> torch.Tensor:
     return torch.from_numpy(rows).to(device, non_blocking=True)
 
 
-def _check_count(n: int) -> None:
+def check_count(n: int) -> None:
     if not isinstance(n, (int, np.integer)) or isinstance(n, bool) or n < 0:
         raise PackedError(f"repeat count must be an int >= 0, found {n!r}")

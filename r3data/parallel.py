@@ -51,8 +51,8 @@ def _cgroup_v2_cpus(root: Path) -> float | None:
     if text is None:
         return None
     quota, _, period = text.partition(" ")
-    if quota == "max" or not period:
-        return None
+    if quota == "max" or not quota.isdigit() or not period.isdigit() or int(period) == 0:
+        return None  # unlimited, or a file we cannot read: no limit from it
     return int(quota) / int(period)
 
 
@@ -60,8 +60,8 @@ def _cgroup_v1_cpus(root: Path) -> float | None:
     for folder in ("cpu", "cpu,cpuacct", "cpuacct,cpu"):
         quota = _read(root / folder / "cpu.cfs_quota_us")
         period = _read(root / folder / "cpu.cfs_period_us")
-        if quota is not None and period is not None and int(quota) > 0 and int(period) > 0:
-            return int(quota) / int(period)
+        if quota and period and quota.isdigit() and period.isdigit() and int(period) > 0:
+            return int(quota) / int(period) or None
     return None
 
 
@@ -170,8 +170,8 @@ def _call(fill_fn: Callable[[int], T], i: int) -> T:
     try:
         return fill_fn(i)
     except Exception as exc:
-        if getattr(exc, "r3data_index", None) is None:
-            exc.r3data_index = i  # type: ignore[attr-defined]
-            if hasattr(exc, "add_note"):
-                exc.add_note(f"r3data: raised while filling item {i}")
+        # Nested calls annotate first; the outermost (the caller's own index) is set last.
+        exc.r3data_index = i  # type: ignore[attr-defined]
+        if hasattr(exc, "add_note"):
+            exc.add_note(f"r3data: raised while filling item {i}")
         raise

@@ -52,6 +52,13 @@ def test_cgroup_v1_quota(tmp_path):
     assert permitted_cpus(unlimited) == AFFINITY
 
 
+def test_malformed_cgroup_files_are_ignored(tmp_path):
+    assert permitted_cpus(cgroup(tmp_path, {"cpu.max": "lots 100000"})) == AFFINITY
+    assert permitted_cpus(cgroup(tmp_path / "z", {"cpu.max": "100000 0"})) == AFFINITY
+    bad_v1 = {"cpu/cpu.cfs_quota_us": "x", "cpu/cpu.cfs_period_us": "100000"}
+    assert permitted_cpus(cgroup(tmp_path / "v1", bad_v1)) == AFFINITY
+
+
 def test_pool_workers_honours_quota_reserve_cap_and_env(tmp_path, monkeypatch):
     monkeypatch.delenv("R3DATA_WORKERS", raising=False)
     monkeypatch.delenv("R3DATA_IO_WORKERS", raising=False)
@@ -103,6 +110,19 @@ def test_fill_rows_reports_the_failing_index_and_waits_for_every_lane():
     settled = list(finished)
     time.sleep(0.05)
     assert finished == settled  # no lane is still running after the call returned
+
+
+def test_a_nested_failure_reports_the_outer_index():
+    def outer(i: int) -> None:
+        def inner(j: int) -> None:
+            if i == 3:
+                raise ValueError("inner failure")
+
+        fill_rows(inner, 2, workers=2)
+
+    with pytest.raises(ValueError, match="inner failure") as info:
+        fill_rows(outer, 5, workers=2)
+    assert info.value.r3data_index == 3
 
 
 def test_nested_fill_rows_runs_inline_in_pool_threads():

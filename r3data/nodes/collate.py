@@ -34,13 +34,14 @@ from r3data.batch import TensorBatch
 from r3data.buffers import BufferPool
 from r3data.errors import SegmentError, with_context
 from r3data.nodes.fill import pack_field, torch_dtype
+from r3data.nodes.screen import RouteScreen
 from r3data.nodes.stitcher import StitchedRollout
 from r3data.packed import PackedTensor
 from r3data.parallel import fill_rows
 from r3data.payload.reader import PayloadReader
-from r3data.payload.segment import PayloadSegment
-from r3data.trace import ROUTES_FIELD, StitchedField, StitchStats, check_expert_ids
-from r3data.trace.builder import clip_source
+from r3data.trace import ROUTES_FIELD, StitchedField, StitchStats
+from r3data.trace.builder import ZeroRows, clip_source
+from r3data.trace.materialize import materialize_field
 from r3data.wire import MASK_FILL
 
 if TYPE_CHECKING:
@@ -71,16 +72,34 @@ def _localized(
     return dataclasses.replace(field, pieces=tuple(pieces), valid=valid)
 
 
+def _positions(ranges: list[tuple[int, int]]) -> np.ndarray:
+    return np.concatenate([np.arange(lo, hi) for lo, hi in ranges] or [np.zeros(0, np.int64)])
+
+
+def compact_route_dtype(num_experts: int) -> np.dtype:
+    """The narrowest dtype for ids below ``num_experts`` (uint8, uint16, else int32)."""
+    for dtype in (np.uint8, np.uint16):
+        if num_experts - 1 <= np.iinfo(dtype).max:
+            return np.dtype(dtype)
+    return np.dtype(np.int32)
+
+
 @dataclass(frozen=True)
 class CollateRollouts:
-    """Collates a list of :class:`StitchedRollout` into a :class:`TensorBatch`."""
+    """Collates a list of :class:`StitchedRollout` into a :class:`TensorBatch`.
+
+    With ``num_experts`` the routes field is stored in the narrowest dtype holding the ids
+    (inline ids were checked by the trace, by-handle ids are checked once read); without it,
+    in the widest dtype the samples arrived in. ``zero_rows`` is the trace's policy, applied
+    to by-handle rows here (see :class:`~r3data.nodes.screen.RouteScreen`).
+    """
 
     fields: Sequence[str]
     reader: PayloadReader | None = None
     pin_memory: bool = False
     workers: int | None = None
     num_experts: int | None = None
-    """When given, by-handle route rows are checked against it once read."""
+    zero_rows: ZeroRows = "missing"
     routes_field: str = ROUTES_FIELD
     layout: TokenLayout | None = None
     pool: BufferPool = dataclasses.field(default_factory=BufferPool, compare=False)
@@ -89,14 +108,16 @@ class CollateRollouts:
     def __call__(self, rollouts: Sequence[StitchedRollout]) -> TensorBatch:
         kept = [r for r in rollouts if r.stitched is not None]
         dropped = [r for r in rollouts if r.stitched is None]
-        batch_fields: dict = {}
         ranges = self._local_ranges(kept)
+        positions = None if ranges is None else [_positions(r) for r in ranges]
+        batch_fields: dict = {}
         for name in self.fields:
             stitched = [_localized(r.stitched[name], ranges, i) for i, r in enumerate(kept)]
+            valid = [s.valid.copy() for s in stitched]
             batch_fields[name] = self._guarded(
-                kept, lambda s=stitched, n=name: self._pack(n, s, kept)
+                kept, lambda s=stitched, n=name, v=valid: self._pack(n, s, kept, v, positions)
             )
-            batch_fields[f"{name}_valid"] = _vector_field([s.valid for s in stitched], torch.bool)
+            batch_fields[f"{name}_valid"] = _vector_field(valid, torch.bool)
         batch_fields["token_ids"] = _vector_field([r.sample.token_ids for r in kept], torch.int64)
         batch_fields["loss_mask"] = _vector_field([r.sample.loss_mask for r in kept], torch.bool)
         with_logprobs = [r.sample.logprobs is not None for r in kept]
@@ -126,10 +147,15 @@ class CollateRollouts:
         return self.layout.local_ranges([r.sample.sample_len for r in kept])
 
     def _pack(
-        self, name: str, stitched: list[StitchedField], kept: list[StitchedRollout]
+        self,
+        name: str,
+        stitched: list[StitchedField],
+        kept: list[StitchedRollout],
+        valid: list[np.ndarray],
+        positions: list[np.ndarray] | None,
     ) -> PackedTensor:
         if stitched and stitched[0].ragged:
-            return self._pack_ragged(name, kept)
+            return self._pack_ragged(stitched, kept, positions)
         row_shapes = {s.row_shape for s in stitched}
         if len(row_shapes) > 1:
             raise SegmentError(
@@ -137,33 +163,45 @@ class CollateRollouts:
                 f"{sorted(row_shapes)} in samples {[r.sample.sample_id for r in kept]}"
             )
         row_shape = row_shapes.pop() if row_shapes else ()
-        dtype = np.result_type(*[s.dtype for s in stitched]) if stitched else np.dtype(np.uint8)
-        check = None
-        if self.num_experts is not None and name == self.routes_field:
-            experts = self.num_experts
-
-            def check(segment: PayloadSegment, rows: np.ndarray) -> None:
-                check_expert_ids(rows, experts, trace_id=segment.file, field=name, pos=segment.pos)
-
-        return pack_field(
+        routes = name == self.routes_field
+        compact = routes and self.num_experts is not None
+        if compact:
+            dtype = compact_route_dtype(self.num_experts)
+        else:
+            dtype = np.result_type(*[s.dtype for s in stitched]) if stitched else np.dtype(np.uint8)
+        screen = RouteScreen(name, self.num_experts, self.zero_rows) if routes else None
+        packed = pack_field(
             name,
             [s.pieces for s in stitched],
-            check=check,
             row_shape=row_shape,
             dtype=dtype,
             reader=self.reader,
             workers=self.workers,
             pin_memory=self.pin_memory,
             pool=self.pool,
+            check=screen,
+            narrow=compact,
         )
+        if screen is not None:
+            screen.mark_invalid(valid, positions)
+        return packed
 
-    def _pack_ragged(self, name: str, kept: list[StitchedRollout]) -> PackedTensor:
+    def _pack_ragged(
+        self,
+        stitched: list[StitchedField],
+        kept: list[StitchedRollout],
+        positions: list[np.ndarray] | None,
+    ) -> PackedTensor:
         """Ragged rows padded to the widest row of the batch (they are small: no fast path)."""
-        rows = fill_rows(
-            lambda i: kept[i].stitched.materialize(name, self.reader), len(kept), self.workers
-        )
+
+        def materialize(i: int) -> np.ndarray:
+            sample = kept[i].sample
+            full = materialize_field(stitched[i], sample.sample_len, self.reader, sample.sample_id)
+            return full if positions is None else full[positions[i]]
+
+        rows = fill_rows(materialize, len(kept), self.workers)
         width = max((r.shape[1] for r in rows), default=0)
-        dtype = np.result_type(*[r.dtype for r in rows])
+        dtype = np.result_type(*[r.dtype for r in rows]) if rows else np.dtype(np.int32)
         lengths = [r.shape[0] for r in rows]
         out = np.full((sum(lengths), width), MASK_FILL, dtype=dtype)
         cursor = 0

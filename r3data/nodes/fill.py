@@ -20,8 +20,9 @@ from r3data.payload.segment import PayloadSegment
 from r3data.wire.rows import InlineRows
 
 Piece = InlineRows | PayloadSegment
-HandleCheck = Callable[[PayloadSegment, np.ndarray], None]
-"""Validates rows read by handle (inline rows were checked when their trace was built)."""
+HandleCheck = Callable[[int, PayloadSegment, np.ndarray], None]
+"""``check(sample, segment, rows)`` validates (and may repair) rows read by handle; inline
+rows were checked when their trace was built."""
 
 
 def piece_dtype(piece: Piece) -> np.dtype:
@@ -38,10 +39,12 @@ def torch_dtype(dtype: np.dtype) -> torch.dtype:
 
 def _fill_sample(
     field: str,
+    sample: int,
     pieces: Sequence[Piece],
     out: np.ndarray,
     reader: PayloadReader | None,
     check: HandleCheck | None,
+    casting: str,
 ) -> None:
     """Copy or read ``pieces`` back to back into ``out`` (one sample's slice)."""
     cursor = 0
@@ -56,24 +59,24 @@ def _fill_sample(
         target = out[cursor : cursor + piece.rows]
         cursor += piece.rows
         if isinstance(piece, InlineRows):
-            np.copyto(target, piece.array, casting="safe")
+            np.copyto(target, piece.array, casting=casting)
         elif reader is None:
             raise SegmentError(f"field {field!r}: a by-handle piece needs a payload reader")
         elif np.dtype(piece.dtype) == out.dtype:
             direct.append(([piece], target))
-        else:  # a narrower turn inside a wider batch: read, then widen
+        else:  # a turn of another dtype than the batch: read, check, then convert
             widened.append((piece, target))
     if reader is None:
         return
     staged = [np.empty((p.rows, *out.shape[1:]), dtype=p.dtype) for p, _ in widened]
     reader.read_many(direct + [([p], s) for (p, _), s in zip(widened, staged, strict=True)])
-    for (_, target), array in zip(widened, staged, strict=True):
-        np.copyto(target, array, casting="safe")
     if check is not None:
         for segments, target in direct:
-            check(segments[0], target)
+            check(sample, segments[0], target)
         for (segment, _), array in zip(widened, staged, strict=True):
-            check(segment, array)
+            check(sample, segment, array)
+    for (_, target), array in zip(widened, staged, strict=True):
+        np.copyto(target, array, casting=casting)
 
 
 def pack_field(
@@ -87,12 +90,14 @@ def pack_field(
     pin_memory: bool = False,
     pool: BufferPool | None = None,
     check: HandleCheck | None = None,
+    narrow: bool = False,
 ) -> PackedTensor:
     """One ``PackedTensor`` whose segment i holds sample i's pieces back to back.
 
     ``reader`` reads by-handle pieces straight into the buffer and ``check`` validates what
     it read. The buffer comes from ``pool`` when given (a recycled buffer fills at memcpy
-    speed). Failures carry the sample index (``exc.r3data_index``). ``workers`` defaults to
+    speed). ``narrow`` allows values of a wider dtype than ``dtype`` (ids already checked to
+    fit). Failures carry the sample index (``exc.r3data_index``). ``workers`` defaults to
     the I/O worker count when any piece is by handle, else to the CPU worker count.
     """
     lengths = np.array([sum(p.rows for p in sample) for sample in pieces], dtype=np.int64)
@@ -104,7 +109,15 @@ def pack_field(
         by_handle = any(isinstance(p, PayloadSegment) for sample in pieces for p in sample)
         workers = io_workers() if by_handle else pool_workers()
     fill_rows(
-        lambda i: _fill_sample(field, pieces[i], out[offsets[i] : offsets[i + 1]], reader, check),
+        lambda i: _fill_sample(
+            field,
+            i,
+            pieces[i],
+            out[offsets[i] : offsets[i + 1]],
+            reader,
+            check,
+            "unsafe" if narrow else "safe",
+        ),
         len(pieces),
         workers,
     )

@@ -79,6 +79,7 @@ def loader(
         pin_memory,
         workers,
         num_experts=options.get("num_experts"),
+        zero_rows=options.get("zero_rows", "missing"),
         routes_field=options.get("routes_field", ROUTES_FIELD),
         layout=layout,
     )

@@ -67,6 +67,8 @@ def _get(obj: Any, *names: str, default: Any = None) -> Any:
 
 def _vector(sample_id: str, name: str, value: Any, length: int | None, dtype: Any) -> np.ndarray:
     array = np.asarray(value)
+    if array.dtype.kind not in "biuf":
+        raise TraceError(f"sample {sample_id!r}: {name} must be numbers, found dtype {array.dtype}")
     if array.ndim != 1 or (length is not None and array.shape[0] != length):
         raise TraceError(
             f"sample {sample_id!r}: {name} must be 1-D with {length} entries, "
@@ -93,7 +95,13 @@ def source_rows(
         if producer.startswith("prime-rl"):
             options.setdefault("prompt_len", prompt_len)
             options.setdefault("completion_len", completion_len)
-        return list(decode(response, **options))
+        rows = list(decode(response, **options))
+        if len(rows) > 1:
+            raise TraceError(
+                f"a {producer} response gave {len(rows)} choices for one request; "
+                "name the sample's one with 'choice'"
+            )
+        return rows
     raise TraceError(
         "a request source must be InlineRows, a PayloadSegment, a segment dict with 'file' or "
         f"a producer response with 'producer', found {type(source).__name__}"
@@ -117,7 +125,12 @@ def _trace_of(
         raise TraceError(f"sample {sample_id!r}: expected a 'trace' or 'requests', found neither")
     builder = TraceBuilder(sample_id, **trace_options)
     every_source: list[Any] = []
-    for request in requests:
+    for number, request in enumerate(requests):
+        if not isinstance(request, Mapping) or not {"prompt_len", "completion_len"} <= set(request):
+            raise TraceError(
+                f"sample {sample_id!r} request {number}: expected a dict with 'prompt_len', "
+                f"'completion_len' and 'sources', found {request!r:.80}"
+            )
         prompt_len, completion_len = request["prompt_len"], request["completion_len"]
         sources = [
             row

@@ -124,12 +124,12 @@ def test_resume_at_every_batch_boundary_yields_exactly_the_rest(tmp_path, prefet
 
 def test_a_missing_file_names_the_sample_and_does_not_hang(tmp_path):
     samples, _ = make_rollouts(np.random.default_rng(2), 6, root=tmp_path)
-    victim = samples[3]
-    segment = victim["requests"][0]["sources"][0]
+    victim = samples[5]  # by handle, and last of its batch: the error must not blame s3
+    segment = victim["requests"][-1]["sources"][0]
     os.remove(tmp_path / segment["file"])
     batches = iter(loader(samples, batch_size=3, payload_root=tmp_path, workers=2))
     next(batches)
-    with pytest.raises(PayloadNotFoundError, match=r"sample 's3'") as info:
+    with pytest.raises(PayloadNotFoundError, match=r"sample 's5' \(index 5\)") as info:
         next(batches)
     assert isinstance(info.value, PayloadReadError)
     assert segment["file"] in str(info.value)
@@ -280,3 +280,69 @@ def test_by_handle_expert_ids_are_checked_once_read(tmp_path):
         list(loader(samples, trace_options={"num_experts": EXPERTS}, **options))
     (batch,) = loader(samples, trace_options={"num_experts": 64}, **options)
     assert int(batch["routed_experts"].values.max()) == EXPERTS + 7
+
+
+def test_zero_rows_by_handle_become_distinct_invalid_rows_or_raise(tmp_path):
+    rows = np.full((6, LAYERS, TOPK), 3, np.uint8)
+    rows[2] = 0  # the engine bug: a row zero in every layer
+    (segment,) = PayloadWriter(tmp_path).write(0, {"routed_experts": rows})
+    samples = [
+        {
+            "id": "zeros",
+            "token_ids": np.arange(7),
+            "requests": [{"prompt_len": 3, "completion_len": 4, "sources": [segment.to_dict()]}],
+        }
+    ]
+    options = {"batch_size": 1, "payload_root": tmp_path, "workers": 1}
+    (batch,) = loader(samples, **options)
+    routes = batch["routed_experts"][0].numpy()
+    assert routes[2].tolist() == [list(range(TOPK))] * LAYERS  # distinct experts, not zeros
+    assert batch["routed_experts_valid"][0].tolist() == [True, True, False, True, True, True, False]
+    with pytest.raises(TraceError, match=r"sample 'zeros'.*positions \[2\] are zero"):
+        list(loader(samples, trace_options={"zero_rows": "raise"}, **options))
+    (kept,) = loader(samples, trace_options={"zero_rows": "keep"}, **options)
+    assert not kept["routed_experts"][0][2].any()
+
+
+def test_num_experts_stores_routes_in_the_compact_dtype():
+    """SGLang sends int32 ids; with num_experts known the batch holds them as uint8."""
+    rng = np.random.default_rng(6)
+    wide = rng.integers(0, EXPERTS, (4, LAYERS, TOPK)).astype(np.int32)
+    response = {"meta_info": {"routed_experts": wide.tobytes(), "routed_experts_start_len": 0}}
+    source = {"producer": "sglang", "response": response, "num_layers": LAYERS, "topk": TOPK}
+    sample = {
+        "id": "sglang",
+        "token_ids": np.arange(5),
+        "requests": [{"prompt_len": 2, "completion_len": 3, "sources": [source]}],
+    }
+    (plain,) = loader([sample], batch_size=1, workers=1)
+    assert plain["routed_experts"].dtype == torch.int32
+    (compact,) = loader([sample], batch_size=1, workers=1, trace_options={"num_experts": EXPERTS})
+    assert compact["routed_experts"].dtype == torch.uint8
+    assert np.array_equal(compact["routed_experts"][0][:4].numpy(), wide)
+
+
+def test_a_multi_choice_response_needs_a_choice():
+    rows = np.ones((3, LAYERS, TOPK), np.uint8)
+    response = {"choices": [{"routed_experts": pack_ndarray(rows, start=0)}] * 2}
+    request = {"prompt_len": 2, "completion_len": 2}
+    sample = {"id": "two", "token_ids": np.arange(4), "requests": [request]}
+    request["sources"] = [{"producer": "prime-rl", "response": response}]
+    with pytest.raises(TraceError, match="gave 2 choices for one request"):
+        list(loader([sample], batch_size=1, workers=1))
+    request["sources"] = [{"producer": "prime-rl", "response": response, "choice": 1}]
+    (batch,) = loader([sample], batch_size=1, workers=1)
+    assert batch["routed_experts"].total_rows == 4
+
+
+@pytest.mark.parametrize(
+    ("sample", "message"),
+    [
+        ({"id": "a", "token_ids": ["x"], "requests": []}, "token_ids must be numbers"),
+        ({"id": "b", "token_ids": [1], "requests": [{"prompt_len": 1}]}, "request 0: expected"),
+        ({"id": "c", "token_ids": [1], "requests": [3]}, "request 0: expected"),
+    ],
+)
+def test_malformed_samples_raise_typed_errors(sample, message):
+    with pytest.raises(TraceError, match=message):
+        list(loader([sample], batch_size=1, workers=1))

@@ -110,3 +110,39 @@ def test_each_rank_reads_its_share_and_expands_like_the_full_batch(packed):
             assert local["routed_experts_valid"].total_rows == local["routed_experts"].total_rows
     assert (seen == 1).all()  # every real token is on exactly one (cp, tp) rank
     assert full_bytes <= sum(per_rank) <= full_bytes + boundary  # no byte is read twice
+
+
+def test_ragged_masks_are_cut_to_the_rank_like_the_routes(tmp_path):
+    rng = np.random.default_rng(1)
+    writer = PayloadWriter(tmp_path)
+    samples = []
+    for i, n in enumerate([37, 52, 21]):
+        prompt = n // 3
+        routes = rng.integers(0, EXPERTS, (n - 1, LAYERS, TOPK)).astype(np.uint8)
+        masks = [rng.choice(99, int(rng.integers(1, 6)), replace=False) for _ in range(n - prompt)]
+        segments = writer.write(
+            0,
+            {"routed_experts": routes, "sampling_mask": [m.astype(np.int32) for m in masks]},
+            pos={"routed_experts": 0, "sampling_mask": prompt},
+        )
+        request = {"prompt_len": prompt, "completion_len": n - prompt, "sources": segments}
+        samples.append({"id": f"m{i}", "token_ids": np.arange(n), "requests": [request]})
+    options = {
+        "batch_size": 3,
+        "payload_root": tmp_path,
+        "fields": ("routed_experts", "sampling_mask"),
+        "workers": 2,
+    }
+    (full,) = loader(samples, **options)
+    layout = TokenLayout(tp_size=2, tp_rank=1, sequence_parallel=True, cp_size=2, cp_rank=0)
+    (local,) = loader(samples, layout=layout, **options)
+    ranges = layout.local_ranges(full["token_ids"].lengths)
+    for b, sample_ranges in enumerate(ranges):
+        positions = np.concatenate([np.arange(lo, hi) for lo, hi in sample_ranges] or [[]])
+        positions = positions.astype(np.int64)
+        for name in ("routed_experts", "sampling_mask", "sampling_mask_valid"):
+            got, want = local[name][b].numpy(), full[name][b].numpy()[positions]
+            if name == "sampling_mask":  # padded to each batch's widest row
+                assert (got[:, want.shape[1] :] == -1).all()
+                got = got[:, : want.shape[1]]
+            assert np.array_equal(got, want), (name, b)

@@ -1,0 +1,162 @@
+"""``r3data bench``: run every benchmark, write JSON and plots, print ratios against targets.
+
+Benchmarks are scripts in the repository's ``benchmarks/`` folder, not part of the installed
+package: each ``bench_*.py`` is imported by path and its ``main(argv) -> dict`` called with
+``--out <results>/<name>.json`` (and ``--quick``). Reports state their targets as
+``targets`` (name -> number) and ``met`` (name -> bool) next to the measured values, at the top
+level or per entry of ``results``; a report whose ``targets`` are booleans gives pass/fail only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.util
+import json
+import os
+import platform
+import sys
+import traceback
+from dataclasses import asdict
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+import torch
+
+from r3data.cli.bench_plots import write_plots
+from r3data.cli.bench_report import SUMMARY, checks, table
+from r3data.cli.common import progress
+from r3data.errors import ConfigError
+from r3data.parallel import permitted_cpus
+
+EXIT_PROBLEMS = 1
+
+
+def register(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser(
+        "bench",
+        help="run every benchmark; write JSON and plots; print ratios against targets",
+        description="Run each benchmarks/bench_*.py of a source checkout in this process, "
+        "write its JSON report and PNG plots (when matplotlib is installed) to the results "
+        "folder, and print every measured ratio against its target. Exit code 1 when a "
+        "benchmark fails or misses a target.",
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="small sizes: a smoke run of a few seconds each"
+    )
+    parser.add_argument(
+        "--only", nargs="+", metavar="NAME", help="run only these benchmarks (e.g. wire payload)"
+    )
+    parser.add_argument(
+        "--benchmarks",
+        type=Path,
+        metavar="DIR",
+        help="folder holding bench_*.py (default: the checkout's benchmarks/)",
+    )
+    parser.add_argument(
+        "--results",
+        type=Path,
+        metavar="DIR",
+        help="where JSON and PNG files go (default: <benchmarks>/results)",
+    )
+    parser.add_argument("--no-plots", action="store_true", help="write no PNG plots")
+    parser.set_defaults(run=run)
+
+
+def find_benchmarks(directory: Path | None) -> list[Path]:
+    """``bench_*.py`` in ``directory``, or in the checkout r3data was installed from."""
+    if directory is None:
+        directory = Path(__file__).resolve().parents[2] / "benchmarks"
+        if not directory.is_dir():
+            raise ConfigError(
+                f"no benchmarks folder at {directory}: r3data is not installed from a source "
+                f"checkout; pass --benchmarks DIR"
+            )
+    if not directory.is_dir():
+        raise ConfigError(f"--benchmarks {directory}: not a directory")
+    scripts = sorted(directory.glob("bench_*.py"))
+    if not scripts:
+        raise ConfigError(f"{directory}: no bench_*.py scripts")
+    return scripts
+
+
+def bench_name(script: Path) -> str:
+    return script.stem.removeprefix("bench_")
+
+
+def load_script(script: Path) -> ModuleType:
+    """Import a benchmark script by path (``benchmarks/`` is not a package)."""
+    name = f"r3data_benchmarks_{script.stem}"
+    spec = importlib.util.spec_from_file_location(name, script)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses and pickling look their module up by name
+    spec.loader.exec_module(module)
+    return module
+
+
+def machine() -> dict[str, Any]:
+    """The machine the numbers were measured on."""
+    model = ""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            model = next(
+                (line.split(":", 1)[1].strip() for line in cpuinfo if "model name" in line), ""
+            )
+    except OSError:
+        pass
+    memory = None
+    if hasattr(os, "sysconf") and "SC_PHYS_PAGES" in os.sysconf_names:
+        memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "platform": platform.platform(),
+        "cpu": model or platform.processor(),
+        "cpus": os.cpu_count(),
+        "permitted_cpus": permitted_cpus(),
+        "memory_bytes": memory,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "numpy": np.__version__,
+        "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    scripts = find_benchmarks(args.benchmarks)
+    if args.only:
+        unknown = sorted(set(args.only) - {bench_name(s) for s in scripts})
+        if unknown:
+            raise ConfigError(
+                f"--only: no benchmark named {unknown}; found {[bench_name(s) for s in scripts]}"
+            )
+        scripts = [s for s in scripts if bench_name(s) in args.only]
+    results = args.results or scripts[0].parent / "results"
+    results.mkdir(parents=True, exist_ok=True)
+    reports: dict[str, dict[str, Any]] = {}
+    errors: dict[str, str] = {}
+    for script in progress(scripts, "bench", len(scripts)):
+        name = bench_name(script)
+        print(f"== {name}", flush=True)
+        argv = ["--out", str(results / f"bench_{name}.json")] + (["--quick"] if args.quick else [])
+        try:
+            reports[name] = load_script(script).main(argv)
+        except Exception as exc:  # one broken benchmark must not hide the others' results
+            errors[name] = "".join(traceback.format_exception_only(exc)).strip()
+            print(f"r3data bench: {name} failed: {errors[name]}", file=sys.stderr)
+    found = [c for name, report in reports.items() for c in checks(name, report)]
+    summary = {
+        "quick": args.quick,
+        "machine": machine(),
+        "checks": [asdict(c) for c in found],
+        "errors": errors,
+    }
+    (results / f"{SUMMARY}.json").write_text(json.dumps(summary, indent=2) + "\n")
+    plots = [] if args.no_plots else write_plots(reports, found, results)
+    print()
+    print(table(found))
+    for name, message in errors.items():
+        print(f"{name}: FAILED: {message}")
+    print(f"results in {results}" + (f" ({len(plots)} plots)" if plots else ""))
+    return EXIT_PROBLEMS if errors or not all(c.met for c in found) else 0

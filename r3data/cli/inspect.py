@@ -1,0 +1,368 @@
+"""``r3data inspect``: what a payload file, a payload directory or a JSON response holds."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import posixpath
+import warnings
+from dataclasses import replace
+from typing import Any
+
+import numpy as np
+from fsspec import AbstractFileSystem
+
+from r3data.cli.common import count, format_bytes, int_at_least, render_table, resolve
+from r3data.cli.histogram import load_summary, render_histogram
+from r3data.errors import ConfigError, PayloadError, PayloadFormatError, WireFormatError
+from r3data.parallel import fill_rows, io_workers
+from r3data.payload import MAGIC, PayloadReader, PayloadSegment
+from r3data.payload import inspect as inspect_file
+from r3data.synth import MODEL_SHAPES
+from r3data.wire import (
+    InlineRows,
+    load_packed_body,
+    primerl_routes,
+    primerl_sampling_mask,
+    sglang_routes,
+    skyrl_routes,
+    vllm_routes,
+)
+
+PRODUCERS = ("vllm", "sglang", "prime-rl", "skyrl")
+BODY_FIELDS = ("routed_experts", "sampling_mask")
+
+
+def register(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser(
+        "inspect",
+        help="show what a payload file, payload directory or JSON response holds",
+        description="Show the fields, segments, shapes and dtypes of a payload file, of every "
+        "payload file under a directory, or of an inference server's JSON response (vLLM, "
+        "SGLang, prime-rl, SkyRL; the producer is detected), followed by a histogram of the "
+        "expert load its routes put on each expert. PATH is a local path or an fsspec URL.",
+    )
+    parser.add_argument("path", metavar="PATH", help="payload file, directory, or JSON response")
+    parser.add_argument(
+        "--producer", choices=PRODUCERS, help="read a JSON response as this producer's"
+    )
+    parser.add_argument(
+        "--model-shape",
+        choices=sorted(MODEL_SHAPES),
+        help="layers and top-k for SGLang's flat routes, and the expert count",
+    )
+    parser.add_argument("--num-layers", type=int_at_least(1), help="SGLang: decoder layers")
+    parser.add_argument("--topk", type=int_at_least(1), help="SGLang: experts per token")
+    parser.add_argument(
+        "--max-files",
+        type=int_at_least(0),
+        default=64,
+        help="directory: read the routes of at most this many files for the histogram (default 64)",
+    )
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    fs, path = resolve(args.path)
+    if fs.isdir(path):
+        report = _directory(fs, path, args)
+    else:
+        with fs.open(path, "rb") as f:
+            head = f.read(len(MAGIC))
+        if head == MAGIC:
+            report = _payload_file(fs, path, args.path)
+        elif head.lstrip()[:1] in (b"{", b"["):
+            report = _response(fs.cat_file(path), args)
+        else:
+            raise PayloadFormatError(
+                f"{args.path}: expected a payload file (starting with {MAGIC!r}) or a JSON "
+                f"response, found {head!r}"
+            )
+    if args.json:
+        print(json.dumps(report, indent=2, default=_json_default))
+    else:
+        print(_render(report))
+    return 0
+
+
+def _json_default(value: Any) -> Any:
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    if isinstance(value, np.integer):
+        return int(value)
+    raise TypeError(f"cannot write {type(value).__name__} as JSON")
+
+
+# --- payload files ---------------------------------------------------------------------------
+
+
+def _is_routes(segment: PayloadSegment) -> bool:
+    return not segment.ragged and len(segment.shape) == 2 and np.dtype(segment.dtype).kind in "iu"
+
+
+def _read_routes(
+    fs: AbstractFileSystem, path: str, segments: list[PayloadSegment]
+) -> list[np.ndarray]:
+    """The rows of every route-like field of the payload file at ``path``."""
+    reader = PayloadReader(posixpath.dirname(path) or ".", fs=fs)
+    wanted = [replace(s, file=posixpath.basename(path)) for s in segments if _is_routes(s)]
+    return [reader.read([s])[s.field] for s in wanted]
+
+
+def _payload_file(fs: AbstractFileSystem, path: str, shown: str) -> dict[str, Any]:
+    info = inspect_file(path, fs=fs)
+    segments = info.header.segments()
+    return {
+        "kind": "payload file",
+        "path": shown,
+        "size": info.size,
+        "format_version": info.header.format_version,
+        "version": info.header.version,
+        "fields": [{**e.segment.to_dict(), "nbytes": e.nbytes} for e in info.header.fields],
+        "expert_load": load_summary(_read_routes(fs, path, segments)),
+    }
+
+
+def _directory(fs: AbstractFileSystem, path: str, args: argparse.Namespace) -> dict[str, Any]:
+    names = sorted(fs.find(path))
+
+    def header(i: int) -> dict[str, Any]:
+        try:
+            info = inspect_file(names[i], fs=fs)
+        except PayloadError as exc:
+            return {"file": names[i], "error": str(exc)}
+        return {"file": names[i], "info": info}
+
+    found = fill_rows(header, len(names), io_workers())
+    files, others, routes = [], [], []
+    for entry in found:
+        name = posixpath.relpath(entry["file"], path)
+        if "error" in entry:
+            others.append({"file": name, "error": entry["error"]})
+            continue
+        info = entry["info"]
+        files.append(
+            {
+                "file": name,
+                "version": info.header.version,
+                "size": info.size,
+                "fields": [{**e.segment.to_dict(), "nbytes": e.nbytes} for e in info.header.fields],
+            }
+        )
+        if len(files) <= args.max_files:
+            routes += _read_routes(fs, entry["file"], info.header.segments())
+    return {
+        "kind": "payload directory",
+        "path": args.path,
+        "files": files,
+        "not_payload_files": others,
+        "bytes": sum(f["size"] for f in files),
+        "versions": sorted({f["version"] for f in files}),
+        "expert_load_files": min(len(files), args.max_files),
+        "expert_load": load_summary(routes),
+    }
+
+
+# --- responses -------------------------------------------------------------------------------
+
+
+def _detect(parsed: Any) -> str:
+    if isinstance(parsed, list) or (isinstance(parsed, dict) and "meta_info" in parsed):
+        return "sglang"
+    if isinstance(parsed, dict) and "data" in parsed:
+        return "skyrl"
+    choices = parsed.get("choices") if isinstance(parsed, dict) else None
+    if isinstance(choices, list) and choices and isinstance(choices[0], dict):
+        routes = choices[0].get("routed_experts")
+        if isinstance(routes, (bytes, bytearray, str)):
+            return "vllm"
+        if isinstance(routes, dict) or choices[0].get("payload") is not None:
+            return "prime-rl"
+    if isinstance(parsed, dict) and isinstance(parsed.get("routed_experts"), dict):
+        return "skyrl"
+    raise WireFormatError(
+        "cannot tell which producer wrote this response (no vLLM, SGLang, prime-rl or SkyRL "
+        "routes found); pass --producer"
+    )
+
+
+def _sglang_shape(args: argparse.Namespace) -> dict[str, int]:
+    if args.num_layers and args.topk:
+        return {"num_layers": args.num_layers, "topk": args.topk}
+    if args.model_shape:
+        shape = MODEL_SHAPES[args.model_shape]
+        return {"num_layers": shape.num_layers, "topk": shape.topk}
+    raise ConfigError(
+        "SGLang routes are flat int32 ids: pass --model-shape, or --num-layers and --topk"
+    )
+
+
+def _handles(parsed: Any) -> list[dict[str, Any]]:
+    """prime-rl by-handle segments named in the choices (not readable without their root)."""
+    choices = parsed.get("choices", []) if isinstance(parsed, dict) else []
+    return [
+        PayloadSegment.from_dict(segment).to_dict()
+        for choice in choices
+        if isinstance(choice, dict)
+        for segment in choice.get("payload") or ()
+    ]
+
+
+def _decode(producer: str, parsed: Any, args: argparse.Namespace) -> list[InlineRows]:
+    if producer == "vllm":
+        return vllm_routes(parsed, on_zero="warn")
+    if producer == "sglang":
+        return sglang_routes(parsed, on_zero="warn", **_sglang_shape(args))
+    if producer == "skyrl":
+        return skyrl_routes(parsed, on_zero="warn")
+    choices = parsed.get("choices", [])
+    if not any(isinstance(c, dict) and c.get("routed_experts") is not None for c in choices):
+        return []
+    return primerl_routes(parsed, on_zero="warn")
+
+
+def _masks(parsed: Any) -> list[dict[str, Any]]:
+    choices = parsed.get("choices", []) if isinstance(parsed, dict) else []
+    if not any(isinstance(c, dict) and c.get("sampling_mask") is not None for c in choices):
+        return []
+    try:
+        rows = primerl_sampling_mask(parsed)
+    except WireFormatError as exc:
+        return [{"error": str(exc)}]
+    return [_rows_summary(r) for r in rows]
+
+
+def _rows_summary(rows: InlineRows) -> dict[str, Any]:
+    meta = {k: v for k, v in rows.meta.items() if k != "sidecar"}
+    return {
+        "field": rows.field,
+        "pos": rows.pos,
+        "end": rows.end,
+        "rows": rows.rows,
+        "row_shape": list(rows.row_shape),
+        "dtype": rows.array.dtype.name,
+        "nbytes": rows.array.nbytes,
+        **{k: list(v) if isinstance(v, tuple) else v for k, v in meta.items()},
+    }
+
+
+def _response(raw: bytes, args: argparse.Namespace) -> dict[str, Any]:
+    parsed = load_packed_body(raw, BODY_FIELDS)
+    producer = args.producer or _detect(parsed)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        rows = _decode(producer, parsed, args)
+    experts = MODEL_SHAPES[args.model_shape].num_experts if args.model_shape else None
+    return {
+        "kind": "response",
+        "path": args.path,
+        "producer": producer,
+        "body_bytes": len(raw),
+        "routes": [_rows_summary(r) for r in rows],
+        "handles": _handles(parsed),
+        "sampling_masks": _masks(parsed),
+        "warnings": [str(w.message) for w in caught],
+        "expert_load": load_summary([r.array for r in rows], experts),
+    }
+
+
+# --- text ------------------------------------------------------------------------------------
+
+
+def _field_rows(fields: list[dict[str, Any]]) -> list[list[str]]:
+    return [
+        [
+            f["field"],
+            f"{f['pos']:,}",
+            f"{f['rows']:,}",
+            f["dtype"],
+            "ragged" if f.get("index") is not None else str(f["shape"]),
+            f"{f['offset']:,}",
+            format_bytes(f["nbytes"]),
+            f"{f['crc32c']:#010x}" if f.get("crc32c") is not None else "-",
+        ]
+        for f in fields
+    ]
+
+
+FIELD_HEADERS = ("field", "pos", "rows", "dtype", "row shape", "offset", "bytes", "crc32c")
+
+
+def _render_file(report: dict[str, Any]) -> list[str]:
+    return [
+        f"{report['path']}: payload file (format {report['format_version']}), policy "
+        f"version {report['version']}, {format_bytes(report['size'])}",
+        render_table(_field_rows(report["fields"]), FIELD_HEADERS),
+    ]
+
+
+def _render_directory(report: dict[str, Any]) -> list[str]:
+    rows = [
+        [
+            f["file"],
+            f"v{f['version']}",
+            format_bytes(f["size"]),
+            ", ".join(
+                f"{e['field']} {e['rows']:,} x {e['shape'] or 'ragged'} {e['dtype']}"
+                for e in f["fields"]
+            ),
+        ]
+        for f in report["files"]
+    ]
+    return [
+        f"{report['path']}: {count(len(report['files']), 'payload file')} "
+        f"({format_bytes(report['bytes'])}), versions {report['versions'] or 'none'}",
+        render_table(rows, ("file", "version", "size", "fields")),
+        *[f"  not a payload file: {other['file']}" for other in report["not_payload_files"]],
+    ]
+
+
+def _render_response(report: dict[str, Any]) -> list[str]:
+    lines = [
+        f"{report['path']}: {report['producer']} response, {format_bytes(report['body_bytes'])}"
+    ]
+    rows = [
+        [
+            r["field"],
+            r.get("choice", r.get("index", r.get("where", ""))),
+            f"[{r['pos']:,}, {r['end']:,})",
+            f"{r['rows']:,}",
+            str(r["row_shape"]),
+            r["dtype"],
+            str(r.get("dense_layers", "")),
+        ]
+        for r in report["routes"]
+    ]
+    if rows:
+        headers = ("field", "choice", "positions", "rows", "row shape", "dtype", "dense layers")
+        lines.append(render_table(rows, headers))
+    for handle in report["handles"]:
+        lines.append(
+            f"  by handle: {handle['field']} rows [{handle['pos']:,}, "
+            f"{handle['pos'] + handle['rows']:,}) in {handle['file']} at offset "
+            f"{handle['offset']:,}"
+        )
+    for mask in report["sampling_masks"]:
+        if "error" in mask:
+            lines.append(f"  sampling mask: {mask['error']}")
+        else:
+            lines.append(
+                f"  sampling mask: {mask['rows']:,} completion tokens from position "
+                f"{mask['pos']:,}, widest kept set {mask['widest']}"
+            )
+    return lines + [f"  warning: {w}" for w in report["warnings"]]
+
+
+RENDERERS = {
+    "payload file": _render_file,
+    "payload directory": _render_directory,
+    "response": _render_response,
+}
+
+
+def _render(report: dict[str, Any]) -> str:
+    lines = RENDERERS[report["kind"]](report)
+    if report["expert_load"] is not None:
+        lines += render_histogram(report["expert_load"])
+    return "\n".join(lines)

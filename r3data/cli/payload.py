@@ -1,0 +1,128 @@
+"""``r3data verify`` and ``r3data gc``: check a payload root, and the retention backstop."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from r3data.cli.common import count, format_bytes, int_at_least, resolve
+from r3data.errors import ConfigError
+from r3data.payload import gc, verify
+
+EXIT_PROBLEMS = 1
+
+
+def register(commands: argparse._SubParsersAction) -> None:
+    check = commands.add_parser(
+        "verify",
+        help="check every payload file and checksum under a root",
+        description="Walk a payload root (a path or fsspec URL): check every payload file's "
+        "header and CRC-32C checksums, and report files outside any v<k> directory (orphans), "
+        "files left half-written by a writer that died (temporary), headerless files (not "
+        "checkable without their segments) and, with --step and --max-off-policy-steps, "
+        "versions past the retention bound. Exit code 1 when a file is corrupt, an orphan "
+        "exists or a version is stale.",
+    )
+    check.add_argument("root", metavar="ROOT", help="payload root: a directory or fsspec URL")
+    _retention_arguments(check, required=False)
+    check.add_argument(
+        "--workers", type=int_at_least(1), help="files checked at once (default: I/O workers)"
+    )
+    check.add_argument("--json", action="store_true", help="print the report as JSON")
+    check.set_defaults(run=run_verify)
+
+    sweep = commands.add_parser(
+        "gc",
+        help="delete payload versions no future batch may use (retention backstop)",
+        description="Remove every v<k> directory with k < max(0, STEP + 1 - M): files of "
+        "policy versions that no batch after training step STEP may use when batches are at "
+        "most M steps off-policy. The same rule PayloadRetention applies online; use it after "
+        "a crash or on a root no trainer is attached to. Exit code 1 when a file could not be "
+        "deleted.",
+    )
+    sweep.add_argument("root", metavar="ROOT", help="payload root: a directory or fsspec URL")
+    _retention_arguments(sweep, required=True)
+    sweep.add_argument(
+        "--dry-run", action="store_true", help="list what would be deleted, delete nothing"
+    )
+    sweep.add_argument("--json", action="store_true", help="print the report as JSON")
+    sweep.set_defaults(run=run_gc)
+
+
+def _retention_arguments(parser: argparse.ArgumentParser, *, required: bool) -> None:
+    parser.add_argument(
+        "--step",
+        type=int_at_least(0),
+        required=required,
+        help="the last training step the trainer finished",
+    )
+    parser.add_argument(
+        "--max-off-policy-steps",
+        type=int_at_least(0),
+        required=required,
+        metavar="M",
+        help="how many steps older than the current one a batch's rollouts may be",
+    )
+
+
+def run_verify(args: argparse.Namespace) -> int:
+    if (args.step is None) != (args.max_off_policy_steps is None):
+        raise ConfigError("verify: give both --step and --max-off-policy-steps, or neither")
+    fs, path = resolve(args.root, want="dir")
+    report = verify(
+        path,
+        fs=fs,
+        step=args.step,
+        max_off_policy_steps=args.max_off_policy_steps,
+        workers=args.workers,
+    )
+    problems = len(report.corrupt) + len(report.orphans) + len(report.stale_versions)
+    if args.json:
+        print(json.dumps(report.as_dict(), indent=2))
+        return EXIT_PROBLEMS if problems else 0
+    print(
+        f"{args.root}: {count(report.files_checked, 'payload file')} checked "
+        f"({format_bytes(report.bytes_checked)}), versions {report.versions or 'none'}"
+    )
+    for name, message in report.corrupt.items():
+        print(f"  corrupt    {name}: {message}")
+    for title, names in (
+        ("orphan", report.orphans),
+        ("temporary", report.temporary),
+        ("headerless", report.headerless),
+    ):
+        for name in names:
+            print(f"  {title:<10} {name}")
+    if report.stale_versions:
+        print(
+            f"  stale      versions {report.stale_versions}: no batch after step {args.step} "
+            f"may use them (at most {count(args.max_off_policy_steps, 'step')} off-policy); "
+            f"'r3data gc' removes them"
+        )
+    if not problems:
+        print("ok")
+        return 0
+    print(
+        f"problems: {count(len(report.corrupt), 'corrupt file')}, "
+        f"{count(len(report.orphans), 'orphan')}, "
+        f"{count(len(report.stale_versions), 'stale version')}"
+    )
+    return EXIT_PROBLEMS
+
+
+def run_gc(args: argparse.Namespace) -> int:
+    fs, path = resolve(args.root, want="dir")
+    report = gc(path, args.step, args.max_off_policy_steps, fs=fs, dry_run=args.dry_run)
+    if args.json:
+        print(json.dumps(report.as_dict(), indent=2))
+        return EXIT_PROBLEMS if report.errors else 0
+    verb = "would remove" if report.dry_run else "removed"
+    print(
+        f"{args.root}: {verb} {count(len(report.files), 'file')} ({format_bytes(report.bytes)}) in "
+        f"versions {report.versions or 'none'}; versions >= v{report.bound} are kept"
+    )
+    for name in report.files:
+        print(f"  {name}")
+    for message in report.errors:
+        print(f"  error {message}")
+    return EXIT_PROBLEMS if report.errors else 0

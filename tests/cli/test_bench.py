@@ -1,0 +1,83 @@
+"""``r3data bench``: real benchmarks run small, their targets tabled, JSON and plots written."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from r3data.cli import main
+from r3data.cli.bench_report import Check, checks
+
+QUICK = ["wire", "collate", "expand"]  # the fastest, and both report schemas
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory):
+    results = tmp_path_factory.mktemp("results")
+    code = main(["bench", "--quick", "--only", *QUICK, "--results", str(results)])
+    return code, results
+
+
+def test_every_target_of_every_benchmark_is_tabled_as_its_report_states(quick_run):
+    code, results = quick_run
+    summary = json.loads((results / "summary.json").read_text())
+    assert summary["errors"] == {}
+    assert summary["quick"] is True
+    assert summary["machine"]["permitted_cpus"] >= 1
+    found = {(c["benchmark"], c["name"]): c for c in summary["checks"]}
+    expected = 0
+    for name in QUICK:
+        report = json.loads((results / f"bench_{name}.json").read_text())
+        entries = [("", report)] + [(f"{r['layout']}: ", r) for r in report.get("results", [])]
+        for prefix, entry in entries:
+            flags = entry.get("met")  # a report may also sum up its entries with one bool
+            for key, met in (flags if isinstance(flags, dict) else {}).items():
+                check = found[(name, prefix + key)]
+                assert check["met"] == met
+                assert check["value"] == pytest.approx(entry[key])
+                assert check["target"] == pytest.approx(report["targets"][key])
+                expected += 1
+    assert len(found) == expected > 0
+    assert code == (0 if all(c["met"] for c in summary["checks"]) else 1)
+
+
+def test_plots_are_written_for_each_benchmark_and_the_margins(quick_run):
+    _, results = quick_run
+    for name in [*[f"bench_{n}" for n in QUICK], "summary"]:
+        assert (results / f"{name}.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_no_plots_writes_json_only(tmp_path, capsys):
+    main(["bench", "--quick", "--only", "collate", "--results", str(tmp_path), "--no-plots"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bench_collate.json", "summary.json"]
+    out = capsys.readouterr().out
+    assert "benchmark  check" in out
+    assert "collate" in out.split("benchmark  check", 1)[1]
+
+
+def test_targets_read_from_values_and_met_flags():
+    report = {
+        "speedup": 8.0,
+        "ratio": 2.0,
+        "targets": {"speedup": 6.0, "ratio": 1.5},
+        "met": {"speedup": True, "ratio": False},
+        "results": [{"layout": "thd", "peak": 0.5, "met": {"peak": True}}],
+    }
+    report["targets"]["peak"] = 1.2
+    found = checks("demo", report)
+    assert found == [
+        Check("demo", "speedup", 8.0, 6.0, ">=", True),
+        Check("demo", "ratio", 2.0, 1.5, "<=", False),
+        Check("demo", "thd: peak", 0.5, 1.2, "<=", True),
+    ]
+    assert [c.margin for c in found] == [
+        pytest.approx(8 / 6),
+        pytest.approx(0.75),
+        pytest.approx(2.4),
+    ]
+    flags_only = checks("old", {"targets": {"bytes_equal": True, "faster": False}})
+    assert [(c.name, c.value, c.met) for c in flags_only] == [
+        ("bytes_equal", None, True),
+        ("faster", None, False),
+    ]
