@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -9,6 +10,8 @@ from typing import Any
 from r3data.errors import with_context
 from r3data.nodes.sample import RolloutSample, as_rollout
 from r3data.trace import OnGap, Placeholder, StitchedSample, stitch
+
+logger = logging.getLogger("r3data.nodes")
 
 
 @dataclass(frozen=True, eq=False)
@@ -35,6 +38,14 @@ class StitchRollout:
         sample_id = _raw_id(raw, index)
         try:
             sample = as_rollout(raw, index, self.trace_options)
+            empty = [f for f in self.fields if f not in sample.trace.info]
+            if empty and self.on_gap != "raise":
+                # No row of the field anywhere (e.g. every turn's routes were an engine bug):
+                # nothing to replay and no row shape for placeholders, so the sample is dropped.
+                logger.warning(
+                    "sample %r: no rows of %s in any request; sample dropped", sample_id, empty
+                )
+                return StitchedRollout(index, sample, None)
             stitched = stitch(
                 sample.trace,
                 sample.sample_len,

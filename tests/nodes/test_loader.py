@@ -11,7 +11,7 @@ from torch.utils.data import DataLoader
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from r3data import TensorBatch, loader
-from r3data.errors import PayloadNotFoundError, PayloadReadError, TraceError
+from r3data.errors import PayloadNotFoundError, PayloadReadError, TraceError, TraceGapError
 from r3data.nodes import RolloutDataset
 from r3data.payload import PayloadRetention, PayloadWriter
 from r3data.wire import InlineRows, pack_ndarray
@@ -346,3 +346,29 @@ def test_a_multi_choice_response_needs_a_choice():
 def test_malformed_samples_raise_typed_errors(sample, message):
     with pytest.raises(TraceError, match=message):
         list(loader([sample], batch_size=1, workers=1))
+
+
+def test_a_sample_with_no_routes_at_all_is_dropped_unless_gaps_raise(caplog):
+    rows = np.ones((3, LAYERS, TOPK), np.uint8)
+    good = {
+        "id": "good",
+        "token_ids": np.arange(4),
+        "requests": [
+            {
+                "prompt_len": 2,
+                "completion_len": 2,
+                "sources": [InlineRows("routed_experts", rows, 0)],
+            }
+        ],
+    }
+    bare = {
+        "id": "bare",
+        "token_ids": np.arange(4),
+        "requests": [{"prompt_len": 2, "completion_len": 2}],
+    }
+    (batch,) = loader([good, bare], batch_size=2, workers=1)
+    assert batch["sample_id"] == ["good"]
+    assert batch.metadata["dropped"] == ["bare"]
+    assert "no rows of ['routed_experts'] in any request" in caplog.text
+    with pytest.raises(TraceGapError, match=r"sample 'bare'.*no rows for positions \[0, 3\)"):
+        list(loader([good, bare], batch_size=2, workers=1, on_gap="raise"))
