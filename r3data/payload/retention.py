@@ -99,15 +99,49 @@ class RetentionMetrics:
         return asdict(self)
 
 
+class _Latency:
+    """Running last/mean/max of deletion latencies, in constant memory."""
+
+    def __init__(self) -> None:
+        self.count, self.total, self.max, self.last = 0, 0.0, 0.0, 0.0
+
+    def add(self, seconds: float) -> None:
+        self.count += 1
+        self.total += seconds
+        self.max = max(self.max, seconds)
+        self.last = seconds
+
+    @property
+    def mean(self) -> float:
+        return self.total / self.count if self.count else 0.0
+
+
 class PayloadRetention:
     """Deletes payload files once the batches that read them are trained on.
 
-    ``claim(step, files)`` when a batch for ``step`` ships; ``on_policy_update(step)`` after the
-    optimizer step releases every claim ``<= step`` and sweeps versions older than
-    ``min_fresh_version(step + 1, max_off_policy_steps)`` of unclaimed files. Deletion runs on the
-    shared pool and never blocks the caller; a failed deletion is logged and retried on the next
-    call. ``fresh=True`` (a new run) removes every ``v<k>`` directory under the root first; a
-    resumed run passes ``fresh=False`` and lets the backstop clear what the old run left.
+    Nothing is deleted before it was consumed:
+
+    - ``claim(step, files)`` when the batch for ``step`` ships. A file is kept until
+      ``on_policy_update(s)`` with ``s`` at least the *latest* step that claimed it (a file
+      shared by a GRPO group split across batches stays for the last of them).
+    - ``discard(files)`` for dropped samples. A discarded file is deleted at the next
+      ``on_policy_update(s)`` unless a batch for a step ``> s`` claimed it by then (a later,
+      prefetched batch may share the file); it then goes when that claim is released.
+    - ``on_policy_update(step)`` after the optimizer step releases every claim ``<= step``,
+      deletes those files and the due discarded ones, and sweeps versions older than
+      ``min_fresh_version(step + 1, max_off_policy_steps)`` of unclaimed files.
+    - A claim of a released or discarded file not yet deleted keeps it. A claim of a file whose
+      deletion is under way waits for it to finish, so a file that exists when ``claim``
+      returns stays until its step is released; one deleted before cannot come back (a read
+      of it raises :class:`~r3data.errors.PayloadNotFoundError`): claim a batch's files before
+      the update that releases them.
+
+    Deletion runs on the shared pool and never blocks the caller; a failed deletion is logged
+    and retried on the next call.
+
+    ``fresh`` has no default, so that forgetting it cannot wipe a resumed run: ``fresh=True``
+    (a new run) removes every ``v<k>`` directory under the root first; ``fresh=False`` (a
+    resumed run) keeps them and lets the backstop clear what the old run left.
     """
 
     def __init__(
@@ -115,22 +149,29 @@ class PayloadRetention:
         root: str,
         max_off_policy_steps: int,
         *,
+        fresh: bool,
         fs: AbstractFileSystem | None = None,
-        fresh: bool = True,
     ) -> None:
+        if not isinstance(fresh, bool):
+            raise ConfigError(
+                f"fresh must be True (a new run: wipe the root) or False (a resumed run), "
+                f"found {fresh!r}"
+            )
         self.root = PayloadRoot(root, fs)
         self.max_off_policy_steps = _check_count("max_off_policy_steps", max_off_policy_steps)
         self._lock = threading.Lock()
-        self._claims: dict[str, int] = {}
-        self._doomed: dict[str, float] = {}
+        self._deletion_done = threading.Condition(self._lock)
+        self._claims: dict[str, int] = {}  # file -> latest step that claimed it
+        self._discarded: set[str] = set()  # due at the next update unless claimed beyond it
+        self._doomed: dict[str, float] = {}  # file -> when it was released, awaiting deletion
+        self._deleting: set[str] = set()  # files whose deletion is under way
         self._bound = 0
-        self._sizes: dict[str, int] = {}
         self._job: Future[None] | None = None
         self._again = False
         self._live = (0, 0)
         self._deleted = (0, 0)
         self._errors = 0
-        self._latencies: list[float] = []
+        self._latency = _Latency()
         if fresh:
             for version in list_versions(self.root):
                 self.root.fs.rm(posixpath.join(self.root.path, f"v{version}"), recursive=True)
@@ -151,26 +192,25 @@ class PayloadRetention:
         return [self.root.relative(f) for f in files]
 
     def claim(self, step: int, files: Iterable[str]) -> None:
-        """Keep ``files`` until ``on_policy_update(s)`` with ``s >= step``."""
+        """Keep ``files`` until ``on_policy_update(s)`` with ``s >= step`` (and any later claim)."""
         step = _check_count("step", step)
         names = self._names(files)
         with self._lock:
+            self._deletion_done.wait_for(lambda: self._deleting.isdisjoint(names))
             for name in names:
                 self._claims[name] = max(step, self._claims.get(name, step))
                 self._doomed.pop(name, None)
 
     def discard(self, files: Iterable[str]) -> None:
-        """Delete ``files`` of dropped samples soon, except those a shipped batch still claims."""
+        """Delete ``files`` of dropped samples at the next ``on_policy_update``, unless a batch for
+        a later step claims them by then."""
         names = self._names(files)
-        now = time.monotonic()
         with self._lock:
-            for name in names:
-                if name not in self._claims:
-                    self._doomed.setdefault(name, now)
-        self._schedule()
+            self._discarded.update(names)
 
     def on_policy_update(self, step: int) -> None:
-        """The trainer finished ``step``: delete what its batches claimed, sweep stale versions."""
+        """The trainer finished ``step``: delete what its batches claimed and what was discarded
+        (unless claimed for a later step), and sweep stale versions."""
         bound = min_fresh_version(step + 1, self.max_off_policy_steps)
         now = time.monotonic()
         with self._lock:
@@ -178,6 +218,10 @@ class PayloadRetention:
             for name in released:
                 del self._claims[name]
                 self._doomed.setdefault(name, now)
+            for name in self._discarded:
+                if name not in self._claims:  # claims left are for steps > step
+                    self._doomed.setdefault(name, now)
+            self._discarded.clear()
             self._bound = max(self._bound, bound)
         self._schedule()
 
@@ -196,18 +240,17 @@ class PayloadRetention:
 
     def metrics(self) -> RetentionMetrics:
         with self._lock:
-            latencies = self._latencies
             return RetentionMetrics(
                 files_claimed=len(self._claims),
-                files_pending=len(self._doomed),
+                files_pending=len(self._doomed.keys() | self._discarded),
                 files_live=self._live[0],
                 bytes_live=self._live[1],
                 files_deleted=self._deleted[0],
                 bytes_deleted=self._deleted[1],
                 delete_errors=self._errors,
-                deletion_latency_s_last=latencies[-1] if latencies else 0.0,
-                deletion_latency_s_mean=sum(latencies) / len(latencies) if latencies else 0.0,
-                deletion_latency_s_max=max(latencies, default=0.0),
+                deletion_latency_s_last=self._latency.last,
+                deletion_latency_s_mean=self._latency.mean,
+                deletion_latency_s_max=self._latency.max,
             )
 
     def _schedule(self) -> None:
@@ -220,7 +263,7 @@ class PayloadRetention:
     def _drain(self) -> None:
         while True:
             with self._lock:
-                doomed, bound = dict(self._doomed), self._bound
+                doomed, bound = list(self._doomed), self._bound
                 self._again = False
             try:
                 self._work(doomed, bound)
@@ -231,14 +274,16 @@ class PayloadRetention:
                     self._job = None
                     return
 
-    def _work(self, doomed: dict[str, float], bound: int) -> None:
+    def _work(self, doomed: list[str], bound: int) -> None:
         """One pass: list the root, delete released and discarded files, sweep stale versions."""
         versions = list_versions(self.root)
-        self._sizes = {name: size for files in versions.values() for name, size in files}
-        gone = {name for name, since in doomed.items() if self._delete(name, since)}
+        sizes = {name: size for files in versions.values() for name, size in files}
+        gone = {name for name in doomed if self._delete(name, sizes.get(name, 0))}
         for version, files in versions.items():
             if version < bound:
-                gone.update(name for name, _ in files if name not in gone and self._delete(name))
+                gone.update(
+                    name for name, size in files if name not in gone and self._delete(name, size)
+                )
                 _remove_dir(self.root, version)
         live = [
             (name, size) for files in versions.values() for name, size in files if name not in gone
@@ -246,27 +291,39 @@ class PayloadRetention:
         with self._lock:
             self._live = (len(live), sum(size for _, size in live))
 
-    def _delete(self, name: str, since: float | None = None) -> bool:
-        """Delete ``name`` unless claimed; True when it is gone."""
+    def _delete(self, name: str, size: int) -> bool:
+        """Delete ``name`` unless a batch claims it; True when it is gone.
+
+        The claim check and the ``deleting`` mark are one step under the lock, and a claim of a
+        file being deleted waits for the outcome: no claim returns while its file goes.
+        """
         with self._lock:
             if name in self._claims:
-                self._doomed.pop(name, None)
                 return False
+            self._deleting.add(name)
+        removed, failed = False, True
         try:
             self.root.fs.rm_file(self.root.full(name))
+            removed, failed = True, False
         except FileNotFoundError:
-            pass
+            failed = False
         except Exception as exc:
             logger.warning("could not delete payload file %s (retried later): %s", name, exc)
+        finally:
+            finished = time.monotonic()
             with self._lock:
-                self._errors += 1
-            return False
-        with self._lock:
-            self._doomed.pop(name, None)
-            self._deleted = (self._deleted[0] + 1, self._deleted[1] + self._sizes.get(name, 0))
-            if since is not None:
-                self._latencies.append(time.monotonic() - since)
-        return True
+                self._deleting.discard(name)
+                self._deletion_done.notify_all()
+                if failed:
+                    self._errors += 1
+                else:
+                    self._discarded.discard(name)
+                    since = self._doomed.pop(name, None)
+                    if removed:
+                        self._deleted = (self._deleted[0] + 1, self._deleted[1] + size)
+                        if since is not None:
+                            self._latency.add(finished - since)
+        return not failed
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 from fsspec import AbstractFileSystem
+from fsspec.implementations.memory import MemoryFileSystem
 
 from r3data.errors import PayloadWriteError, SegmentError
 from r3data.payload.fileformat import FieldEntry, checksum, place_fields
@@ -27,14 +28,17 @@ is ``(values, row_lengths)`` (or :class:`RaggedRows`) or a list of 1-D arrays, o
 TEMP_SUFFIX = ".tmp"
 """Files being written are named ``.<id>.bin.tmp`` next to their final name."""
 
+_STREAM_CHUNK = 8 << 20
+"""Bytes per write into an object store's file when it does not say its block size."""
+
 
 class PayloadWriter:
     """Writes files ``<root>/v<version>/<id>.bin`` and returns segments that name them.
 
     A file is never visible under its final name until it is complete: on a local or network
     (POSIX) filesystem it is written to a temporary name in the same directory, fsynced and
-    renamed, then the directory is fsynced; on any other fsspec filesystem (object stores,
-    ``memory://``) it is uploaded in a single put.
+    renamed, then the directory is fsynced; on an object store it is streamed into one upload
+    that the store publishes when the file closes (``memory://`` takes a single put).
     """
 
     def __init__(self, root: str | os.PathLike[str], *, fs: AbstractFileSystem | None = None):
@@ -109,12 +113,18 @@ class PayloadWriter:
 
     def _publish_put(self, file: str, parts: list[Any]) -> None:
         final = self.root.full(file)
+        fs = self.root.fs
         try:
-            self.root.fs.makedirs(posixpath.dirname(final), exist_ok=True)
-            self.root.fs.pipe_file(final, b"".join(map(_byte_view, parts)))
+            fs.makedirs(posixpath.dirname(final), exist_ok=True)
+            if isinstance(fs, MemoryFileSystem):
+                # memory:// stores a file as soon as it is opened, so a streamed file would be
+                # visible half-written; its store keeps the bytes anyway: one joined copy is all.
+                fs.pipe_file(final, b"".join(map(_byte_view, parts)))
+            else:
+                _upload(fs, final, parts)
         except OSError as exc:
             raise PayloadWriteError(
-                f"writing payload file {self.root.fs.unstrip_protocol(final)}: {exc}"
+                f"writing payload file {fs.unstrip_protocol(final)}: {exc}"
             ) from exc
 
 
@@ -160,6 +170,31 @@ def _draft(file: str, name: str, data: FieldData, pos: int) -> tuple[FieldEntry,
         crc32c=checksum(array),
     )
     return FieldEntry(segment, array.nbytes), [array]
+
+
+def _upload(fs: AbstractFileSystem, path: str, parts: list[Any]) -> None:
+    """Stream ``parts`` into one upload that the store publishes when the file closes.
+
+    Object stores' fsspec files (s3fs, gcsfs, adlfs) buffer a block at a time (one put below
+    the block size, a multipart upload above it) and make the object visible only at close: the
+    file is never seen half-written, and the upload holds about a block, not a second copy of
+    the file. On failure the upload is discarded and the file marked closed, so that nothing
+    (not even garbage collection) completes it.
+    """
+    out = fs.open(path, "wb")
+    chunk = getattr(out, "blocksize", None) or _STREAM_CHUNK
+    try:
+        for part in parts:
+            view = _byte_view(part)
+            for start in range(0, len(view), chunk):
+                out.write(view[start : start + chunk])
+        out.close()
+    except BaseException:
+        with contextlib.suppress(Exception):
+            out.discard()
+        with contextlib.suppress(AttributeError):
+            out.closed = True
+        raise
 
 
 def _byte_view(buffer: np.ndarray | bytes) -> memoryview:

@@ -181,7 +181,7 @@ def play_step(
         raise ConfigError(f"rollouts must be an int >= 1, found {rollouts!r}")
     router = SyntheticRouter(shape, seed=seed)
     rolls = synth_rollouts(router, rollouts, seed=seed, max_turns=max_turns, max_len=max_len)
-    retention = PayloadRetention(os.fspath(payload_root), max_off_policy_steps=1)
+    retention = PayloadRetention(os.fspath(payload_root), max_off_policy_steps=1, fresh=True)
     served = serve_rollouts(
         rolls,
         producers=producers,

@@ -46,15 +46,12 @@ def test_random_schedules_never_delete_early_and_delete_everything_eventually(da
     root = new_root(kind)
     fs, path = fsspec.core.url_to_fs(root)
     writer = PayloadWriter(root)
-    retention = PayloadRetention(root, max_off)
+    retention = PayloadRetention(root, max_off, fresh=True)
     size_of: dict[str, int] = {}
     version_of: dict[str, int] = {}
-    claimed: dict[str, int] = {}  # file -> latest step that claimed it
-    discarded: set[str] = set()
-    released = -1
-
-    def must_exist() -> set[str]:
-        return {f for f, step in claimed.items() if step > released}
+    claims: dict[str, int] = {}  # file -> latest step that claimed it, until released
+    discarded: set[str] = set()  # since the last update
+    deleted: set[str] = set()
 
     steps = data.draw(st.integers(1, 7), label="steps")
     for step in range(steps):
@@ -63,37 +60,31 @@ def test_random_schedules_never_delete_early_and_delete_everything_eventually(da
             name = write(writer, version)
             version_of[name] = version
             size_of[name] = fs.size(f"{path}/{name}")
-        for batch in (step, step + 1):  # a prefetching loader ships the next batch early
-            live = stored(root)
-            candidates = sorted(
-                f
-                for f in live
-                if f not in discarded
-                and f not in claimed
-                and version_of[f] >= min_fresh_version(batch, max_off)
-            )
-            picked = (
-                data.draw(st.lists(st.sampled_from(candidates), unique=True)) if candidates else []
-            )
+        # a prefetching loader ships the next batch early; a file may be claimed by both (a
+        # group split across batches), and dropped from one batch while another uses it
+        for batch in data.draw(st.permutations([step, step + 1]), label="claim order"):
+            live = [f for f in version_of if f not in deleted]  # in write order: names are random
+            fresh = [f for f in live if version_of[f] >= min_fresh_version(batch, max_off)]
+            picked = data.draw(st.lists(st.sampled_from(fresh), unique=True)) if fresh else []
             retention.claim(batch, picked)
-            claimed.update(dict.fromkeys(picked, batch))
-        unclaimed = sorted(f for f in stored(root) if f not in claimed and f not in discarded)
-        dropped = data.draw(st.lists(st.sampled_from(unclaimed), unique=True)) if unclaimed else []
-        retention.discard(dropped)
-        discarded.update(dropped)
-        assert must_exist() <= stored(root)
-        retention.on_policy_update(step)
-        released = step
-        assert must_exist() <= stored(root)  # also while deletions run in the background
+            claims.update({f: max(batch, claims.get(f, batch)) for f in picked})
+            dropped = data.draw(st.lists(st.sampled_from(live), unique=True)) if live else []
+            retention.discard(dropped)
+            discarded.update(dropped)
         retention.wait()
+        assert stored(root) == set(version_of) - deleted  # claims and discards delete nothing
+
+        released = {f for f, claimed in claims.items() if claimed <= step}
+        due = released | {f for f in discarded if claims.get(f, step) <= step}
+        for f in released:
+            del claims[f]
+        discarded.clear()
         bound = min_fresh_version(step + 1, max_off)
-        expected = {
-            f
-            for f, version in version_of.items()
-            if (f in claimed and claimed[f] > step)
-            or (f not in claimed and f not in discarded and version >= bound)
-        }
-        assert stored(root) == expected
+        deleted |= due | {f for f, v in version_of.items() if v < bound and f not in claims}
+        retention.on_policy_update(step)
+        assert set(version_of) - deleted <= stored(root)  # also while deletions run
+        retention.wait()
+        assert stored(root) == set(version_of) - deleted
     retention.on_policy_update(steps + max_off + 1)
     retention.close()
     assert stored(root) == set()
@@ -101,7 +92,6 @@ def test_random_schedules_never_delete_early_and_delete_everything_eventually(da
     assert metrics.files_deleted == len(version_of)
     assert metrics.bytes_deleted == sum(size_of.values())
     assert (metrics.files_live, metrics.bytes_live, metrics.files_pending) == (0, 0, 0)
-    fs, path = fsspec.core.url_to_fs(root)
     fs.rm(path, recursive=True)
 
 
@@ -140,29 +130,95 @@ def test_resumed_run_sweeps_what_the_old_run_left(tmp_path):
     assert retention.metrics().files_deleted == 3
 
 
-def test_discard_spares_files_a_shipped_batch_claims(payload_root):
+def test_fresh_has_no_default_and_must_be_a_bool(payload_root):
+    kept = {write(PayloadWriter(payload_root), 0)}
+    with pytest.raises(TypeError, match="fresh"):
+        PayloadRetention(payload_root, 2)
+    with pytest.raises(ConfigError, match=r"fresh must be True .* or False .* found 'no'"):
+        PayloadRetention(payload_root, 2, fresh="no")
+    assert stored(payload_root) == kept
+
+
+def test_discarded_files_go_at_the_next_update_unless_a_later_batch_claims_them(payload_root):
     writer = PayloadWriter(payload_root)
-    shared, dropped = write(writer, 0), write(writer, 0)
-    retention = PayloadRetention(payload_root, 1, fresh=False)
-    retention.claim(0, [shared])
-    retention.discard([shared, dropped])
+    shared, early, dropped, used = (write(writer, 0) for _ in range(4))
+    retention = PayloadRetention(payload_root, 4, fresh=False)
+    retention.claim(0, [used, dropped])
+    retention.claim(1, [early])  # batch 1 was prefetched and shipped before batch 0's discard
+    retention.discard([shared, early, dropped])  # samples dropped from batch 0
     retention.wait()
-    assert stored(payload_root) == {shared}
+    assert stored(payload_root) == {shared, early, dropped, used}  # nothing goes before an update
+    assert retention.metrics().files_pending == 3
+    retention.claim(1, [shared])  # batch 1 shares a file with a sample dropped from batch 0
     retention.on_policy_update(0)
+    retention.wait()
+    assert stored(payload_root) == {shared, early}
+    assert (retention.metrics().files_pending, retention.metrics().files_claimed) == (0, 2)
+    retention.on_policy_update(1)
     retention.close()
     assert stored(payload_root) == set()
+    assert retention.metrics().files_deleted == 4
     with pytest.raises(PayloadHandleError, match="collection of handles"):
-        retention.claim(1, shared)
+        retention.discard(shared)
+
+
+def test_a_file_stays_until_its_latest_claim_is_released(payload_root):
+    writer = PayloadWriter(payload_root)
+    twice, once = write(writer, 0), write(writer, 0)
+    retention = PayloadRetention(payload_root, 4, fresh=False)
+    retention.claim(2, [twice])
+    retention.claim(1, [twice, once])  # an earlier step claimed after a later one
+    retention.on_policy_update(1)
+    retention.wait()
+    assert stored(payload_root) == {twice}
+    assert retention.metrics().files_claimed == 1
+    retention.claim(3, [twice])
+    retention.on_policy_update(2)
+    retention.wait()
+    assert stored(payload_root) == {twice}
+    retention.on_policy_update(3)
+    retention.close()
+    assert stored(payload_root) == set()
+
+
+def test_state_does_not_grow_with_the_files_deleted(payload_root):
+    writer = PayloadWriter(payload_root)
+    retention = PayloadRetention(payload_root, 0, fresh=False)
+    held = []
+    for step in range(3):
+        files = [write(writer, step) for _ in range(20)]
+        retention.claim(step, files[:10])
+        retention.discard(files[10:])
+        retention.on_policy_update(step)
+        retention.wait()
+        held.append(
+            sum(len(v) for v in vars(retention).values() if isinstance(v, (list, dict, set)))
+        )
+    assert stored(payload_root) == set()
+    assert held == [0, 0, 0]
+    metrics = retention.metrics()
+    assert metrics.files_deleted == 60
+    assert 0 < metrics.deletion_latency_s_mean <= metrics.deletion_latency_s_max
+    assert 0 < metrics.deletion_latency_s_last <= metrics.deletion_latency_s_max
 
 
 class SlowDeletes(LocalFileSystem):
-    """A local filesystem whose deletions take a while, and fail the first ``failures`` times."""
+    """A local filesystem whose deletions take a while, and fail the first ``failures`` times.
+
+    ``started`` is set when a deletion begins; ``deleting`` lists the paths begun.
+    """
+
+    cachable = False  # each test gets its own events and counts
 
     def __init__(self, delay: float, failures: int = 0) -> None:
-        super().__init__(skip_instance_cache=True)
-        self.delay, self.failures, self.release = delay, failures, threading.Event()
+        super().__init__()
+        self.delay, self.failures = delay, failures
+        self.release, self.started = threading.Event(), threading.Event()
+        self.deleting: list[str] = []
 
     def rm_file(self, path):
+        self.deleting.append(path)
+        self.started.set()
         self.release.wait(self.delay)
         if self.failures:
             self.failures -= 1
@@ -187,6 +243,60 @@ def test_update_never_blocks_and_close_waits(tmp_path):
     metrics = retention.metrics()
     assert metrics.files_deleted == 3
     assert metrics.deletion_latency_s_max >= metrics.deletion_latency_s_mean > 0
+
+
+def start_deleting(tmp_path, fs: SlowDeletes, count: int) -> tuple[PayloadRetention, list[str]]:
+    """Release ``count`` files; returns once the worker is inside the first deletion (blocked)."""
+    writer = PayloadWriter(str(tmp_path))
+    files = [write(writer, 0) for _ in range(count)]
+    retention = PayloadRetention(str(tmp_path), 4, fs=fs, fresh=False)
+    retention.claim(0, files)
+    retention.on_policy_update(0)
+    assert fs.started.wait(5.0)
+    busy = next(f for f in files if fs.deleting[0].endswith(f))
+    return retention, [busy, *(f for f in files if f != busy)]
+
+
+def claim_in_thread(retention: PayloadRetention, step: int, files: list[str]) -> threading.Thread:
+    thread = threading.Thread(target=retention.claim, args=(step, files))
+    thread.start()
+    thread.join(0.2)
+    return thread
+
+
+def test_a_claim_racing_a_deletion_waits_for_it(tmp_path):
+    fs = SlowDeletes(delay=10.0)
+    retention, (busy, queued) = start_deleting(tmp_path, fs, 2)
+    racing = claim_in_thread(retention, 1, [busy])
+    assert racing.is_alive()  # the claim waits for the deletion under way...
+    retention.claim(1, [queued])  # ...while a claim of a file not begun keeps it at once
+    fs.release.set()
+    racing.join(5.0)
+    assert not racing.is_alive()
+    retention.wait()
+    assert stored(str(tmp_path)) == {queued}  # `busy` went before its claim took effect
+    assert len(fs.deleting) == 1
+    retention.on_policy_update(1)
+    retention.close()
+    assert stored(str(tmp_path)) == set()
+    assert retention.metrics().files_deleted == 2
+
+
+def test_a_claim_waiting_on_a_failed_deletion_keeps_the_file(tmp_path):
+    fs = SlowDeletes(delay=10.0, failures=1)
+    retention, (busy,) = start_deleting(tmp_path, fs, 1)
+    racing = claim_in_thread(retention, 1, [busy])
+    assert racing.is_alive()
+    fs.release.set()
+    racing.join(5.0)
+    retention.on_policy_update(0)  # the failed deletion is not retried: `busy` is claimed now
+    retention.wait()
+    assert stored(str(tmp_path)) == {busy}
+    metrics = retention.metrics()
+    assert (metrics.delete_errors, metrics.files_claimed, metrics.files_pending) == (1, 1, 0)
+    retention.on_policy_update(1)
+    retention.close()
+    assert stored(str(tmp_path)) == set()
 
 
 def test_failed_deletions_are_logged_and_retried_next_time(tmp_path, caplog):
