@@ -2,13 +2,15 @@
 
 Each request brings rows for a span of positions, inline (:class:`InlineRows`) or by handle
 (:class:`PayloadSegment`). The builder keeps, per field, non-overlapping pieces ordered by
-position; a later request wins where spans overlap. Adding a source cuts at most the pieces it
-overlaps (views and re-pointed handles, never copies), so a whole trace costs O(total rows):
-earlier turns are never re-gathered.
+position; a later request wins where spans overlap (within one request, sources of a field
+must not overlap: that is ambiguous, e.g. every choice of a multi-choice response). Adding a
+source cuts at most the pieces it overlaps (views and re-pointed handles, never copies), so a
+whole trace costs O(total rows): earlier turns are never re-gathered.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 from bisect import bisect_left, bisect_right
 from collections.abc import Iterable, Mapping
@@ -18,9 +20,8 @@ from typing import Literal
 
 import numpy as np
 
-from r3data.errors import TraceError
+from r3data.errors import ConfigError, TraceError
 from r3data.payload.segment import PayloadSegment
-from r3data.trace.anchors import nonnegative_int
 from r3data.trace.checks import (
     check_expert_ids,
     check_row_shape,
@@ -29,6 +30,7 @@ from r3data.trace.checks import (
     zero_rows,
 )
 from r3data.trace.spans import Span, complement, format_spans, merge
+from r3data.wire.anchors import nonnegative_int, routes_end
 from r3data.wire.dtypes import ROUTE_DTYPES, parse_dtype
 from r3data.wire.rows import InlineRows
 
@@ -83,7 +85,7 @@ class Trace:
         """Ranges where the engine should have produced rows of ``field``, merged and ordered:
         every forwarded token for routes, every completion token for other fields."""
         if field == self.routes_field:
-            return merge((0, p + c - 1) for p, c in self.requests)
+            return merge((0, routes_end(p, c)) for p, c in self.requests)
         return merge((p, p + c) for p, c in self.requests)
 
 
@@ -126,11 +128,14 @@ def _rows_of(source: Source) -> tuple[np.dtype, tuple[int, ...], bool]:
 class TraceBuilder:
     """Collects the requests of one trace; :meth:`build` gives an immutable :class:`Trace`.
 
-    ``routes_field`` rows are anchored on forwarded tokens; every other field on completion
-    tokens (see :mod:`r3data.trace.anchors`). Fields in ``ragged_fields`` hold rows of varying
-    width (sampling masks: inline padded with -1, by handle with an index table). Inline routes
-    are checked on arrival: ids below ``num_experts`` when given, and rows that are 0 in every
-    entry (an engine bug) are, per ``zero_rows``, treated as missing (logged), refused, or kept.
+    ``routes_field`` rows are anchored on forwarded tokens, so they end by the last one (see
+    :mod:`r3data.wire.anchors`; ``last_token_row`` also admits a row for the last token, which
+    vLLM, SGLang and prime-rl never send); every other field sits on completion tokens. Fields
+    in ``ragged_fields`` hold rows of varying width (sampling masks: inline padded with -1, by
+    handle with an index table). Inline routes are checked on arrival: ids below
+    ``num_experts`` when given, and rows that are 0 in every entry (an engine bug) are, per
+    ``zero_rows``, treated as missing (logged), refused, or kept. Bad option values raise
+    :class:`ConfigError`; rows that do not fit raise :class:`TraceError`.
     """
 
     def __init__(
@@ -141,18 +146,22 @@ class TraceBuilder:
         routes_field: str = ROUTES_FIELD,
         ragged_fields: Iterable[str] = ("sampling_mask",),
         zero_rows: ZeroRows = "missing",
+        last_token_row: bool = False,
     ) -> None:
         if zero_rows not in ("missing", "raise", "keep"):
-            raise TraceError(
+            raise ConfigError(
                 f"zero_rows: expected 'missing', 'raise' or 'keep', found {zero_rows!r}"
             )
         if num_experts is not None and nonnegative_int("num_experts", num_experts) == 0:
-            raise TraceError("num_experts: expected an int >= 1, found 0")
+            raise ConfigError("num_experts: expected an int >= 1, found 0")
+        if not isinstance(last_token_row, bool):
+            raise ConfigError(f"last_token_row: expected a bool, found {last_token_row!r}")
         self.trace_id = str(trace_id)
         self.num_experts = num_experts
         self.routes_field = routes_field
         self.ragged_fields = frozenset(ragged_fields)
         self.zero_rows = zero_rows
+        self.last_token_row = last_token_row
         self._requests: list[tuple[int, int]] = []
         self._tracks: dict[str, _Track] = {}
         self._info: dict[str, FieldInfo] = {}
@@ -163,24 +172,21 @@ class TraceBuilder:
     ) -> None:
         """Add one request's rows; ``sources`` carry their own positions. Validates every
         source before changing anything, so a refused request leaves the trace as it was."""
-        prompt_len = nonnegative_int("prompt_len", prompt_len)
-        completion_len = nonnegative_int("completion_len", completion_len)
-        tokens = prompt_len + completion_len
-        info = dict(self._info)
-        pieces: list[Source] = []
-        warnings: list[str] = []
-        for source in sources:
+        prompt_len = nonnegative_int("prompt_len", prompt_len, TraceError)
+        completion_len = nonnegative_int("completion_len", completion_len, TraceError)
+        request_sources = list(sources)
+        for source in request_sources:
             if not isinstance(source, (InlineRows, PayloadSegment)):
                 raise TraceError(
                     f"trace {self.trace_id!r}: expected InlineRows or PayloadSegment sources, "
                     f"found {type(source).__name__}"
                 )
-            if source.end > tokens:
-                raise TraceError(
-                    f"trace {self.trace_id!r} field {source.field!r}: rows cover positions "
-                    f"[{source.pos}, {source.end}), past the {tokens} tokens of this request "
-                    f"(prompt_len {prompt_len} + completion_len {completion_len})"
-                )
+            self._check_span(source, prompt_len, completion_len)
+        self._check_disjoint(request_sources)
+        info = dict(self._info)
+        pieces: list[Source] = []
+        warnings: list[str] = []
+        for source in request_sources:
             info[source.field] = self._merged_info(info.get(source.field), source)
             if source.rows:
                 pieces.extend(self._checked(source, warnings))
@@ -191,6 +197,43 @@ class TraceBuilder:
         for message in warnings:
             logger.warning(message)
         self._warnings.extend(warnings)
+
+    def _check_span(self, source: Source, prompt_len: int, completion_len: int) -> None:
+        """Routes end by the last forwarded token (or the last token with
+        ``last_token_row``); any other field by the last token."""
+        tokens = prompt_len + completion_len
+        lengths = f"prompt_len {prompt_len} + completion_len {completion_len}"
+        if source.end > tokens:
+            raise TraceError(
+                f"trace {self.trace_id!r} field {source.field!r}: rows cover positions "
+                f"[{source.pos}, {source.end}), past the {tokens} tokens of this request "
+                f"({lengths})"
+            )
+        if source.field == self.routes_field and source.end > routes_end(
+            prompt_len, completion_len, last_token_row=self.last_token_row
+        ):
+            raise TraceError(
+                f"trace {self.trace_id!r} field {source.field!r}: expected routes ending by "
+                f"position {tokens - 1} ({lengths} - 1: the last token is never forwarded), "
+                f"found rows for [{source.pos}, {source.end}) (shifted by +1?); pass "
+                f"last_token_row=True for an engine that sends a row for the last token"
+            )
+
+    def _check_disjoint(self, sources: list[Source]) -> None:
+        """Sources of one field in one request must not overlap: which would win?"""
+        spans: dict[str, list[tuple[int, int]]] = {}
+        for source in sources:
+            if source.rows:
+                spans.setdefault(source.field, []).append((source.pos, source.end))
+        for field, field_spans in spans.items():
+            field_spans.sort()
+            for (lo, hi), (next_lo, next_hi) in itertools.pairwise(field_spans):
+                if next_lo < hi:
+                    raise TraceError(
+                        f"trace {self.trace_id!r} field {field!r}: sources of one request "
+                        f"overlap, [{lo}, {hi}) and [{next_lo}, {next_hi}) (several choices "
+                        f"of one response?); expected disjoint ranges, one source per position"
+                    )
 
     def _merged_info(self, known: FieldInfo | None, source: Source) -> FieldInfo:
         dtype, row_shape, handle_ragged = _rows_of(source)

@@ -17,16 +17,14 @@ if TYPE_CHECKING:
     from r3data.payload.reader import PayloadReader
     from r3data.trace.stitch import StitchedField
 
-__all__ = ["RAGGED_FILL", "materialize_field"]
-
-RAGGED_FILL = MASK_FILL
-"""Pads ragged rows (sampling masks) to a common width: the wire's mask padding."""
+__all__ = ["materialize_field"]
 
 
 def materialize_field(
     stitched: StitchedField, sample_len: int, reader: PayloadReader | None, trace_id: str
 ) -> np.ndarray:
-    """``stitched`` as ``[sample_len, *row_shape]`` (ragged: ``[sample_len, widest]`` padded with -1)."""
+    """``stitched`` as ``[sample_len, *row_shape]`` (ragged: ``[sample_len, widest]`` padded
+    with :data:`~r3data.wire.MASK_FILL`)."""
     handles = [p for p in stitched.pieces if isinstance(p, PayloadSegment)]
     if handles and reader is None:
         raise TraceError(

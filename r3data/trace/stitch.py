@@ -26,12 +26,12 @@ from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 
-from r3data.errors import TraceError, TraceGapError
+from r3data.errors import ConfigError, TraceError, TraceGapError
 from r3data.payload.segment import PayloadSegment
-from r3data.trace.anchors import nonnegative_int
 from r3data.trace.builder import ROUTES_FIELD, FieldInfo, Source, Trace, TraceBuilder, clip_source
 from r3data.trace.materialize import materialize_field
 from r3data.trace.spans import complement, format_spans, intersect
+from r3data.wire.anchors import nonnegative_int
 from r3data.wire.rows import InlineRows
 
 if TYPE_CHECKING:
@@ -215,18 +215,20 @@ def stitch(
     """
     if isinstance(trace, TraceBuilder):
         trace = trace.build()
-    n = nonnegative_int("sample_len", sample_len)
+    n = nonnegative_int("sample_len", sample_len, TraceError)
     if placeholder not in ("repeat_previous", "distinct"):
-        raise TraceError(
+        raise ConfigError(
             f"placeholder: expected 'repeat_previous' or 'distinct', found {placeholder!r}"
         )
     if on_gap not in ("drop_routes", "drop_sample", "raise"):
-        raise TraceError(
+        raise ConfigError(
             f"on_gap: expected 'drop_routes', 'drop_sample' or 'raise', found {on_gap!r}"
         )
+    if topk is not None and nonnegative_int("topk", topk) == 0:
+        raise ConfigError("topk: expected an int >= 1, found 0")
     names = [fields] if isinstance(fields, str) else list(fields)
     if not names or len(set(names)) != len(names):
-        raise TraceError(f"fields: expected distinct field names, found {names!r}")
+        raise ConfigError(f"fields: expected distinct field names, found {names!r}")
     warnings = list(trace.warnings)
     stats = StitchStats(samples=1)
     stitched: dict[str, StitchedField] = {}

@@ -1,5 +1,6 @@
 """Routes and side channels on the wire: envelopes, one-pass body splicing, producer formats.
 
+- :mod:`~r3data.wire.anchors`: where a request's route rows sit (the last token has none);
 - :mod:`~r3data.wire.dtypes`: the dtypes allowed on the wire;
 - :mod:`~r3data.wire.envelope`: ``{"data": base64, "shape", "dtype", ...}`` packing;
 - :mod:`~r3data.wire.splice`: parsing a JSON body without turning its blobs into strings;
@@ -7,6 +8,7 @@
 - :mod:`~r3data.wire.masks`: CSR sampling masks and per-token floats.
 """
 
+from r3data.wire.anchors import anchored_pos, end_anchored_pos, routes_end, start_anchored_pos
 from r3data.wire.dtypes import ALL_DTYPES, ROUTE_DTYPES, parse_dtype
 from r3data.wire.envelope import compact_routes, decode_base64, pack_ndarray, unpack_ndarray
 from r3data.wire.masks import (
@@ -41,11 +43,13 @@ __all__ = [
     "ROUTE_DTYPES",
     "InlineRows",
     "OnZero",
+    "anchored_pos",
     "check_csr",
     "compact_routes",
     "csr_to_padded",
     "decode_base64",
     "dense_layers",
+    "end_anchored_pos",
     "floats_from_json",
     "floats_to_json",
     "load_packed_body",
@@ -56,9 +60,11 @@ __all__ = [
     "primerl_routes",
     "primerl_sampling_mask",
     "read_npy",
+    "routes_end",
     "screen_routes",
     "sglang_routes",
     "skyrl_routes",
+    "start_anchored_pos",
     "unpack_csr",
     "unpack_ndarray",
     "vllm_routes",

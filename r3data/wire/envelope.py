@@ -34,6 +34,7 @@ __all__ = [
 ENVELOPE_KEYS = ("data", "shape", "dtype")
 
 _MAX_NDIM = 32  # numpy 1.x limit; nothing on the wire needs more
+_MAX_NBYTES = int(np.iinfo(np.intp).max)  # numpy refuses larger shapes, even empty ones
 _PAD = ord("=")
 
 Base64Data = str | bytes | bytearray | memoryview
@@ -180,7 +181,13 @@ def array_from_buffer(
     *,
     what: str = "data",
 ) -> np.ndarray:
-    """View decoded bytes as an array of ``shape`` and ``dtype``; the sizes must agree."""
+    """View decoded bytes as an array of ``shape`` and ``dtype``; the sizes must agree, and
+    the shape must be one numpy can hold even when a zero extent makes it empty."""
+    if math.prod(n for n in shape if n) * dtype.itemsize > _MAX_NBYTES:
+        raise WireFormatError(
+            f"{what}: expected a shape of at most {_MAX_NBYTES} bytes (zero extents aside), "
+            f"found {list(shape)!r:.120} of {dtype.name}"
+        )
     nbytes = math.prod(shape) * dtype.itemsize
     if len(buffer) != nbytes:
         raise WireFormatError(

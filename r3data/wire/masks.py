@@ -20,13 +20,15 @@ from typing import Any
 
 import numpy as np
 
-from r3data.errors import WireFormatError
+from r3data.errors import ConfigError, WireFormatError
 from r3data.wire.envelope import pack_ndarray, unpack_ndarray
 
 __all__ = [
     "DEFAULT_MAX_ELEMENTS",
+    "DEFAULT_MAX_PADDING",
     "MASK_FILL",
     "NEG_INF_SENTINEL",
+    "SMALL_PADDED_ELEMENTS",
     "check_csr",
     "csr_to_padded",
     "floats_from_json",
@@ -41,6 +43,14 @@ MASK_FILL = -1
 
 #: Largest padded mask (cells) built unless the caller raises it: 1 GiB of int32.
 DEFAULT_MAX_ELEMENTS = 1 << 28
+
+#: Padded cells allowed per CSR element present (ids plus counts). Every mask whose widest set
+#: holds at most this many ids passes; a few wide sets among many small ones need a larger
+#: ratio (or None), so a small body cannot make :func:`csr_to_padded` allocate a huge array.
+DEFAULT_MAX_PADDING = 1024
+
+#: Padded masks up to this many cells (16 MiB of int32) pass whatever their padding.
+SMALL_PADDED_ELEMENTS = 1 << 22
 
 #: What -inf becomes in a JSON list of floats: the most negative float32 (exact in float64).
 NEG_INF_SENTINEL = float(np.finfo(np.float32).min)
@@ -80,18 +90,38 @@ def check_csr(ids: Any, counts: Any, *, what: str = "mask") -> tuple[np.ndarray,
 
 
 def csr_to_padded(
-    ids: Any, counts: Any, *, max_elements: int = DEFAULT_MAX_ELEMENTS, what: str = "mask"
+    ids: Any,
+    counts: Any,
+    *,
+    max_elements: int = DEFAULT_MAX_ELEMENTS,
+    max_padding: float | None = DEFAULT_MAX_PADDING,
+    what: str = "mask",
 ) -> np.ndarray:
     """CSR mask -> ``[tokens, widest]`` int32, each row's ids first, then :data:`MASK_FILL`.
 
     Raises :class:`WireFormatError` before allocating when ``tokens * widest`` exceeds
-    ``max_elements``.
+    ``max_elements``, or exceeds both :data:`SMALL_PADDED_ELEMENTS` and ``max_padding`` times
+    the ids and counts present (None: no such bound).
     """
+    if max_padding is not None and (
+        isinstance(max_padding, bool)
+        or not isinstance(max_padding, int | float)
+        or max_padding <= 0
+    ):
+        raise ConfigError(f"max_padding: expected a number > 0 or None, found {max_padding!r}")
     ids, counts = check_csr(ids, counts, what=what)
     widest = int(counts.max()) if counts.size else 0
-    if counts.size * widest > max_elements:
+    cells = counts.size * widest
+    if cells > max_elements:
         raise WireFormatError(
             f"{what}: padded form [{counts.size}, {widest}] exceeds {max_elements} elements"
+        )
+    present = ids.size + counts.size
+    if max_padding is not None and cells > max(SMALL_PADDED_ELEMENTS, max_padding * present):
+        raise WireFormatError(
+            f"{what}: expected a padded form of at most {max_padding} x the {present} ids and "
+            f"counts present, found [{counts.size}, {widest}] = {cells} cells; pass a larger "
+            f"max_padding (or None) to allow it"
         )
     padded = np.full((counts.size, widest), MASK_FILL, dtype=np.int32)
     padded[np.arange(widest) < counts[:, None]] = ids

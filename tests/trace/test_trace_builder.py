@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import base64
+import io
 import itertools
 
 import numpy as np
@@ -10,19 +12,18 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from trace_engine import engine_rows, routes
 
-from r3data.errors import TraceError
+from r3data.errors import ConfigError, TraceError
 from r3data.payload.reader import PayloadReader
 from r3data.payload.writer import PayloadWriter
 from r3data.trace import (
     TraceBuilder,
     check_expert_ids,
     distinct_row,
-    end_anchored_pos,
-    start_anchored_pos,
     stitch,
     widened_dtype,
 )
 from r3data.trace.spans import complement, intersect, merge
+from r3data.wire import vllm_routes
 from r3data.wire.rows import InlineRows
 
 
@@ -58,21 +59,54 @@ def test_a_source_spanning_several_pieces_replaces_them(payload):
     np.testing.assert_array_equal(middle.array, engine_rows(4, 2, 11))
 
 
-def test_anchoring_helpers():
-    # prime-rl: rows end at the last forwarded token, position prompt_len + completion_len - 1
-    assert end_anchored_pos(4, 3, 6) == 0
-    assert end_anchored_pos(9, 2, 4) == 6
-    with pytest.raises(TraceError, match="at most 6 rows"):
-        end_anchored_pos(4, 3, 7)
-    # vLLM: rows start at routed_experts_prompt_start
-    assert start_anchored_pos(9, 2, 4, prompt_start=6) == 6
-    assert start_anchored_pos(9, 2, 10) == 0
-    with pytest.raises(TraceError, match=r"expected an int in \[0, 9\]"):
-        start_anchored_pos(9, 2, 1, prompt_start=10)
-    with pytest.raises(TraceError, match="past the 11 tokens"):
-        start_anchored_pos(9, 2, 6, prompt_start=6)
-    with pytest.raises(TraceError, match="prompt_len"):
-        start_anchored_pos(-1, 2, 1)
+def test_sources_of_one_request_must_not_overlap(payload):
+    write, _ = payload
+    builder = TraceBuilder("t")
+    builder.add_request(4, 3, [routes(1, 0, 6)])
+    before = builder.build()
+    overlapping = [
+        [routes(2, 0, 6), routes(3, 0, 6)],  # two choices at the same positions
+        [routes(2, 0, 4), routes(3, 3, 6)],  # one shared position
+        [*write(routes(2, 3, 6)), routes(3, 0, 4)],  # by handle and inline, any order
+        [routes(2, 0, 6), *write(routes(3, 5, 6))],
+    ]
+    for sources in overlapping:
+        spans = sorted((s.pos, s.end) for s in sources)
+        with pytest.raises(
+            TraceError,
+            match=rf"trace 't' field 'routed_experts': sources of one request overlap, "
+            rf"\[{spans[0][0]}, {spans[0][1]}\) and \[{spans[1][0]}, {spans[1][1]}\)",
+        ):
+            builder.add_request(4, 3, sources)
+    after = builder.build()
+    assert after.requests == before.requests
+    assert spans_of(builder) == [(0, 6)]
+    np.testing.assert_array_equal(after.pieces["routed_experts"][0].array, engine_rows(1, 0, 6))
+    # adjacent sources, empty ones, and other fields at the same positions are fine
+    mask = InlineRows("sampling_mask", np.zeros((3, 2), np.int32), 4)
+    empty = InlineRows("routed_experts", engine_rows(2, 3, 3), 3)
+    builder.add_request(4, 3, [routes(2, 0, 3), empty, routes(3, 3, 6), mask])
+    assert spans_of(builder) == [(0, 3), (3, 6)]
+    # across requests the later one still wins
+    builder.add_request(4, 3, [routes(4, 2, 6)])
+    assert spans_of(builder) == [(0, 2), (2, 6)]
+
+
+def test_a_multi_choice_response_is_refused():
+    """vLLM decoded with ``choice=None`` gives one source per choice, all at position 0."""
+    choices = []
+    for seed in (1, 2):
+        buffer = io.BytesIO()
+        np.save(buffer, engine_rows(seed, 0, 6))
+        choices.append({"routed_experts": base64.b64encode(buffer.getvalue()).decode()})
+    sources = vllm_routes({"choices": choices})
+    builder = TraceBuilder("conv")
+    with pytest.raises(TraceError, match=r"'conv'.*overlap, \[0, 6\) and \[0, 6\)"):
+        builder.add_request(4, 3, sources)
+    builder.add_request(4, 3, vllm_routes({"choices": choices}, choice=1))
+    np.testing.assert_array_equal(
+        stitch(builder, 6).materialize("routed_experts"), engine_rows(2, 0, 6)
+    )
 
 
 def test_sources_past_the_request_and_foreign_objects_are_refused():
@@ -195,11 +229,24 @@ def test_span_algebra_matches_sets(a, b, lo, width):
     assert points(complement(ma, lo, lo + width)) == set(range(lo, lo + width)) - points(a)
 
 
+@pytest.mark.parametrize(
+    ("options", "match"),
+    [
+        ({"zero_rows": "drop"}, "zero_rows: expected 'missing', 'raise' or 'keep', found 'drop'"),
+        ({"num_experts": 0}, "num_experts: expected an int >= 1, found 0"),
+        ({"num_experts": -3}, "num_experts: expected an int >= 0, found -3"),
+        ({"num_experts": "8"}, "num_experts"),
+        ({"last_token_row": 1}, "last_token_row: expected a bool, found 1"),
+    ],
+)
+def test_bad_option_values_are_config_errors(options, match):
+    with pytest.raises(ConfigError, match=match):
+        TraceBuilder("t", **options)
+
+
 def test_builder_arguments_and_ragged_agreement(tmp_path):
-    with pytest.raises(TraceError, match="zero_rows"):
-        TraceBuilder("t", zero_rows="drop")
-    with pytest.raises(TraceError, match="num_experts"):
-        TraceBuilder("t", num_experts=0)
+    with pytest.raises(TraceError, match="prompt_len: expected an int >= 0, found -1"):
+        TraceBuilder("t").add_request(-1, 3)
     rows = [np.array([1, 2], np.int32), np.array([3], np.int32), np.array([], np.int32)]
     ragged = PayloadWriter(tmp_path).write(0, {"token_mask": rows}, pos=4)
     builder = TraceBuilder("t")

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from trace_engine import engine_rows
 
+from r3data.errors import TraceError
 from r3data.payload.reader import PayloadReader
 from r3data.payload.writer import PayloadWriter
 from r3data.trace import TraceBuilder, distinct_row, stitch
@@ -31,28 +33,39 @@ def traces(draw):
         turns.append((prompt, completion, lo, hi, dtype, draw(st.booleans())))
         tokens = prompt + completion
     sample_len = draw(st.one_of(st.integers(tokens, tokens + 2), st.integers(0, tokens)))
-    return turns, sample_len, draw(st.sampled_from(["repeat_previous", "distinct"]))
+    placeholder = draw(st.sampled_from(["repeat_previous", "distinct"]))
+    return turns, sample_len, placeholder, draw(st.booleans())
 
 
 @settings(max_examples=50, deadline=None)
 @given(case=traces())
 def test_by_handle_equals_inline_and_valid_rows_are_the_engines(case, tmp_path_factory):
-    turns, n, placeholder = case
+    turns, n, placeholder, last_token_row = case
     root = tmp_path_factory.mktemp("payload")
     writer, reader = PayloadWriter(root), PayloadReader(root, workers=2)
-    inline, by_handle = TraceBuilder("p"), TraceBuilder("p")
+    inline = TraceBuilder("p", last_token_row=last_token_row)
+    by_handle = TraceBuilder("p", last_token_row=last_token_row)
     engine: dict[int, np.ndarray] = {}  # naive reference: the latest row per position
     expected: set[int] = set()
     for turn, (prompt, completion, lo, hi, dtype, handle) in enumerate(turns, 1):
         rows = InlineRows("routed_experts", engine_rows(turn, lo, hi, dtype), lo)
-        inline.add_request(prompt, completion, [rows])
         sources = (
             writer.write(0, {rows.field: rows.array}, pos=lo) if handle and hi > lo else [rows]
         )
+        if hi == prompt + completion and not last_token_row:  # a row for the last token
+            for builder, refused in ((inline, [rows]), (by_handle, sources)):
+                with pytest.raises(TraceError, match="last token is never forwarded"):
+                    builder.add_request(prompt, completion, refused)
+            continue
+        inline.add_request(prompt, completion, [rows])
         by_handle.add_request(prompt, completion, sources)
         engine.update({p: rows.array[p - lo] for p in range(lo, hi)})
         expected.update(range(prompt + completion - 1))
 
+    if "routed_experts" not in inline.build().info:  # every turn refused or empty
+        with pytest.raises(TraceError, match="no rows anywhere"):
+            stitch(inline, n, placeholder=placeholder)
+        return
     a = stitch(inline, n, placeholder=placeholder)
     b = stitch(by_handle, n, placeholder=placeholder)
     from_inline = a.materialize("routed_experts")

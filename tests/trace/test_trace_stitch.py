@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from trace_engine import engine_rows, routes
 
-from r3data.errors import TraceError, TraceGapError
+from r3data.errors import ConfigError, TraceError, TraceGapError
 from r3data.payload.segment import PayloadSegment
 from r3data.trace import (
     PLACEHOLDER_META,
@@ -24,14 +24,16 @@ TURNS = [(4, 3), (9, 2), (13, 3)]
 LENGTH = 16
 
 
-def vllm_trace(starts=(0, 6, 10), shorten=(0, 0, 0), extra=(0, 0, 0)) -> tuple:
+def vllm_trace(
+    starts=(0, 6, 10), shorten=(0, 0, 0), extra=(0, 0, 0), last_token_row=False
+) -> tuple:
     """vLLM answering with ``routed_experts_prompt_start`` = ``starts[j]``; an engine may send
     ``shorten[j]`` rows fewer or ``extra[j]`` more than the forwarded tokens."""
-    builder = TraceBuilder("chat-1")
+    builder = TraceBuilder("chat-1", last_token_row=last_token_row)
     arrays = []
     for turn, ((p, c), start) in enumerate(zip(TURNS, starts, strict=True), 1):
         rows = p + c - 1 - start - shorten[turn - 1] + extra[turn - 1]
-        pos = start_anchored_pos(p, c, rows, prompt_start=start)
+        pos = start_anchored_pos(p, c, rows, prompt_start=start, last_token_row=last_token_row)
         source = routes(turn, pos, pos + rows)
         arrays.append(source.array)
         builder.add_request(p, c, [source])
@@ -91,11 +93,32 @@ def test_synthetic_eos_repeats_or_gets_distinct_experts():
     np.testing.assert_array_equal(distinct[:15], routes_[:15])
 
 
-def test_engine_sending_a_row_for_the_last_token_keeps_it():
-    builder, _ = vllm_trace(extra=(0, 0, 1))
-    sample = stitch(builder, LENGTH)
+def test_a_row_for_the_last_token_is_refused_unless_admitted(payload):
+    write, _ = payload
+    builder, _ = vllm_trace()
+    before = builder.build()
+    # rows [10, 16) for the last turn: one row for token 15, never forwarded
+    for source in ([routes(3, 10, 16)], write(routes(3, 10, 16))):
+        with pytest.raises(
+            TraceError,
+            match=r"'chat-1' field 'routed_experts': expected routes ending by position 15 "
+            r"\(prompt_len 13 \+ completion_len 3 - 1.*found rows for \[10, 16\)",
+        ):
+            builder.add_request(13, 3, source)
+    # the right number of rows, shifted by +1 (a source placed one position late)
+    with pytest.raises(TraceError, match=r"found rows for \[11, 16\) \(shifted by \+1\?\)"):
+        builder.add_request(13, 3, [routes(3, 11, 16)])
+    assert builder.build().requests == before.requests
+    # masks and logprobs sit on completion tokens: the last token has one
+    builder.add_request(13, 3, [InlineRows("logprobs", np.zeros(3, np.float32), 13)])
+    assert builder.build().pieces["logprobs"][0].end == 16
+    # an engine that does send a row for the last token, admitted
+    admitted, _ = vllm_trace(extra=(0, 0, 1), last_token_row=True)
+    sample = stitch(admitted, LENGTH)
     assert sample.valid.all()
     assert positions_of(sample.materialize("routed_experts")) == list(range(16))
+    with pytest.raises(TraceError, match=r"\[10, 17\), past the 16 tokens"):
+        admitted.add_request(13, 3, [routes(4, 10, 17)])
 
 
 def test_engine_returning_the_full_prefix_each_turn():
@@ -277,12 +300,16 @@ def test_stitch_refuses_bad_arguments():
     builder, _ = vllm_trace()
     with pytest.raises(TraceError, match="sample_len"):
         stitch(builder, -1)
-    with pytest.raises(TraceError, match="placeholder"):
+    # bad option values are configuration errors, as everywhere in r3data
+    with pytest.raises(ConfigError, match="placeholder: expected 'repeat_previous'"):
         stitch(builder, 4, placeholder="zeros")
-    with pytest.raises(TraceError, match="on_gap"):
+    with pytest.raises(ConfigError, match="on_gap: expected 'drop_routes'"):
         stitch(builder, 4, on_gap="ignore")
-    with pytest.raises(TraceError, match="distinct field names"):
+    with pytest.raises(ConfigError, match="distinct field names"):
         stitch(builder, 4, fields=("routed_experts", "routed_experts"))
+    for topk in (0, -2, 1.5):
+        with pytest.raises(ConfigError, match="topk: expected an int >= "):
+            stitch(builder, 4, topk=topk)
     with pytest.raises(TraceError, match="'logprobs': no rows anywhere"):
         stitch(builder, 4, fields=("routed_experts", "logprobs"), on_gap="drop_routes")
     with pytest.raises(TraceGapError, match="'logprobs'"):

@@ -26,10 +26,11 @@ TOKENS = [
 ]  # fmt: skip
 
 
-def _peak(call) -> int:
+def _peak(call, expected: type[Exception]) -> int:
+    """Peak traced memory of ``call``; only ``expected`` may escape it (anything else fails)."""
     tracemalloc.start()
     try:
-        with contextlib.suppress(R3DataError, orjson.JSONDecodeError):
+        with contextlib.suppress(expected):
             call()
         return tracemalloc.get_traced_memory()[1]
     finally:
@@ -38,8 +39,8 @@ def _peak(call) -> int:
 
 def _check(raw: bytes) -> None:
     """Only R3DataError may escape; memory stays within a plain parse plus twice the body."""
-    baseline = _peak(lambda: orjson.loads(raw))
-    peak = _peak(lambda: load_packed_body(raw, FIELDS))
+    baseline = _peak(lambda: orjson.loads(raw), orjson.JSONDecodeError)
+    peak = _peak(lambda: load_packed_body(raw, FIELDS), R3DataError)
     assert peak <= baseline + 2 * len(raw) + 64 * 1024
 
 
@@ -89,6 +90,24 @@ def lying_envelopes(draw) -> bytes:
     data = draw(st.sampled_from(["", "AAAA", "QUJDRA==", "A" * 400]))
     envelope = {"data": data, "shape": shape, "dtype": dtype}
     return orjson.dumps({"choices": [{"routed_experts": envelope}]})
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        # empty arrays whose other extents overflow what numpy can shape (found by fuzzing)
+        b'{"choices":[{"routed_experts":{"data":"","shape":[0,12709424,90713906831],'
+        b'"dtype":"int64"}}]}',
+        b'{"routed_experts":{"data":"","shape":[0,4611686018427387904,2],"dtype":"uint8"}}',
+        # nesting deeper than orjson parses
+        b'{"routed_experts":' + b"[" * 5000 + b"]" * 5000 + b"}",
+        b'{"a":' + b"[" * 5000 + b"]" * 5000 + b"}",
+    ],
+)
+def test_edge_bodies_raise_r3data_errors(raw):
+    with pytest.raises(R3DataError):
+        load_packed_body(raw, FIELDS)
+    _check(raw)
 
 
 @SETTINGS

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import tracemalloc
 
 import numpy as np
 import orjson
@@ -10,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from r3data.errors import WireFormatError
+from r3data.errors import ConfigError, WireFormatError
 from r3data.wire import (
     MASK_FILL,
     NEG_INF_SENTINEL,
@@ -20,8 +21,10 @@ from r3data.wire import (
     load_packed_body,
     pack_csr,
     padded_to_csr,
+    primerl_sampling_mask,
     unpack_csr,
 )
+from r3data.wire.masks import DEFAULT_MAX_ELEMENTS, DEFAULT_MAX_PADDING
 
 SETTINGS = settings(max_examples=50, deadline=None)
 
@@ -90,6 +93,83 @@ def test_csr_to_padded_checks_size_before_allocating():
     counts[0] = 10**6
     with pytest.raises(WireFormatError, match=r"\[1000000, 1000000\] exceeds"):
         csr_to_padded(np.zeros(10**6, np.int32), counts)
+
+
+def _skewed(tokens: int, widest: int) -> tuple[np.ndarray, np.ndarray]:
+    """One kept set of ``widest`` ids among ``tokens - 1`` empty ones: padding it costs
+    ``tokens * widest`` cells for ``tokens + widest`` values present."""
+    counts = np.zeros(tokens, np.int32)
+    counts[-1] = widest
+    return np.arange(widest, dtype=np.int32), counts
+
+
+def test_a_small_body_cannot_claim_a_huge_padded_mask():
+    """~175 KB of base64 claiming [16384, 16384] int32 padded: 1 GiB, at DEFAULT_MAX_ELEMENTS."""
+    ids, counts = _skewed(1 << 14, 1 << 14)
+    assert counts.size * int(counts.max()) == DEFAULT_MAX_ELEMENTS
+    raw = orjson.dumps(
+        {"choices": [{"prompt_token_ids": [1], "sampling_mask": pack_csr(ids, counts)}]}
+    )
+    assert len(raw) < 200_000
+    tracemalloc.start()
+    try:
+        with pytest.raises(
+            WireFormatError,
+            match=r"expected a padded form of at most 1024 x the 32768 ids and counts present, "
+            r"found \[16384, 16384\] = 268435456 cells",
+        ):
+            primerl_sampling_mask(raw)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 10 * len(raw)
+    # the caller who wants it anyway says so
+    padded = primerl_sampling_mask(
+        orjson.dumps(
+            {
+                "choices": [
+                    {"prompt_token_ids": [1], "sampling_mask": pack_csr(*_skewed(3000, 1000))}
+                ]
+            }
+        ),
+        max_padding=None,
+    )[0].array
+    assert padded.shape == (3000, 1000)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    st.integers(1, 8_000),
+    st.integers(0, DEFAULT_MAX_PADDING),
+    st.floats(0, 1),
+    st.integers(0, 2**32 - 1),
+)
+def test_masks_no_wider_than_max_padding_always_pass(tokens, widest, density, seed):
+    """However sparse (most sets empty), a mask whose widest set fits the ratio passes."""
+    rng = np.random.default_rng(seed)
+    counts = np.where(rng.random(tokens) < density, rng.integers(0, widest + 1, tokens), 0)
+    counts = counts.astype(np.int32)
+    counts[0] = widest
+    ids = np.zeros(int(counts.sum()), np.int32)
+    assert csr_to_padded(ids, counts).shape == (tokens, widest)
+
+
+def test_padding_bound():
+    # wide and skewed, but small: always allowed
+    small = csr_to_padded(*_skewed(2048, 2048))
+    assert small.shape == (2048, 2048)
+    ids, counts = _skewed(8192, 2048)  # 16M cells for 10240 values present
+    with pytest.raises(WireFormatError, match=r"at most 1024 x the 10240 ids .*\[8192, 2048\]"):
+        csr_to_padded(ids, counts)
+    with pytest.raises(WireFormatError, match="at most 8 x the 10240"):
+        csr_to_padded(ids, counts, max_padding=8)
+    assert csr_to_padded(ids, counts, max_padding=2048).shape == (8192, 2048)
+    assert csr_to_padded(ids, counts, max_padding=None).shape == (8192, 2048)
+    with pytest.raises(WireFormatError, match=r"\[8192, 2048\] exceeds 1000000 elements"):
+        csr_to_padded(ids, counts, max_elements=10**6, max_padding=None)
+    for bad in (0, -1.5, "64", True):
+        with pytest.raises(ConfigError, match="max_padding: expected a number > 0 or None"):
+            csr_to_padded(ids, counts, max_padding=bad)
 
 
 @pytest.mark.parametrize(

@@ -7,6 +7,7 @@ import contextlib
 import io
 import json
 import logging
+import struct
 from typing import ClassVar
 
 import numpy as np
@@ -167,6 +168,9 @@ def test_read_npy_rejects_truncation_and_garbage():
         read_npy(data[:-1])
     with pytest.raises(WireFormatError, match=r"expected a \.npy file"):
         read_npy(b"PK\x03\x04 not numpy")
+    # an unclosed header dict: numpy's header filter raises tokenize.TokenError (found by fuzzing)
+    with pytest.raises(WireFormatError, match=r"expected a \.npy file"):
+        read_npy(b"\x93NUMPY\x01\x00" + struct.pack("<H", 2) + b"{\n")
 
 
 @SETTINGS
@@ -241,7 +245,7 @@ def test_sglang_batch_and_start_argument():
     rows = sglang_routes(
         _http([sglang_item(first), sglang_item(second)]), num_layers=4, topk=2, start=2
     )
-    assert [(r.pos, r.rows, r.meta["index"]) for r in rows] == [(2, 3, 0), (2, 5, 1)]
+    assert [(r.pos, r.rows, r.meta["choice"]) for r in rows] == [(2, 3, 0), (2, 5, 1)]
     np.testing.assert_array_equal(rows[1].array, second)
 
 
@@ -284,8 +288,14 @@ def test_primerl_routes_are_anchored_at_the_end():
     assert (rows.pos, rows.end) == (2, 8)
     np.testing.assert_array_equal(rows.array, routes)
     body["choices"][0]["routed_experts"]["start"] = 1
-    with pytest.raises(EngineRoutesError, match="start at 2, but the envelope says start 1"):
+    with pytest.raises(
+        EngineRoutesError,
+        match=r"expected 7 route rows \(prompt 5 \+ completion 4 - 1 - start 1\), found 6",
+    ):
         primerl_routes(body)
+    too_many = {"choices": [primerl_choice(_routes(9), 5, 4, start=None)]}
+    with pytest.raises(EngineRoutesError, match=r"at most 8 route rows \(prompt 5 \+ comp"):
+        primerl_routes(too_many)
 
 
 def test_primerl_routes_placement_sources():

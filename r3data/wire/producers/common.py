@@ -10,7 +10,8 @@ from typing import Any, Literal
 
 import numpy as np
 
-from r3data.errors import ConfigError, EngineRoutesError, WireFormatError
+from r3data.errors import ConfigError, EngineRoutesError, R3DataError, WireFormatError
+from r3data.wire.anchors import nonnegative_int
 from r3data.wire.envelope import decode_base64
 from r3data.wire.rows import InlineRows
 from r3data.wire.splice import load_packed_body
@@ -21,7 +22,6 @@ __all__ = [
     "choice_token_lengths",
     "decoded_blob",
     "dense_layers",
-    "expect_rows",
     "optional_position",
     "parse_response",
     "screen_routes",
@@ -88,30 +88,9 @@ def choice_token_lengths(
     )
 
 
-def optional_position(value: object, what: str, error: type[Exception]) -> int | None:
+def optional_position(value: object, what: str, error: type[R3DataError]) -> int | None:
     """``None`` or a non-negative int; anything else raises ``error``."""
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 0:
-        raise error(f"{what}: expected an int >= 0, found {value!r:.40}")
-    return int(value)
-
-
-def expect_rows(
-    rows: int, prompt_len: int | None, completion_len: int | None, start: int, what: str
-) -> None:
-    """Rows must cover ``[start, prompt_len + completion_len - 1)`` when both lengths are known.
-
-    The last sampled token is never forwarded, so it has no routes.
-    """
-    if prompt_len is None or completion_len is None:
-        return
-    expected = prompt_len + completion_len - 1 - start
-    if rows != expected:
-        raise EngineRoutesError(
-            f"{what}: expected {expected} route rows (prompt {prompt_len} + completion "
-            f"{completion_len} - 1 - start {start}), found {rows}"
-        )
+    return None if value is None else nonnegative_int(what, value, error)
 
 
 def decoded_blob(value: object, what: str) -> bytes | bytearray | memoryview:

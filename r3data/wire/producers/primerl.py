@@ -21,10 +21,16 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from r3data.errors import ConfigError, EngineRoutesError, WireFormatError
+from r3data.errors import ConfigError, WireFormatError
+from r3data.wire.anchors import anchored_pos
 from r3data.wire.dtypes import ROUTE_DTYPES
 from r3data.wire.envelope import unpack_ndarray
-from r3data.wire.masks import DEFAULT_MAX_ELEMENTS, csr_to_padded, unpack_csr
+from r3data.wire.masks import (
+    DEFAULT_MAX_ELEMENTS,
+    DEFAULT_MAX_PADDING,
+    csr_to_padded,
+    unpack_csr,
+)
 from r3data.wire.producers.common import (
     OnZero,
     choice_token_lengths,
@@ -88,22 +94,15 @@ def primerl_routes(
         )
         start = optional_position(sidecar.get("start"), f"{what}.start", WireFormatError)
         prompt, completion = _lengths(parsed, entry, prompt_arg, completion_arg)
-        if prompt is not None and completion is not None:
-            anchored = prompt + completion - 1 - routes.shape[0]
-            if anchored < 0 or (start is not None and start != anchored):
-                raise EngineRoutesError(
-                    f"{what}: {routes.shape[0]} rows ending at prompt {prompt} + completion "
-                    f"{completion} - 1 start at {anchored}, but the envelope says start {start}"
-                )
-            start = anchored
-        if start is None:
+        pos = anchored_pos(routes.shape[0], prompt, completion, start, what=what)
+        if pos is None:
             raise WireFormatError(
                 f"{what}: cannot place the rows: no 'start' and no prompt/completion lengths"
             )
         out += screened_rows(
             field,
             routes,
-            start,
+            pos,
             on_zero,
             what,
             producer="prime-rl",
@@ -122,11 +121,14 @@ def primerl_sampling_mask(
     completion_len: int | None = None,
     max_elements: int = DEFAULT_MAX_ELEMENTS,
     field: str = "sampling_mask",
+    max_padding: float | None = DEFAULT_MAX_PADDING,
 ) -> list[InlineRows]:
     """Sampling masks of each choice (or of ``choice``), padded ``[completion, widest]``.
 
     Row i is completion token i at position ``prompt_len + i``; the prompt length is
     required (argument, else the token id lists). ``meta["widest"]`` is the largest set.
+    ``max_elements`` and ``max_padding`` bound the padded array (see
+    :func:`~r3data.wire.csr_to_padded`).
     """
     prompt_arg = optional_position(prompt_len, "prompt_len", ConfigError)
     completion_arg = optional_position(completion_len, "completion_len", ConfigError)
@@ -143,7 +145,9 @@ def primerl_sampling_mask(
                 f"{what}: expected one kept-set size per completion token ({completion}), "
                 f"found {counts.size}"
             )
-        padded = csr_to_padded(ids, counts, max_elements=max_elements, what=what)
+        padded = csr_to_padded(
+            ids, counts, max_elements=max_elements, max_padding=max_padding, what=what
+        )
         meta = {
             "producer": "prime-rl",
             "choice": index,

@@ -20,10 +20,10 @@ from typing import Any
 import numpy as np
 
 from r3data.errors import ConfigError, WireFormatError
+from r3data.wire.anchors import anchored_pos
 from r3data.wire.producers.common import (
     OnZero,
     decoded_blob,
-    expect_rows,
     optional_position,
     parse_response,
     screened_rows,
@@ -54,7 +54,8 @@ def sglang_routes(
 
     ``num_layers`` and ``topk`` shape the flat ids; the int32 count must divide exactly.
     ``start`` overrides ``meta_info.routed_experts_start_len`` (default 0). ``meta`` holds
-    ``producer``, ``index``, ``prompt_len``, ``completion_len`` and ``dense_layers``.
+    ``producer``, ``choice`` (the item's index in a batch list), ``prompt_len``,
+    ``completion_len`` and ``dense_layers``.
     """
     layers, k = _positive(num_layers, "num_layers"), _positive(topk, "topk")
     start_arg = optional_position(start, "start", ConfigError)
@@ -81,22 +82,21 @@ def sglang_routes(
                 f"{what}: routed_experts_start_len",
                 WireFormatError,
             )
-        first = first or 0
         prompt_len = optional_position(
             meta_info.get("prompt_tokens"), f"{what}: prompt_tokens", WireFormatError
         )
         completion_len = optional_position(
             meta_info.get("completion_tokens"), f"{what}: completion_tokens", WireFormatError
         )
-        expect_rows(routes.shape[0], prompt_len, completion_len, first, what)
+        pos = anchored_pos(routes.shape[0], prompt_len, completion_len, first or 0, what=what)
         out += screened_rows(
             field,
             routes,
-            first,
+            pos,
             on_zero,
             what,
             producer="sglang",
-            index=index,
+            choice=index,
             prompt_len=prompt_len,
             completion_len=completion_len,
         )

@@ -19,19 +19,20 @@ field on chat choices), with ``--enable-return-routed-experts``:
 from __future__ import annotations
 
 import io
+import tokenize
 from typing import Any
 
 import numpy as np
 from numpy.lib import format as npy_format
 
 from r3data.errors import ConfigError, WireFormatError
+from r3data.wire.anchors import anchored_pos
 from r3data.wire.dtypes import ROUTE_DTYPES, parse_dtype
 from r3data.wire.envelope import array_from_buffer
 from r3data.wire.producers.common import (
     OnZero,
     choice_token_lengths,
     decoded_blob,
-    expect_rows,
     optional_position,
     parse_response,
     screened_rows,
@@ -61,7 +62,7 @@ def read_npy(buffer: bytes | bytearray | memoryview, *, what: str = "npy") -> np
             header = npy_format.read_array_header_2_0(head, max_header_size=_NPY_HEADER_MAX)
         else:
             raise ValueError(f"unsupported .npy version {version}")
-    except (ValueError, TypeError, SyntaxError, EOFError) as err:
+    except (ValueError, TypeError, SyntaxError, EOFError, tokenize.TokenError) as err:
         raise WireFormatError(f"{what}: expected a .npy file ({err})") from None
     shape, fortran_order, dtype = header
     dtype = parse_dtype(dtype, ROUTE_DTYPES)
@@ -102,14 +103,13 @@ def vllm_routes(
                     f"{what}: routed_experts_prompt_start",
                     WireFormatError,
                 )
-        start = start or 0
         routes = read_npy(decoded_blob(entry.get(field), what), what=what)
         prompt_len, completion_len = choice_token_lengths(parsed, entry)
-        expect_rows(routes.shape[0], prompt_len, completion_len, start, what)
+        pos = anchored_pos(routes.shape[0], prompt_len, completion_len, start or 0, what=what)
         out += screened_rows(
             field,
             routes,
-            start,
+            pos,
             on_zero,
             what,
             producer="vllm",
