@@ -15,7 +15,6 @@ equal the real rows exactly; packed+pool time <= 0.5x padded+pool; fill >= 0.5x 
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -23,39 +22,19 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from r3data.benchmarking import time_interleaved, write_report
 from r3data.buffers import BufferPool
 from r3data.nodes.fill import pack_field
 from r3data.parallel import fill_rows, pool_workers
+from r3data.synth import LENGTH_DISTRIBUTIONS, draw_lengths
 from r3data.wire.rows import InlineRows
 
-DISTRIBUTIONS = ("uniform", "mild", "typical_rl", "heavy_tail")
 RESULTS = Path(__file__).parent / "results" / "bench_collate.json"
 TARGETS = {"packed_bytes_vs_real": 1.0, "packed_pool_vs_padded_pool": 0.5, "fill_vs_memcpy": 0.5}
 
 
-def draw_lengths(kind: str, count: int, max_len: int, rng: np.random.Generator) -> np.ndarray:
-    """Rollout lengths in ``[1, max_len]``; the longest is always ``max_len``."""
-    if kind == "uniform":
-        lengths = rng.integers(1, max_len + 1, count)
-    elif kind == "mild":
-        lengths = rng.integers(max(1, 3 * max_len // 4), max_len + 1, count)
-    elif kind == "typical_rl":
-        lengths = rng.integers(max(1, max_len // 16), max_len + 1, count)
-    elif kind == "heavy_tail":
-        lengths = np.clip((rng.pareto(1.5, count) + 1) * max_len / 64, 1, max_len).astype(int)
-    else:
-        raise ValueError(f"distribution must be one of {DISTRIBUTIONS}, found {kind!r}")
-    lengths[0] = max_len
-    return lengths.astype(np.int64)
-
-
 def best_of(repeats: int, fn: Callable[[], object]) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
+    return min(time_interleaved({"case": fn}, repeats)["case"])
 
 
 def padded_collate(
@@ -150,7 +129,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--max-len", type=int, default=16384)
     parser.add_argument("--layers", type=int, default=48)
     parser.add_argument("--topk", type=int, default=8)
-    parser.add_argument("--distributions", nargs="+", default=list(DISTRIBUTIONS))
+    parser.add_argument("--distributions", nargs="+", default=list(LENGTH_DISTRIBUTIONS))
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="small sizes for a smoke run")
     parser.add_argument("--out", type=Path, default=RESULTS)
@@ -175,8 +154,7 @@ def main(argv: list[str] | None = None) -> dict:
             <= TARGETS["packed_pool_vs_padded_pool"],
             "fill_vs_memcpy": ratios["fill_vs_memcpy"] >= TARGETS["fill_vs_memcpy"],
         }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2, default=str))
+    write_report(report, args.out)
     for kind, row in report["distributions"].items():
         r, t = row["ratios"], row["seconds"]
         print(

@@ -19,19 +19,18 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import gc
-import json
 import os
 import statistics
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 from fsspec.implementations.local import LocalFileSystem
 
+from r3data.benchmarking import time_interleaved, write_report
 from r3data.parallel import io_workers
 from r3data.payload import PayloadReader, PayloadSegment, PayloadWriter
 
@@ -73,17 +72,6 @@ def heavy_tailed_lengths(files: int, total_rows: int, rng: np.random.Generator) 
     """``files`` lengths >= 1 from a Pareto(1.5) tail, scaled to sum to about ``total_rows``."""
     draws = rng.pareto(1.5, files) + 1.0
     return np.maximum(1, np.round(draws / draws.sum() * total_rows)).astype(np.int64)
-
-
-def time_interleaved(cases: dict[str, Callable[[], Any]], repeats: int) -> dict[str, list[float]]:
-    seconds: dict[str, list[float]] = {name: [] for name in cases}
-    for _ in range(repeats):
-        for name, call in cases.items():
-            gc.collect()
-            start = time.perf_counter()
-            call()
-            seconds[name].append(time.perf_counter() - start)
-    return seconds
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
@@ -194,8 +182,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         f"{result['ratio_to_floor_no_checksum']:.2f}x), concurrency under {args.latency_ms:g} ms "
         f"latency {result['concurrency_speedup']:.1f}x with {workers} workers (target >= 5)"
     )
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    write_report(result, args.out)
     return result
 
 

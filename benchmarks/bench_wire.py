@@ -21,13 +21,9 @@ from __future__ import annotations
 
 import argparse
 import base64
-import gc
-import json
 import re
 import statistics
-import time
-import tracemalloc
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +31,7 @@ import numpy as np
 import orjson
 import pybase64
 
+from r3data.benchmarking import time_interleaved, traced_peak_bytes, write_report
 from r3data.wire import load_packed_body, pack_ndarray
 
 TARGETS = {"speedup_vs_naive": 6.0, "ratio_to_floor": 1.5, "peak_extra_ratio": 1.2}
@@ -76,30 +73,6 @@ def blob_views(raw: bytes) -> list[memoryview]:
     return [view[m.start(1) : m.end(1)] for m in re.finditer(rb'"data":"([^"]*)"', raw)]
 
 
-def peak_extra_bytes(call: Callable[[], Any]) -> int:
-    gc.collect()
-    tracemalloc.start()
-    try:
-        result = call()
-        _, peak = tracemalloc.get_traced_memory()
-    finally:
-        tracemalloc.stop()
-    del result
-    return peak
-
-
-def time_interleaved(cases: dict[str, Callable[[], Any]], repeats: int) -> dict[str, list[float]]:
-    seconds: dict[str, list[float]] = {name: [] for name in cases}
-    for _ in range(repeats):
-        for name, call in cases.items():
-            gc.collect()
-            start = time.perf_counter()
-            result = call()
-            seconds[name].append(time.perf_counter() - start)
-            del result
-    return seconds
-
-
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small body, few repeats")
@@ -135,7 +108,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         repeats,
     )
     best = {name: min(values) for name, values in seconds.items()}
-    peak = peak_extra_bytes(lambda: load_packed_body(raw))
+    peak = traced_peak_bytes(lambda: load_packed_body(raw))
     result = {
         "benchmark": "wire",
         "config": {
@@ -177,8 +150,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         f"second field {result['second_field_ratio']:.2f}x, "
         f"peak extra memory {result['peak_extra_ratio']:.2f}x decoded (target <= 1.2)"
     )
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    write_report(result, args.out)
     return result
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import importlib.util
 import json
 import os
 import platform
@@ -19,12 +18,12 @@ import sys
 import traceback
 from dataclasses import asdict
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import numpy as np
 import torch
 
+from r3data.benchmarking import CHECKOUT_BENCHMARKS, load_benchmark
 from r3data.cli.bench_plots import write_plots
 from r3data.cli.bench_report import SUMMARY, checks, table
 from r3data.cli.common import progress
@@ -68,7 +67,7 @@ def register(commands: argparse._SubParsersAction) -> None:
 def find_benchmarks(directory: Path | None) -> list[Path]:
     """``bench_*.py`` in ``directory``, or in the checkout r3data was installed from."""
     if directory is None:
-        directory = Path(__file__).resolve().parents[2] / "benchmarks"
+        directory = CHECKOUT_BENCHMARKS
         if not directory.is_dir():
             raise ConfigError(
                 f"no benchmarks folder at {directory}: r3data is not installed from a source "
@@ -84,16 +83,6 @@ def find_benchmarks(directory: Path | None) -> list[Path]:
 
 def bench_name(script: Path) -> str:
     return script.stem.removeprefix("bench_")
-
-
-def load_script(script: Path) -> ModuleType:
-    """Import a benchmark script by path (``benchmarks/`` is not a package)."""
-    name = f"r3data_benchmarks_{script.stem}"
-    spec = importlib.util.spec_from_file_location(name, script)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses and pickling look their module up by name
-    spec.loader.exec_module(module)
-    return module
 
 
 def machine() -> dict[str, Any]:
@@ -141,7 +130,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"== {name}", flush=True)
         argv = ["--out", str(results / f"bench_{name}.json")] + (["--quick"] if args.quick else [])
         try:
-            reports[name] = load_script(script).main(argv)
+            reports[name] = load_benchmark(script).main(argv)
         except Exception as exc:  # one broken benchmark must not hide the others' results
             errors[name] = "".join(traceback.format_exception_only(exc)).strip()
             print(f"r3data bench: {name} failed: {errors[name]}", file=sys.stderr)

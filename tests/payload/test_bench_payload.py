@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_payload.py"
+from r3data.benchmarking import CHECKOUT_BENCHMARKS, load_benchmark
+
+BENCH = CHECKOUT_BENCHMARKS / "bench_payload.py"
 
 
 def test_bench_payload_quick(tmp_path):
-    spec = importlib.util.spec_from_file_location("bench_payload", BENCH)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_benchmark(BENCH)
     out = tmp_path / "bench_payload.json"
     argv = ["--quick", "--files", "8", "--total-mb", "0.5", "--latency-ms", "1", "--out", str(out)]
     result = bench.main([*argv, "--repeats", "1"])

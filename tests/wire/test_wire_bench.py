@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_wire.py"
+from r3data.benchmarking import CHECKOUT_BENCHMARKS, load_benchmark
+
+BENCH = CHECKOUT_BENCHMARKS / "bench_wire.py"
 
 
 def test_bench_wire_quick(tmp_path):
-    spec = importlib.util.spec_from_file_location("bench_wire", BENCH)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_benchmark(BENCH)
     out = tmp_path / "wire.json"
     result = bench.main(
         ["--quick", "--choices", "2", "--tokens", "32", "--repeats", "1", "--out", str(out)]

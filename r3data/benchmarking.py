@@ -1,0 +1,74 @@
+"""Measurement helpers shared by the scripts in ``benchmarks/`` and ``r3data bench``.
+
+Arms of one benchmark run interleaved (a, b, c, a, b, c, ...) so that load from elsewhere on a
+shared machine hits every arm alike; ratios are taken between arms of the same run.
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib.util
+import json
+import sys
+import time
+import tracemalloc
+from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+
+def time_interleaved(
+    cases: dict[str, Callable[[], Any]],
+    repeats: int,
+    *,
+    sync: Callable[[], None] | None = None,
+) -> dict[str, list[float]]:
+    """Seconds of each case, ``repeats`` times, cases interleaved; ``sync`` (e.g.
+    ``torch.cuda.synchronize``) runs before the clock starts and before it stops."""
+    seconds: dict[str, list[float]] = {name: [] for name in cases}
+    for _ in range(repeats):
+        for name, call in cases.items():
+            gc.collect()
+            if sync is not None:
+                sync()
+            start = time.perf_counter()
+            result = call()
+            if sync is not None:
+                sync()
+            seconds[name].append(time.perf_counter() - start)
+            del result
+    return seconds
+
+
+def traced_peak_bytes(call: Callable[[], Any]) -> int:
+    """Peak Python-traced allocation while ``call`` runs (numpy buffers included)."""
+    gc.collect()
+    tracemalloc.start()
+    try:
+        result = call()
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    del result
+    return peak
+
+
+def write_report(report: dict[str, Any], out: Path) -> None:
+    """Write a benchmark's report as JSON (the folder is created)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2, default=str) + "\n")
+
+
+CHECKOUT_BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+"""``benchmarks/`` of the source checkout r3data is installed from (editable installs)."""
+
+
+def load_benchmark(script: Path) -> ModuleType:
+    """Import a benchmark script by path (``benchmarks/`` is not a package)."""
+    name = f"r3data_benchmarks_{script.stem}"
+    spec = importlib.util.spec_from_file_location(name, script)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses and pickling look their module up by name
+    spec.loader.exec_module(module)
+    return module
