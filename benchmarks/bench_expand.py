@@ -8,7 +8,9 @@ micro-batch, and as BSHD (seq-major) micro-batches of ``--micro-batch`` sequence
 Timed side by side in one run, interleaved, median of ``--repeats``:
 
 - copy: ``clone()`` of a tensor the size of the output (allocation plus copy, as ``expand``
-  allocates its output too), and ``copy_`` into a preallocated tensor, for reference;
+  allocates its output too), and ``copy_`` into a preallocated tensor, for reference; on the
+  CPU also a numpy copy (numpy memory, which gets transparent huge pages from 4 MiB where the
+  kernel's mode is ``madvise`` or ``always``, like ``expand``'s CPU output);
 - ours: ``expand(routes, layout)``.
 
 Peak extra memory of ``expand`` (output included) is the process's resident high-water mark
@@ -23,9 +25,7 @@ import argparse
 import ctypes
 import ctypes.util
 import gc
-import json
 import statistics
-import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from r3data.benchmarking import time_interleaved, write_report
 from r3data.layout import TokenLayout, expand
 from r3data.packed import PackedTensor
 
@@ -73,6 +74,16 @@ def pin_mmap_threshold(threshold: int = 1 << 17) -> None:
         pass
 
 
+def transparent_hugepage_mode() -> str | None:
+    """The kernel's THP mode (``always``, ``madvise``, ``never``), or None where unknown."""
+    try:
+        text = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    except OSError:
+        return None
+    chosen = [word.strip("[]") for word in text.split() if word.startswith("[")]
+    return chosen[0] if chosen else None
+
+
 def peak_extra_bytes(call: Callable[[], Any], device: torch.device) -> int | None:
     """Peak memory ``call`` adds (its result included), or None where it cannot be measured."""
     gc.collect()
@@ -96,24 +107,6 @@ def peak_extra_bytes(call: Callable[[], Any], device: torch.device) -> int | Non
     return peak
 
 
-def time_interleaved(
-    cases: dict[str, Callable[[], Any]], repeats: int, device: torch.device
-) -> dict[str, list[float]]:
-    seconds: dict[str, list[float]] = {name: [] for name in cases}
-    for _ in range(repeats):
-        for name, call in cases.items():
-            gc.collect()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            start = time.perf_counter()
-            result = call()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            seconds[name].append(time.perf_counter() - start)
-            del result
-    return seconds
-
-
 def bench_layout(
     name: str, micro_batches: list[PackedTensor], layout: TokenLayout, repeats: int
 ) -> dict:
@@ -130,15 +123,15 @@ def bench_layout(
     def expand_all() -> list[list[torch.Tensor]]:
         return [expand(routes, layout) for routes in micro_batches]
 
-    seconds = time_interleaved(
-        {
-            "clone": lambda: [source.clone() for source in sources],
-            "copy_into": lambda: [t.copy_(s) for t, s in zip(targets, sources, strict=True)],
-            "expand": expand_all,
-        },
-        repeats,
-        device,
-    )
+    cases = {
+        "clone": lambda: [source.clone() for source in sources],
+        "copy_into": lambda: [t.copy_(s) for t, s in zip(targets, sources, strict=True)],
+        "expand": expand_all,
+    }
+    if device.type == "cpu":
+        cases["numpy_copy"] = lambda: [source.numpy().copy() for source in sources]
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else None
+    seconds = time_interleaved(cases, repeats, sync=sync)
     median = {case: statistics.median(values) for case, values in seconds.items()}
     peak = peak_extra_bytes(expand_all, device)
     ratio = median["clone"] / median["expand"]
@@ -153,6 +146,9 @@ def bench_layout(
         "expand_gib_per_s": output_bytes / median["expand"] / 2**30,
         "copy_throughput_ratio": ratio,
         "copy_into_throughput_ratio": median["copy_into"] / median["expand"],
+        "numpy_copy_throughput_ratio": median["numpy_copy"] / median["expand"]
+        if "numpy_copy" in median
+        else None,
         "peak_extra_bytes": peak,
         "peak_extra_ratio": peak_ratio,
         "met": {
@@ -203,6 +199,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             "repeats": repeats,
             "device": args.device,
             "torch_threads": torch.get_num_threads(),
+            "transparent_hugepage": transparent_hugepage_mode(),
             "quick": args.quick,
         },
         "batch_rows": routes.total_rows,
@@ -212,16 +209,17 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     }
     for r in results:
         peak = "n/a" if r["peak_extra_ratio"] is None else f"{r['peak_extra_ratio']:.2f}x"
+        numpy_copy = r["numpy_copy_throughput_ratio"]
         print(
             f"{r['layout']:>16}: {r['local_tokens']:>9} tokens, "
             f"{r['output_bytes'] / 2**20:8.1f} MiB, expand {r['expand_gib_per_s']:6.2f} GiB/s, "
             f"{r['copy_throughput_ratio']:.2f}x clone "
             f"(target >= {TARGETS['copy_throughput_ratio']}), "
-            f"{r['copy_into_throughput_ratio']:.2f}x copy_, peak extra {peak} of output "
-            f"(target <= {TARGETS['peak_extra_ratio']})"
+            f"{r['copy_into_throughput_ratio']:.2f}x copy_, "
+            + ("" if numpy_copy is None else f"{numpy_copy:.2f}x numpy copy, ")
+            + f"peak extra {peak} of output (target <= {TARGETS['peak_extra_ratio']})"
         )
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    write_report(result, args.out)
     return result
 
 

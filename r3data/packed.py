@@ -61,13 +61,21 @@ def _offsets_from_lengths(lengths: Any) -> np.ndarray:
     return np.concatenate(([0], np.cumsum(lengths, dtype=np.int64)))
 
 
+def aranges(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """``concatenate([arange(s, s + n) for s, n in zip(starts, counts)])`` in one vectorised pass.
+
+    ``counts`` must be >= 0; the result is int64.
+    """
+    starts = np.asarray(starts, dtype=np.int64)
+    counts = np.asarray(counts, dtype=np.int64)
+    firsts = np.cumsum(counts) - counts
+    return np.arange(int(counts.sum()), dtype=np.int64) + np.repeat(starts - firsts, counts)
+
+
 def _rows_of(offsets: np.ndarray, picks: np.ndarray) -> np.ndarray:
-    """Row indices of segments ``picks`` in order (one vectorised pass, no Python loop)."""
+    """Row indices of segments ``picks`` in order."""
     starts = offsets[picks]
-    lengths = offsets[picks + 1] - starts
-    total = int(lengths.sum())
-    first_of_each = np.concatenate(([0], np.cumsum(lengths)[:-1])) if picks.size else lengths
-    return np.arange(total, dtype=np.int64) + np.repeat(starts - first_of_each, lengths)
+    return aranges(starts, offsets[picks + 1] - starts)
 
 
 class PackedTensor:

@@ -6,12 +6,13 @@ gives ``[B, local_seq, topk]`` per layer for batch-major routers (FSDP, torchtit
 
 Every row is read once from the packed values into one token-major output buffer
 ``[tokens, layers, topk]`` on the routes' device; the per-layer tensors are views of it (row
-stride ``layers * topk``; ``torch.gather``/``scatter`` take them as they are). On the CPU long
-runs of consecutive rows are slice copies; otherwise, and on accelerators, a gather runs a
-bounded chunk of rows at a time. There is no padded full-batch rectangle and no full-size
-intermediate. Padding tokens get ``fill``, by default ``arange(topk)``: the all-to-all
-dispatcher assumes exactly ``tokens * topk`` distinct assignments, so a padding row must never
-repeat an expert.
+stride ``layers * topk``; ``torch.gather``/``scatter`` take them as they are). The buffer is
+written front to back: on the CPU in cache-sized pieces, each a fill of padding, a slice copy
+of consecutive rows, or a gather of scattered rows through a small staging block; on
+accelerators a gather of a bounded chunk of rows at a time. There is no padded full-batch
+rectangle and no full-size intermediate. Padding tokens get ``fill``, by default
+``arange(topk)``: the all-to-all dispatcher assumes exactly ``tokens * topk`` distinct
+assignments, so a padding row must never repeat an expert.
 """
 
 from __future__ import annotations
@@ -29,13 +30,17 @@ from r3data.tensor_buffer import bit_view
 
 Fill = Literal["distinct"] | Sequence[int] | torch.Tensor
 
-#: Intermediate rows held at once stay under this many bytes (and 1/8 of the output).
+#: On accelerators, rows gathered at once stay under this many bytes (and 1/8 of the output).
 CHUNK_BYTES = 64 << 20
-#: On the CPU, runs of consecutive rows this long on average are copied slice by slice
-#: (memory bandwidth); shorter runs, and other devices, take one chunked gather.
+#: On the CPU, a piece of the output reads at most this many source bytes (cache-sized).
+PIECE_BYTES = 128 << 10
+#: On the CPU, runs of consecutive rows (or of padding) this long get pieces of their own.
 MIN_RUN_TOKENS = 32
 
 _ROUTE_DTYPES = (torch.uint8, torch.int16, torch.uint16, torch.int32, torch.int64)
+#: What ``torch.gather`` and Megatron's ``RouterReplay`` take as indices.
+_OUTPUT_DTYPES = {torch.int32: np.int32, torch.int64: np.int64}
+_FILL, _SLICE, _GATHER = 0, 1, 2
 
 
 def expand(
@@ -55,16 +60,24 @@ def expand(
 
     ``routes`` rows are ``[layers, topk]``; ``layer_axis`` says whether ``layers`` counts every
     decoder layer (``"all"``, as vLLM and SGLang report) or only MoE layers (``"moe"``).
-    With ``local=True`` segment i of ``routes`` holds just the rows of sample i's
-    ``layout.local_ranges(lengths)`` back to back, and ``lengths`` (the full sample lengths)
-    is required; the result equals expanding the full routes.
+    ``dtype`` is ``torch.int32`` or ``torch.int64``; int64 routes are checked to fit int32.
+
+    Warning: routes from a rank-local read (``r3data.loader(..., layout=...)``) hold only
+    this rank's rows of each sample and must be expanded with ``local=True,
+    lengths=<full sample lengths>`` (e.g. ``batch["token_ids"].lengths``). Without
+    ``lengths`` they are indistinguishable from a batch of shorter samples and would be
+    silently laid out as one; with ``lengths`` but without ``local=True`` they raise
+    :class:`~r3data.errors.LayoutError`. With ``local=True`` segment i holds just the rows
+    of sample i's ``layout.local_ranges(lengths)`` back to back; the result equals expanding
+    the full routes.
     """
     topk = _check_routes(routes)
+    dtype = _output_dtype(dtype)
+    fill_row = _fill_row(fill, topk, dtype)
     grid = layout.token_grid(_full_lengths(routes, layout, local, lengths), local=local)
     layers = layout.moe_layers(routes.row_shape[0], layer_axis)
-    buffer = _gather(
-        routes.values, grid, layers, _fill_row(fill, topk), _int_dtype(dtype), batch_major=False
-    )
+    _check_ids_fit(routes.values, dtype)
+    buffer = _gather(routes.values, grid, layers, fill_row, dtype, batch_major=False)
     return list(buffer.view(grid.size, len(layers), topk).unbind(1))
 
 
@@ -80,17 +93,19 @@ def dense(
 ) -> list[torch.Tensor]:
     """One ``[B, local_seq, topk]`` tensor per local MoE layer, batch-major (BSHD layouts).
 
-    The default layout is a single rank with right padding to the longest sample.
+    The default layout is a single rank with right padding to the longest sample. Arguments
+    are those of :func:`expand`, its warning about rank-local routes included.
     """
     layout = TokenLayout(packed=False) if layout is None else layout
     topk = _check_routes(routes)
     if layout.packed:
         raise LayoutError("dense needs a BSHD layout (packed=False), found THD")
+    dtype = _output_dtype(dtype)
+    fill_row = _fill_row(fill, topk, dtype)
     grid = layout.token_grid(_full_lengths(routes, layout, local, lengths), local=local)
     layers = layout.moe_layers(routes.row_shape[0], layer_axis)
-    buffer = _gather(
-        routes.values, grid, layers, _fill_row(fill, topk), _int_dtype(dtype), batch_major=True
-    )
+    _check_ids_fit(routes.values, dtype)
+    buffer = _gather(routes.values, grid, layers, fill_row, dtype, batch_major=True)
     return list(buffer.unbind(2))
 
 
@@ -127,50 +142,83 @@ def _check_routes(routes: PackedTensor) -> int:
 def _full_lengths(
     field: PackedTensor, layout: TokenLayout, local: bool, lengths: Any
 ) -> np.ndarray:
-    """The full sample lengths, checked against the rows ``field`` holds."""
+    """The full sample lengths, checked against the rows ``field`` holds.
+
+    The two ways to mix up full and rank-local rows get messages of their own.
+    """
     if lengths is None:
         if local:
             raise LayoutError("local=True needs lengths: the full length of every sample")
         return field.lengths
     full = as_lengths(lengths)
-    expected, what = (layout.local_lengths(full), "local rows") if local else (full, "rows")
     found = field.lengths
-    if found.size != expected.size:
-        raise LayoutError(f"lengths name {expected.size} samples, the batch holds {found.size}")
+    if found.size != full.size:
+        raise LayoutError(f"lengths name {full.size} samples, the batch holds {found.size}")
+    expected = layout.local_lengths(full) if local else full
     wrong = np.flatnonzero(found != expected)
-    if wrong.size:
-        at = int(wrong[0])
+    if not wrong.size:
+        return full
+    at = int(wrong[0])
+    if not local and np.array_equal(found, layout.local_lengths(full)):
         raise LayoutError(
-            f"sample {at} must hold {int(expected[at])} {what}, found {int(found[at])}"
+            f"the batch holds this rank's local rows (sample {at}: {int(found[at])} of "
+            f"{int(full[at])}); expand rank-local routes with local=True, lengths=<full lengths>"
         )
-    return full
+    if local and np.array_equal(found, full):
+        raise LayoutError(
+            f"local=True, but the batch holds lengths' own rows (sample {at}: {int(found[at])}, "
+            f"this rank's share is {int(expected[at])}): lengths must be the full sample lengths "
+            "(e.g. batch['token_ids'].lengths), or drop local=True for full routes"
+        )
+    what = "local rows" if local else "rows"
+    raise LayoutError(f"sample {at} must hold {int(expected[at])} {what}, found {int(found[at])}")
 
 
-def _fill_row(fill: Fill, topk: int) -> torch.Tensor:
+def _output_dtype(dtype: torch.dtype) -> torch.dtype:
+    if dtype not in _OUTPUT_DTYPES:
+        raise LayoutError(
+            f"dtype must be torch.int32 or torch.int64 (indices for torch.gather and Megatron's "
+            f"RouterReplay), found {dtype!r}"
+        )
+    return dtype
+
+
+def _fill_row(fill: Fill, topk: int, dtype: torch.dtype) -> torch.Tensor:
     if isinstance(fill, str):
         if fill != "distinct":
             raise LayoutError(
                 f"fill must be 'distinct' or {topk} distinct expert ids, found {fill!r}"
             )
         return torch.arange(topk)
-    row = torch.as_tensor(fill)
-    if row.dtype.is_floating_point or row.dtype == torch.bool or row.shape != (topk,):
+    try:
+        row = torch.as_tensor(fill)
+    except (TypeError, ValueError, RuntimeError, OverflowError) as error:
+        raise LayoutError(f"fill must hold {topk} integer expert ids, found {fill!r}") from error
+    if row.dtype.is_floating_point or row.dtype.is_complex or row.dtype == torch.bool:
+        raise LayoutError(f"fill must hold {topk} integer expert ids, found {fill!r}")
+    if row.shape != (topk,):
         raise LayoutError(f"fill must hold {topk} integer expert ids, found {fill!r}")
     row = row.to(torch.int64)
     if int(row.min()) < 0 or row.unique().numel() != topk:
         raise LayoutError(f"fill must hold {topk} distinct expert ids >= 0, found {row.tolist()}")
+    if int(row.max()) > torch.iinfo(dtype).max:
+        raise LayoutError(f"fill ids must fit {dtype}, found {int(row.max())}")
     return row
 
 
-def _int_dtype(dtype: torch.dtype) -> torch.dtype:
-    if (
-        not isinstance(dtype, torch.dtype)
-        or dtype.is_floating_point
-        or dtype.is_complex
-        or dtype == torch.bool
-    ):
-        raise LayoutError(f"dtype must be an integer torch dtype, found {dtype!r}")
-    return dtype
+def _check_ids_fit(values: torch.Tensor, dtype: torch.dtype) -> None:
+    """Refuse expert ids ``dtype`` cannot hold (int64 routes into int32; one pass, one sync)."""
+    have, want = torch.iinfo(values.dtype), torch.iinfo(dtype)
+    if (have.min >= want.min and have.max <= want.max) or not values.numel():
+        return
+    low, high = torch.aminmax(values)
+    bad = int(low) if int(low) < want.min else int(high)
+    if want.min <= bad <= want.max:
+        return
+    row = int(torch.nonzero(values == bad)[0, 0])
+    raise LayoutError(
+        f"routes hold expert id {bad} at row {row}, outside {dtype}: pass dtype=torch.int64"
+    )
 
 
 # --- the gather ----------------------------------------------------------------------------
@@ -191,105 +239,138 @@ def _gather(
     """
     seq, batch = grid.shape
     shape = (len(layers), values.shape[2])
-    buffer = torch.empty(
-        (batch, seq, *shape) if batch_major else (seq, batch, *shape),
-        dtype=dtype,
-        device=values.device,
+    buffer = _empty(
+        (batch, seq, *shape) if batch_major else (seq, batch, *shape), dtype, values.device
     )
     if not buffer.numel():
         return buffer
-    source, pick = _layer_source(values, layers)
+    index = (grid.T if batch_major else grid).reshape(-1)
+    flat = buffer.view(-1, *shape)
     fill = fill_row.to(buffer.device, dtype).expand(shape)
-    if not values.shape[0]:
-        buffer.copy_(fill.expand_as(buffer))
-        return buffer
-    budget = min(CHUNK_BYTES, max(buffer.numel() * buffer.element_size() // 8, 1))
-    step = max(1, budget // (source[0].numel() * source.element_size()))
-    runs = _runs(grid)
-    if values.device.type == "cpu" and runs[0].size * MIN_RUN_TOKENS <= grid.size:
-        dest = buffer.transpose(0, 1) if batch_major else buffer
-        _copy_runs(dest, runs, source, pick, fill, step)
+    if values.device.type == "cpu":
+        _copy_on_host(flat.numpy(), index, values.numpy(), layers, fill.contiguous().numpy())
     else:
-        flat = (grid.T if batch_major else grid).reshape(-1)
-        _copy_rows(buffer.view(-1, *shape), flat, source, pick, fill, step)
+        _copy_on_device(flat, index, values, layers, fill)
     return buffer
 
 
-def _layer_source(
-    values: torch.Tensor, layers: tuple[int, ...]
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The layers to read: a view when they are one span, else all rows plus the picks."""
-    first = layers[0] if layers else 0
-    if layers == tuple(range(first, first + len(layers))):
-        return values[:, first : first + len(layers)], None
-    return values, torch.tensor(layers, device=values.device)
+def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """An uninitialised output buffer.
 
-
-def _rows(source: torch.Tensor, pick: torch.Tensor | None, rows: torch.Tensor) -> torch.Tensor:
-    """``source[rows]`` restricted to the picked layers, in the source dtype."""
-    picked = bit_view(source).index_select(0, rows)
-    if pick is not None:
-        picked = picked.index_select(1, pick)
-    return picked.view(source.dtype)
-
-
-def _runs(grid: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Maximal runs down each column of ``grid``: (column, first s, length, first row or PAD).
-
-    A run is consecutive rows (``+1`` per step) or consecutive padding.
+    On the CPU the memory is numpy's: numpy asks for transparent huge pages from 4 MiB
+    (``madvise``), so writing a fresh output takes far fewer page faults than ``torch.empty``.
     """
-    seq = grid.shape[0]
-    flat = grid.T.reshape(-1)
-    pad = flat == PAD
-    cut = np.ones(flat.size, dtype=bool)
-    cut[1:] = (pad[1:] != pad[:-1]) | (~pad[1:] & (flat[1:] != flat[:-1] + 1))
-    cut[::seq] = True
-    starts = np.flatnonzero(cut)
-    counts = np.diff(np.append(starts, flat.size))
-    return starts // seq, starts % seq, counts, flat[starts]
+    if device.type != "cpu":
+        return torch.empty(shape, dtype=dtype, device=device)
+    return torch.from_numpy(np.empty(shape, dtype=_OUTPUT_DTYPES[dtype]))
 
 
-def _copy_runs(
-    dest: torch.Tensor,
-    runs: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray],
-    source: torch.Tensor,
-    pick: torch.Tensor | None,
-    fill: torch.Tensor,
-    step: int,
-) -> None:
-    """One slice copy per run, through numpy views of the CPU tensors.
+def _pieces(index: np.ndarray, step: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Cut ``index`` into pieces of at most ``step`` tokens: (starts, stops, kinds).
 
-    numpy copies on the calling thread: hundreds of small torch copies would each open a
-    parallel region, which stalls whenever another process holds a core.
+    A piece inside one run (consecutive rows, or padding) is a ``_SLICE`` (or ``_FILL``);
+    anything else is a ``_GATHER``. Runs of ``MIN_RUN_TOKENS`` or more start and end pieces.
     """
-    out, values, fill_rows = dest.numpy(), source.numpy(), fill.numpy()
-    picks = None if pick is None else pick.cpu().numpy()
-    piece = step if picks is not None else None
-    for column, first, count, row in zip(*(r.tolist() for r in runs), strict=True):
-        if row == PAD:
-            out[first : first + count, column] = fill_rows
-            continue
-        for offset in range(0, count, piece or count):
-            n = min(count - offset, piece or count)
-            block = values[row + offset : row + offset + n]
-            block = block if picks is None else block[:, picks]
-            np.copyto(out[first + offset : first + offset + n, column], block, casting="unsafe")
+    size = index.size
+    pad = index == PAD
+    new_run = np.ones(size, dtype=bool)
+    new_run[1:] = (pad[1:] != pad[:-1]) | (~pad[1:] & (index[1:] != index[:-1] + 1))
+    run_starts = np.flatnonzero(new_run)
+    run_stops = np.append(run_starts[1:], size)
+    long = run_stops - run_starts >= MIN_RUN_TOKENS
+    cuts = np.unique(
+        np.concatenate((np.arange(0, size, step), run_starts[long], run_stops[long], [size]))
+    )
+    starts, stops = cuts[:-1], cuts[1:]
+    run_id = np.cumsum(new_run) - 1
+    one_run = run_id[starts] == run_id[stops - 1]
+    kinds = np.where(one_run, np.where(pad[starts], _FILL, _SLICE), _GATHER)
+    return starts, stops, kinds
 
 
-def _copy_rows(
-    flat_dest: torch.Tensor,
+def _copy_on_host(
+    out: np.ndarray,
     index: np.ndarray,
-    source: torch.Tensor,
-    pick: torch.Tensor | None,
-    fill: torch.Tensor,
-    step: int,
+    values: np.ndarray,
+    layers: tuple[int, ...],
+    fill: np.ndarray,
 ) -> None:
-    """One gather, ``step`` tokens at a time, then the padding rows."""
+    """``out[i] = values[index[i], layers]`` (``fill`` at PAD), one cache-sized piece at a time.
+
+    numpy works on the calling thread: hundreds of small torch ops would each open a parallel
+    region, which stalls whenever another process holds a core.
+    """
+    span = _layer_span(layers)
+    picks = None if layers == tuple(range(values.shape[1])) else np.asarray(layers, np.int64)
+    step = max(1, PIECE_BYTES // max(1, out[0].size * values.itemsize))
+    staging = np.empty((step, *out.shape[1:]), dtype=values.dtype)
+    for start, stop, kind in zip(*(a.tolist() for a in _pieces(index, step)), strict=True):
+        dest, rows = out[start:stop], index[start:stop]
+        if kind == _FILL:
+            dest[...] = fill
+            continue
+        if kind == _SLICE and span is not None:
+            block = values[rows[0] : rows[0] + rows.size, span]
+        else:
+            block = _read_rows(values, rows, picks, staging[: rows.size])
+        np.copyto(dest, block, casting="same_kind")
+        if kind == _GATHER:
+            pads = rows == PAD
+            if pads.any():
+                dest[pads] = fill
+
+
+def _read_rows(
+    values: np.ndarray, rows: np.ndarray, picks: np.ndarray | None, staging: np.ndarray
+) -> np.ndarray:
+    """``values[rows]`` (at layers ``picks``, None for all) into ``staging``.
+
+    PAD rows read some real row; the caller overwrites them. ``np.take`` would first copy a
+    strided ``values`` whole, so those are indexed in place.
+    """
+    if not values.flags.c_contiguous:
+        staging[...] = values[rows] if picks is None else values[rows[:, None], picks]
+    elif picks is None:
+        np.take(values, rows, axis=0, out=staging, mode="clip")
+    else:
+        topk = values.shape[2]
+        flat_rows = (rows[:, None] * values.shape[1] + picks).reshape(-1)
+        np.take(
+            values.reshape(-1, topk), flat_rows, axis=0, out=staging.reshape(-1, topk), mode="clip"
+        )
+    return staging
+
+
+def _copy_on_device(
+    flat: torch.Tensor,
+    index: np.ndarray,
+    values: torch.Tensor,
+    layers: tuple[int, ...],
+    fill: torch.Tensor,
+) -> None:
+    """One gather of a bounded chunk of rows at a time, then one scatter of the padding rows."""
+    span = _layer_span(layers)
+    source = values[:, span] if span is not None else values
+    pick = None if span is not None else torch.tensor(layers, device=values.device)
     real = index != PAD
-    safe = np.where(real, index, 0)
-    for start in range(0, index.size, step):
-        rows = torch.from_numpy(safe[start : start + step]).to(source.device, non_blocking=True)
-        flat_dest[start : start + step].copy_(_rows(source, pick, rows))
+    if real.any():
+        budget = min(CHUNK_BYTES, max(flat.numel() * flat.element_size() // 8, 1))
+        step = max(1, budget // (source[0].numel() * source.element_size()))
+        safe = np.where(real, index, 0)
+        for start in range(0, index.size, step):
+            rows = torch.from_numpy(safe[start : start + step]).to(values.device, non_blocking=True)
+            picked = bit_view(source).index_select(0, rows)
+            if pick is not None:
+                picked = picked.index_select(1, pick)
+            flat[start : start + step].copy_(picked.view(source.dtype))
     pads = np.flatnonzero(~real)
     if pads.size:
-        flat_dest[torch.from_numpy(pads).to(source.device)] = fill
+        flat[torch.from_numpy(pads).to(flat.device)] = fill
+
+
+def _layer_span(layers: tuple[int, ...]) -> slice | None:
+    """``layers`` as a slice when they are consecutive, else None."""
+    first = layers[0] if layers else 0
+    if layers != tuple(range(first, first + len(layers))):
+        return None
+    return slice(first, first + len(layers))

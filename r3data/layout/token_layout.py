@@ -33,12 +33,14 @@ import numpy as np
 
 from r3data.errors import LayoutError
 from r3data.layout.stages import ModelLayers
+from r3data.packed import aranges
+from r3data.spans import Span, merge
 
 #: ``token_index`` entry of a padding token.
 PAD = -1
 
 LayerAxis = Literal["all", "moe"]
-Ranges = list[list[tuple[int, int]]]
+Ranges = list[list[Span]]
 
 
 def _check_rank(name: str, size: int, rank: int) -> None:
@@ -63,13 +65,6 @@ def as_lengths(lengths: Any) -> np.ndarray:
             f"lengths must be >= 0, found {int(array.min())} at {int(array.argmin())}"
         )
     return array
-
-
-def aranges(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
-    """``concatenate([arange(s, s + n) for s, n in zip(starts, counts)])`` in one pass."""
-    total = int(counts.sum())
-    firsts = np.cumsum(counts) - counts
-    return np.arange(total, dtype=np.int64) + np.repeat(starts - firsts, counts)
 
 
 @dataclass(frozen=True)
@@ -200,7 +195,7 @@ class TokenLayout:
             sample[keep].tolist(), real_lo[keep].tolist(), real_hi[keep].tolist(), strict=True
         ):
             ranges[b].append((lo, hi))
-        return [_merge(r) for r in ranges]
+        return [merge(r) for r in ranges]
 
     def local_lengths(self, lengths: Any) -> np.ndarray:
         """Rows per sample a rank-local read holds (the sizes of :meth:`local_ranges`)."""
@@ -314,13 +309,3 @@ class TokenLayout:
         out = np.full_like(index, PAD)
         out[real] = local_start[which] + index[real] - lo[which]
         return out
-
-
-def _merge(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    merged: list[tuple[int, int]] = []
-    for lo, hi in sorted(ranges):
-        if merged and lo <= merged[-1][1]:
-            merged[-1] = (merged[-1][0], max(hi, merged[-1][1]))
-        else:
-            merged.append((lo, hi))
-    return merged

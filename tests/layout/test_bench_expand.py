@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_expand.py"
+from r3data.benchmarking import CHECKOUT_BENCHMARKS, load_benchmark
+
+BENCH = CHECKOUT_BENCHMARKS / "bench_expand.py"
 
 
 def test_bench_expand_quick(tmp_path):
-    spec = importlib.util.spec_from_file_location("bench_expand", BENCH)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_benchmark(BENCH)
     out = tmp_path / "expand.json"
     result = bench.main(
         ["--quick", "--sequences", "4", "--micro-batch", "2", "--repeats", "1", "--out", str(out)]
@@ -21,8 +19,10 @@ def test_bench_expand_quick(tmp_path):
     assert [r["layout"] for r in result["results"]] == ["thd tp2 cp2 sp", "bshd tp2 cp2 sp"]
     assert result["results"][1]["micro_batches"] == 2
     for r in result["results"]:
-        assert set(r["seconds_median"]) == {"clone", "copy_into", "expand"}
+        assert set(r["seconds_median"]) == {"clone", "copy_into", "expand", "numpy_copy"}
+        assert r["numpy_copy_throughput_ratio"] > 0
         assert r["output_bytes"] == r["local_tokens"] * 48 * 8 * 4
         assert r["copy_throughput_ratio"] > 0
         assert set(r["met"]) == set(result["targets"])
     assert isinstance(result["met"], bool)
+    assert "transparent_hugepage" in result["config"]

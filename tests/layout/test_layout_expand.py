@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -10,7 +12,7 @@ from hypothesis import strategies as st
 from layout_reference import PAD, rank_rows
 
 from r3data.errors import LayoutError
-from r3data.layout import ModelLayers, TokenLayout, dense, expand, expand_mask
+from r3data.layout import ModelLayers, TokenLayout, dense, expand, expand_mask, gather
 from r3data.packed import PackedTensor
 
 DTYPES = {torch.uint8: 256, torch.uint16: 65536, torch.int32: 2**31 - 1}
@@ -21,6 +23,17 @@ def random_routes(lengths, layers, topk, dtype, seed=0) -> PackedTensor:
     high = DTYPES[dtype]
     values = rng.integers(high // 2, high, size=(sum(lengths), layers, topk))  # top half: sign bugs
     return PackedTensor.from_lengths(torch.from_numpy(values).to(dtype), lengths)
+
+
+def rank_local(field: PackedTensor, layout: TokenLayout, lengths) -> PackedTensor:
+    """What a rank-local read holds: each sample's ``local_ranges`` rows back to back."""
+    ranges = layout.local_ranges(lengths)
+    return PackedTensor.from_segments(
+        [
+            torch.cat([segment[lo:hi] for lo, hi in sample_ranges] or [segment[:0]])
+            for segment, sample_ranges in zip(field, ranges, strict=True)
+        ]
+    )
 
 
 def reference(routes: PackedTensor, rows: list[int], layer_ids, fill) -> list[np.ndarray]:
@@ -61,6 +74,7 @@ CASES = st.fixed_dictionaries(
         "layers": st.integers(1, 4),
         "topk": st.integers(1, 4),
         "dtype": st.sampled_from(list(DTYPES)),
+        "out": st.sampled_from([torch.int32, torch.int64]),
     }
 )
 
@@ -71,11 +85,11 @@ def test_expand_matches_the_reference_and_pads_with_distinct_experts(case):
     routes = random_routes(case["lengths"], case["layers"], case["topk"], case["dtype"])
     for layout in all_ranks(case["tp"], case["cp"], case["sp"], case["packed"], case["side"]):
         rows = rank_rows(layout, case["lengths"])
-        got = expand(routes, layout)
+        got = expand(routes, layout, dtype=case["out"])
         want = reference(routes, rows, range(case["layers"]), np.arange(case["topk"]))
         assert len(got) == case["layers"]
         for tensor, expected in zip(got, want, strict=True):
-            assert tensor.dtype == torch.int32
+            assert tensor.dtype == case["out"]
             assert tensor.shape == (len(rows), case["topk"])
             np.testing.assert_array_equal(tensor.numpy(), expected)
             pads = tensor[torch.tensor([r == PAD for r in rows], dtype=torch.bool)]
@@ -87,16 +101,10 @@ def test_expand_matches_the_reference_and_pads_with_distinct_experts(case):
 def test_expanding_local_rows_equals_expanding_the_full_batch(case):
     routes = random_routes(case["lengths"], case["layers"], case["topk"], case["dtype"])
     for layout in all_ranks(case["tp"], case["cp"], case["sp"], case["packed"], case["side"]):
-        ranges = layout.local_ranges(case["lengths"])
-        local = PackedTensor.from_segments(
-            [
-                torch.cat([segment[lo:hi] for lo, hi in sample_ranges] or [segment[:0]])
-                for segment, sample_ranges in zip(routes, ranges, strict=True)
-            ]
-        )
+        local = rank_local(routes, layout, case["lengths"])
         full = expand(routes, layout, dtype=torch.int64)
-        rank_local = expand(local, layout, dtype=torch.int64, local=True, lengths=case["lengths"])
-        for a, b in zip(full, rank_local, strict=True):
+        from_local = expand(local, layout, dtype=torch.int64, local=True, lengths=case["lengths"])
+        for a, b in zip(full, from_local, strict=True):
             assert torch.equal(a, b)
 
 
@@ -108,7 +116,7 @@ def test_dense_is_batch_major_with_the_same_tokens(case):
         rows = rank_rows(layout, case["lengths"])
         batch = len(case["lengths"])
         seq_major = np.asarray(rows).reshape(-1, batch)
-        got = dense(routes, layout)
+        got = dense(routes, layout, dtype=case["out"])
         for tensor, expected in zip(
             got,
             reference(routes, rows, range(case["layers"]), np.arange(case["topk"])),
@@ -182,13 +190,7 @@ def test_expand_mask_follows_the_token_order():
         rows = rank_rows(layout, lengths)
         want = [bool(mask.values[r]) if r != PAD else False for r in rows]
         assert expand_mask(mask, layout).tolist() == want
-        ranges = layout.local_ranges(lengths)
-        local = PackedTensor.from_segments(
-            [
-                torch.cat([m[lo:hi] for lo, hi in r] or [m[:0]])
-                for m, r in zip(mask, ranges, strict=True)
-            ]
-        )
+        local = rank_local(mask, layout, lengths)
         assert expand_mask(local, layout, local=True, lengths=lengths).tolist() == want
 
 
@@ -208,14 +210,17 @@ def test_expand_mask_follows_the_token_order():
         ),
         (
             lambda r: expand(
-                r, TokenLayout(tp_size=2, sequence_parallel=True), local=True, lengths=[3, 3]
+                r, TokenLayout(tp_size=2, sequence_parallel=True), local=True, lengths=[3, 5]
             ),
-            "sample 1 must hold 0 local rows, found 3",
+            "sample 1 must hold 1 local rows, found 3",
         ),
         (lambda r: expand(r, TokenLayout(), fill="zeros"), "'distinct' or 2 distinct"),
         (lambda r: expand(r, TokenLayout(), fill=[1, 1]), "2 distinct expert ids >= 0, found"),
         (lambda r: expand(r, TokenLayout(), fill=[1.0, 2.0]), "2 integer expert ids"),
-        (lambda r: expand(r, TokenLayout(), dtype=torch.float32), "integer torch dtype"),
+        (
+            lambda r: expand(r, TokenLayout(), dtype=torch.float32),
+            "torch.int32 or torch.int64 .*found torch.float32",
+        ),
         (lambda r: dense(r, TokenLayout()), "BSHD layout"),
         (lambda r: expand_mask(r, TokenLayout()), r"scalars, found row shape \(3, 2\)"),
         (lambda r: expand_mask(r.values, TokenLayout()), "mask must be a PackedTensor"),
@@ -249,11 +254,155 @@ def test_expand_mask_on_a_rank_without_real_tokens():
 def test_lengths_may_be_a_tensor():
     routes = random_routes([4, 2], 1, 2, torch.uint8)
     layout = TokenLayout(cp_size=2, cp_rank=1)
-    ranges = layout.local_ranges(torch.tensor([4, 2]))
-    assert ranges == layout.local_ranges([4, 2])
-    local = PackedTensor.from_segments(
-        [torch.cat([s[lo:hi] for lo, hi in r]) for s, r in zip(routes, ranges, strict=True)]
-    )
+    assert layout.local_ranges(torch.tensor([4, 2])) == layout.local_ranges([4, 2])
+    local = rank_local(routes, layout, [4, 2])
     (a,) = expand(routes, layout)
     (b,) = expand(local, layout, local=True, lengths=torch.tensor([4, 2]))
     assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("call", [expand, dense])
+@pytest.mark.parametrize(
+    "dtype", [torch.uint8, torch.int8, torch.int16, torch.uint16, torch.float32, "int32"]
+)
+def test_outputs_are_int32_or_int64_only(call, dtype):
+    """Narrower outputs wrapped expert ids: uint16 id 300 came out as 44 in uint8."""
+    routes = PackedTensor.from_lengths(torch.full((2, 1, 2), 300, dtype=torch.uint16), [2])
+    with pytest.raises(LayoutError, match=re.escape(f"found {dtype!r}")):
+        call(routes, TokenLayout(packed=False), dtype=dtype)
+
+
+@pytest.mark.parametrize("call", [expand, dense])
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_wide_ids_keep_their_values(call, dtype):
+    values = torch.tensor([[[300, 65535]], [[65534, 299]]], dtype=torch.uint16)
+    routes = PackedTensor.from_lengths(values, [2])
+    (tensor,) = call(routes, TokenLayout(packed=False, seq_length=4), dtype=dtype)
+    assert tensor.dtype == dtype
+    assert tensor.reshape(-1, 2)[:2].tolist() == [[300, 65535], [65534, 299]]
+
+
+@pytest.mark.parametrize("call", [expand, dense])
+@pytest.mark.parametrize("bad", [2**31, -(2**31) - 1])
+def test_int64_ids_beyond_int32_need_an_int64_output(call, bad):
+    values = torch.tensor([[[0, 1]], [[bad, 2]], [[3, 4]]], dtype=torch.int64)
+    routes = PackedTensor.from_lengths(values, [3])
+    layout = TokenLayout(packed=False)
+    with pytest.raises(LayoutError, match=f"expert id {bad} at row 1, outside torch.int32"):
+        call(routes, layout)
+    (tensor,) = call(routes, layout, dtype=torch.int64)
+    assert tensor.reshape(-1, 2).tolist() == values[:, 0].tolist()
+
+
+def test_int64_ids_that_fit_int32_expand_to_int32():
+    values = torch.tensor([[[2**31 - 1, 0]], [[-(2**31), 1]]], dtype=torch.int64)
+    (tensor,) = expand(PackedTensor.from_lengths(values, [2]), TokenLayout())
+    assert tensor.dtype == torch.int32
+    assert tensor.tolist() == values[:, 0].tolist()
+
+
+@pytest.mark.parametrize("call", [expand, dense])
+def test_fill_ids_must_fit_the_output_dtype(call):
+    routes = random_routes([3], 1, 2, torch.uint8)
+    layout = TokenLayout(packed=False, seq_length=4)
+    with pytest.raises(
+        LayoutError, match=re.escape("fill ids must fit torch.int32, found 2147483648")
+    ):
+        call(routes, layout, fill=[0, 2**31])
+    (tensor,) = call(routes, layout, fill=[0, 2**31], dtype=torch.int64)
+    assert tensor.reshape(-1, 2)[3].tolist() == [0, 2**31]
+    with pytest.raises(LayoutError, match="2 integer expert ids"):
+        call(routes, layout, fill=[0, 2**70], dtype=torch.int64)
+
+
+@pytest.mark.parametrize("packed", [True, False])
+def test_mixing_up_rank_local_and_full_rows_raises(packed):
+    """Rank-local routes need local=True and the full lengths; each mix-up names the fix."""
+    lengths = [40, 24, 7]
+    layout = TokenLayout(
+        tp_size=2, tp_rank=1, sequence_parallel=True, cp_size=2, cp_rank=1, packed=packed
+    )
+    routes = random_routes(lengths, 2, 2, torch.uint8)
+    local = rank_local(routes, layout, lengths)
+    mask = PackedTensor.from_lengths(torch.ones(sum(lengths), dtype=torch.bool), lengths)
+    local_mask = rank_local(mask, layout, lengths)
+    calls = [expand] if packed else [expand, dense]
+    for call in calls:
+        with pytest.raises(LayoutError, match="expand rank-local routes with local=True"):
+            call(local, layout, lengths=lengths)
+        with pytest.raises(LayoutError, match="lengths must be the full sample lengths"):
+            call(local, layout, local=True, lengths=local.lengths)
+        with pytest.raises(LayoutError, match="drop local=True"):
+            call(routes, layout, local=True, lengths=lengths)
+        full = call(routes, layout)
+        assert all(
+            torch.equal(a, b)
+            for a, b in zip(full, call(local, layout, local=True, lengths=lengths), strict=True)
+        )
+    with pytest.raises(LayoutError, match="local=True, lengths="):
+        expand_mask(local_mask, layout, lengths=lengths)
+
+
+# --- the copy itself: host pieces and the accelerator's chunked gather agree ----------------
+
+SEGMENTS = st.lists(
+    st.one_of(
+        st.tuples(st.just("run"), st.integers(0, 60), st.integers(1, 70)),
+        st.tuples(st.just("pad"), st.integers(1, 70)),
+        st.tuples(st.just("rows"), st.lists(st.integers(0, 129), min_size=1, max_size=20)),
+    ),
+    min_size=1,
+    max_size=8,
+)
+
+
+def token_index(segments) -> np.ndarray:
+    """Runs of consecutive rows, runs of padding and scattered rows, one after another."""
+    parts = []
+    for segment in segments:
+        if segment[0] == "run":
+            parts.append(np.arange(segment[1], segment[1] + segment[2]))
+        elif segment[0] == "pad":
+            parts.append(np.full(segment[1], PAD))
+        else:
+            parts.append(np.asarray(segment[1]))
+    return np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, np.int64)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    segments=SEGMENTS,
+    layers=st.sampled_from([(0, 1, 2, 3), (1, 2), (3,), (0, 2, 3), (3, 1)]),
+    dtype=st.sampled_from([torch.uint8, torch.uint16, torch.int64]),
+    out_dtype=st.sampled_from([torch.int32, torch.int64]),
+    strided=st.booleans(),
+    sizes=st.sampled_from(
+        [
+            {"PIECE_BYTES": 1, "MIN_RUN_TOKENS": 1},
+            {"PIECE_BYTES": 50, "MIN_RUN_TOKENS": 5},
+            {},
+        ]
+    ),
+)
+def test_host_pieces_and_device_chunks_copy_the_same_rows(
+    segments, layers, dtype, out_dtype, strided, sizes
+):
+    """Every piece kind and size, layer selection and (strided) source, against a loop."""
+    rng = np.random.default_rng(len(segments))
+    index = token_index(segments)
+    topk, rows = 3, 130
+    source = rng.integers(0, 200, size=(rows, 5 if strided else 4, topk))
+    values = torch.from_numpy(source).to(dtype)[:, :4]
+    fill = torch.tensor([7, 8, 9], dtype=out_dtype).expand(len(layers), topk)
+    want = np.stack(
+        [source[r][list(layers)] if r != PAD else fill.numpy() for r in index.tolist()]
+    ).reshape(index.size, len(layers), topk)
+    host = torch.empty((index.size, len(layers), topk), dtype=out_dtype)
+    device = torch.empty_like(host)
+    with pytest.MonkeyPatch.context() as patch:
+        for name, value in sizes.items():
+            patch.setattr(gather, name, value)
+        gather._copy_on_host(host.numpy(), index, values.numpy(), layers, fill.contiguous().numpy())
+        gather._copy_on_device(device, index, values, layers, fill)
+    np.testing.assert_array_equal(host.numpy(), want)
+    np.testing.assert_array_equal(device.numpy(), want)

@@ -10,8 +10,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from layout_reference import rank_rows, round_up
 
+from r3data import spans
 from r3data.errors import LayoutError
 from r3data.layout import PAD, ModelLayers, TokenLayout
+from r3data.packed import aranges
+from r3data.trace import spans as trace_spans
 
 GRIDS = st.fixed_dictionaries(
     {
@@ -198,3 +201,24 @@ def test_without_model_layers_every_route_layer_is_moe_and_split_evenly():
     assert TokenLayout(pp_size=2, pp_rank=1).moe_layers(8, "all") == (4, 5, 6, 7)
     with pytest.raises(LayoutError, match="split evenly"):
         TokenLayout(pp_size=3).moe_layers(8, "moe")
+
+
+@settings(max_examples=40, deadline=None)
+@given(runs=st.lists(st.tuples(st.integers(-50, 50), st.integers(0, 20)), min_size=0, max_size=8))
+def test_aranges_concatenates_ranges(runs):
+    """The one vectorised ``aranges`` (``r3data.packed``) that layout's geometry builds on."""
+    starts = np.array([s for s, _ in runs], dtype=np.int64)
+    counts = np.array([n for _, n in runs], dtype=np.int64)
+    got = aranges(starts, counts)
+    assert got.dtype == np.int64
+    assert got.tolist() == [p for s, n in runs for p in range(s, s + n)]
+
+
+def test_span_algebra_is_shared_with_the_trace_code():
+    assert trace_spans.merge is spans.merge
+    assert trace_spans.complement is spans.complement
+    assert trace_spans.intersect is spans.intersect
+    assert trace_spans.format_spans is spans.format_spans
+    layout = TokenLayout(cp_size=2, cp_rank=0, packed=False, seq_length=8)
+    # chunks 0 and 3 of a length-8 sequence: [0, 2) and [6, 8); sample of 7 keeps [6, 7)
+    assert layout.local_ranges([7]) == [[(0, 2), (6, 7)]]
