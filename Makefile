@@ -22,6 +22,8 @@ lint: $(STAMP)
 
 test: lint
 	$(PY) -m pytest --cov=r3data --cov-report=term-missing:skip-covered
+	@echo "Coverage of the foundation (target >= 95%):"
+	$(PY) -m coverage report --include='r3data/packed.py,r3data/batch.py' --fail-under=95
 
 format: $(STAMP)
 	$(VENV)/bin/ruff check --fix .
