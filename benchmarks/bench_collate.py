@@ -64,7 +64,7 @@ def run_distribution(kind: str, args: argparse.Namespace, rng: np.random.Generat
     real_bytes = int(sum(a.nbytes for a in arrays))
     threads = pool_workers()
 
-    pool = BufferPool()
+    pool, padded_pool = BufferPool(), BufferPool()
 
     def packed(workers: int):
         return pack_field(
@@ -90,7 +90,7 @@ def run_distribution(kind: str, args: argparse.Namespace, rng: np.random.Generat
         "padded_thread": best_of(args.repeats, lambda: padded_collate(arrays, args.max_len, 1)),
         "padded_pool": best_of(args.repeats, lambda: padded_collate(arrays, args.max_len, threads)),
         "padded_pool_recycled": best_of(
-            args.repeats, lambda: padded_collate(arrays, args.max_len, threads, BufferPool())
+            args.repeats, lambda: padded_collate(arrays, args.max_len, threads, padded_pool)
         ),
         "packed_thread": best_of(args.repeats, lambda: packed(1)),
         "packed_pool": best_of(args.repeats, lambda: packed(threads)),
