@@ -25,14 +25,6 @@ HandleCheck = Callable[[int, PayloadSegment, np.ndarray], None]
 rows were checked when their trace was built."""
 
 
-def piece_dtype(piece: Piece) -> np.dtype:
-    return piece.array.dtype if isinstance(piece, InlineRows) else np.dtype(piece.dtype)
-
-
-def piece_row_shape(piece: Piece) -> tuple[int, ...]:
-    return piece.row_shape if isinstance(piece, InlineRows) else piece.shape
-
-
 def torch_dtype(dtype: np.dtype) -> torch.dtype:
     return torch.from_numpy(np.empty(0, dtype=dtype)).dtype
 
@@ -51,10 +43,10 @@ def _fill_sample(
     direct: list[tuple[list[PayloadSegment], np.ndarray]] = []
     widened: list[tuple[PayloadSegment, np.ndarray]] = []
     for piece in pieces:
-        if piece_row_shape(piece) != out.shape[1:]:
+        if piece.row_shape != out.shape[1:]:
             raise SegmentError(
                 f"field {field!r}: expected rows of shape {out.shape[1:]}, found "
-                f"{piece_row_shape(piece)} at position {piece.pos}"
+                f"{piece.row_shape} at position {piece.pos}"
             )
         target = out[cursor : cursor + piece.rows]
         cursor += piece.rows

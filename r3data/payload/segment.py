@@ -95,6 +95,11 @@ class PayloadSegment:
         return self.pos + self.rows
 
     @property
+    def row_shape(self) -> tuple[int, ...]:
+        """The per-row shape (``shape``, prime-rl's name), as ``InlineRows.row_shape``."""
+        return self.shape
+
+    @property
     def itemsize(self) -> int:
         """Bytes of one element."""
         return np.dtype(self.dtype).itemsize
