@@ -1,16 +1,16 @@
 """The torchdata.nodes pipeline: samples -> stitched traces -> packed ``TensorBatch``es."""
 
-from r3data.nodes.claim import ClaimFiles
 from r3data.nodes.collate import CollateRollouts
 from r3data.nodes.dataset import RolloutDataset
 from r3data.nodes.fill import pack_field
 from r3data.nodes.loader import loader
 from r3data.nodes.sample import RolloutSample, as_rollout
 from r3data.nodes.source import SampleSource
+from r3data.nodes.steps import BatchSteps
 from r3data.nodes.stitcher import StitchedRollout, StitchRollout
 
 __all__ = [
-    "ClaimFiles",
+    "BatchSteps",
     "CollateRollouts",
     "RolloutDataset",
     "RolloutSample",

@@ -15,7 +15,7 @@ of ``layout.local_ranges(sample lengths)`` of each sample, back to back: by-hand
 clipped before reading, so a rank reads about 1/(CP x TP) of the batch's bytes. Pass them to
 ``r3data.layout.expand(..., local=True, lengths=batch["token_ids"].lengths)``.
 
-``metadata`` holds ``stats`` (:class:`~r3data.trace.StitchStats`), ``files`` (payload files
+``metadata`` holds ``step`` (the training step of the batch), ``stats`` (:class:`~r3data.trace.StitchStats`), ``files`` (payload files
 the kept samples use), ``dropped`` (ids dropped by ``on_gap="drop_sample"``) and
 ``dropped_files``.
 """
@@ -35,6 +35,7 @@ from r3data.buffers import BufferPool
 from r3data.errors import SegmentError, with_context
 from r3data.nodes.fill import pack_field, torch_dtype
 from r3data.nodes.screen import RouteScreen
+from r3data.nodes.steps import BatchSteps
 from r3data.nodes.stitcher import StitchedRollout
 from r3data.packed import PackedTensor
 from r3data.parallel import fill_rows
@@ -102,6 +103,8 @@ class CollateRollouts:
     zero_rows: ZeroRows = "missing"
     routes_field: str = ROUTES_FIELD
     layout: TokenLayout | None = None
+    steps: BatchSteps | None = None
+    """Records ``metadata["step"]``, the step the batch is trained (and its files kept) for."""
     pool: BufferPool = dataclasses.field(default_factory=BufferPool, compare=False)
     """Recycles the buffers of batches the trainer has dropped."""
 
@@ -139,6 +142,8 @@ class CollateRollouts:
         }
         if self.layout is not None:
             metadata["layout"] = self.layout
+        if self.steps is not None and rollouts:
+            metadata["step"] = self.steps(rollouts[0].index)
         return TensorBatch(batch_fields, metadata, batch_size=len(kept))
 
     def _local_ranges(self, kept: list[StitchedRollout]) -> list[list[tuple[int, int]]] | None:

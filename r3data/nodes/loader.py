@@ -1,7 +1,7 @@
 """``loader``: the whole pipeline from training samples to ``TensorBatch``es.
 
 ``SampleSource -> ParallelMapper(StitchRollout) -> Batcher -> Mapper(CollateRollouts)
--> Prefetcher -> ClaimFiles``, wrapped in a ``torchdata.nodes.Loader`` whose
+-> Prefetcher``, wrapped in a ``torchdata.nodes.Loader`` whose
 ``state_dict()`` resumes exactly after the last batch the trainer received.
 """
 
@@ -16,9 +16,9 @@ from torchdata.nodes import Batcher, Loader, Mapper, ParallelMapper, Prefetcher
 
 from r3data.batch import TensorBatch
 from r3data.errors import ConfigError
-from r3data.nodes.claim import ClaimFiles
 from r3data.nodes.collate import CollateRollouts
 from r3data.nodes.source import SampleSource
+from r3data.nodes.steps import BatchSteps
 from r3data.nodes.stitcher import StitchRollout
 from r3data.parallel import pool_workers
 from r3data.payload.reader import PayloadReader
@@ -53,8 +53,9 @@ def loader(
     ``samples``: dicts or dataclasses (see :mod:`r3data.nodes.sample`), a list or any
     re-iterable. ``payload_root`` (path or fsspec URL) is needed for by-handle sources.
     ``workers`` bounds the stitching threads and the parallel fills (default: the
-    cgroup-aware CPU count). With ``retention``, each batch's files are claimed for step
-    ``start_step + k`` when the trainer takes batch k. With ``layout`` each batch is one
+    cgroup-aware CPU count). With ``retention``, the files of batch k's samples are claimed
+    for step ``start_step + k`` as soon as each sample is stitched (before any read), so the
+    trainer only calls ``retention.on_policy_update(step)``. With ``layout`` each batch is one
     micro-batch on that rank: stitched fields hold only the rank's rows (rank-local reads).
     """
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
@@ -65,7 +66,10 @@ def loader(
     if threads < 1:
         raise ConfigError(f"workers must be >= 1, found {workers}")
     reader = None if payload_root is None else PayloadReader(payload_root, fs=payload_fs)
-    stitch = StitchRollout(tuple(fields), placeholder, on_gap, topk, trace_options)
+    steps = BatchSteps(batch_size, start_step)
+    stitch = StitchRollout(
+        tuple(fields), placeholder, on_gap, topk, trace_options, retention=retention, steps=steps
+    )
     node = SampleSource(samples)
     if threads > 1:
         node = ParallelMapper(node, stitch, num_workers=threads, method="thread", in_order=True)
@@ -82,10 +86,9 @@ def loader(
         zero_rows=options.get("zero_rows", "missing"),
         routes_field=options.get("routes_field", ROUTES_FIELD),
         layout=layout,
+        steps=steps,
     )
     node = Mapper(node, collate)
     if prefetch:
         node = Prefetcher(node, prefetch_factor=prefetch)
-    if retention is not None:
-        node = ClaimFiles(node, retention, start_step)
     return Loader(node, restart_on_stop_iteration=False)

@@ -9,6 +9,8 @@ from typing import Any
 
 from r3data.errors import with_context
 from r3data.nodes.sample import RolloutSample, as_rollout
+from r3data.nodes.steps import BatchSteps
+from r3data.payload.retention import PayloadRetention
 from r3data.trace import OnGap, Placeholder, StitchedSample, stitch
 
 logger = logging.getLogger("r3data.nodes")
@@ -32,12 +34,19 @@ class StitchRollout:
     on_gap: OnGap = "drop_routes"
     topk: int | None = None
     trace_options: Mapping[str, Any] | None = None
+    retention: PayloadRetention | None = None
+    """Claims each sample's payload files, as soon as it is stitched, for its batch's step."""
+    steps: BatchSteps | None = None
 
     def __call__(self, item: tuple[int, Any]) -> StitchedRollout:
         index, raw = item
         sample_id = _raw_id(raw, index)
         try:
             sample = as_rollout(raw, index, self.trace_options)
+            if self.retention is not None and sample.files:
+                # before any update can release them: a file shared with a batch that is not
+                # read yet stays until that batch's step too
+                self.retention.claim(self.steps(index), sample.files)
             empty = [f for f in self.fields if f not in sample.trace.info]
             if empty and self.on_gap != "raise":
                 # No row of the field anywhere (e.g. every turn's routes were an engine bug):

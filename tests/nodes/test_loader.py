@@ -12,8 +12,8 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 from r3data import TensorBatch, loader
 from r3data.errors import PayloadNotFoundError, PayloadReadError, TraceError, TraceGapError
-from r3data.nodes import RolloutDataset
-from r3data.payload import PayloadRetention, PayloadWriter
+from r3data.nodes import BatchSteps, RolloutDataset, StitchRollout
+from r3data.payload import PayloadRetention, PayloadWriter, shift
 from r3data.wire import InlineRows, pack_ndarray
 
 LAYERS, TOPK, EXPERTS = 3, 2, 40
@@ -150,7 +150,7 @@ def test_a_bad_sample_names_itself():
         list(loader(samples, batch_size=2, workers=1))
 
 
-def test_retention_claims_each_batch_when_the_trainer_takes_it(tmp_path):
+def test_retention_keeps_each_file_until_the_step_of_its_batch(tmp_path):
     samples, _ = make_rollouts(np.random.default_rng(3), 8, root=tmp_path, version=0)
     retention = PayloadRetention(str(tmp_path), max_off_policy_steps=4, fresh=False)
     try:
@@ -167,6 +167,71 @@ def test_retention_claims_each_batch_when_the_trainer_takes_it(tmp_path):
         retention.on_policy_update(1)
         retention.wait()
         assert not any((tmp_path / f).exists() for f in second.metadata["files"])
+    finally:
+        retention.close()
+
+
+def test_stitching_claims_a_samples_files_for_the_step_of_its_batch(tmp_path):
+    (segment,) = PayloadWriter(tmp_path).write(
+        0, {"routed_experts": np.ones((3, LAYERS, TOPK), np.uint8)}
+    )
+    sample = {
+        "id": "late",
+        "token_ids": np.arange(4),
+        "requests": [{"prompt_len": 2, "completion_len": 2, "sources": [segment]}],
+    }
+    retention = PayloadRetention(str(tmp_path), max_off_policy_steps=4, fresh=False)
+    try:
+        stitch = StitchRollout(("routed_experts",), retention=retention, steps=BatchSteps(4, 10))
+        stitch((9, sample))  # sample 9 is in batch 2: trained at step 12
+        for step in (10, 11):
+            retention.on_policy_update(step)
+            retention.wait()
+            assert (tmp_path / segment.file).exists()
+        retention.on_policy_update(12)
+        retention.wait()
+        assert not (tmp_path / segment.file).exists()
+    finally:
+        retention.close()
+
+
+@pytest.mark.parametrize(("workers", "prefetch"), [(2, 2), (3, 1)])
+def test_a_file_shared_across_batches_outlives_the_first_update(tmp_path, workers, prefetch):
+    """A GRPO group written to one file, split across batches 0 and 1: the update after step 0
+    must not delete what batch 1 still has to read."""
+    rows = np.random.default_rng(7).integers(0, EXPERTS, (6, 5, LAYERS, TOPK)).astype(np.uint8)
+    (segment,) = PayloadWriter(tmp_path).write(
+        0, {"routed_experts": rows.reshape(30, LAYERS, TOPK)}
+    )
+    samples = [
+        {
+            "id": f"g{i}",
+            "token_ids": np.arange(6),
+            "requests": [
+                {
+                    "prompt_len": 3,
+                    "completion_len": 3,
+                    "sources": [shift([segment.clipped(5 * i, 5 * i + 5)], -5 * i)[0]],
+                }
+            ],
+        }
+        for i in range(6)
+    ]
+    retention = PayloadRetention(str(tmp_path), max_off_policy_steps=4, fresh=False)
+    try:
+        options = {"batch_size": 4, "payload_root": tmp_path, "workers": workers}
+        it = iter(loader(samples, retention=retention, prefetch=prefetch, **options))
+        first = next(it)
+        assert first.metadata["files"] == (segment.file,)
+        retention.on_policy_update(0)
+        retention.wait()
+        second = next(it)  # reads the shared file after the update of step 0
+        assert second["sample_id"] == ["g4", "g5"]
+        for b, i in enumerate((4, 5)):
+            assert np.array_equal(second["routed_experts"][b][:5].numpy(), rows[i])
+        retention.on_policy_update(1)
+        retention.wait()
+        assert not (tmp_path / segment.file).exists()
     finally:
         retention.close()
 
