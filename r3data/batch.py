@@ -193,6 +193,10 @@ class TensorBatch(MutableMapping[str, Field]):
             lines.append(f"  metadata: {sorted(self.metadata)}")
         return "\n".join(lines) + ")"
 
+    def __copy__(self) -> TensorBatch:
+        """A new mapping over the same field objects (DataLoader's ``default_convert`` copies)."""
+        return self._with(dict(self._fields))
+
     def __reduce_ex__(self, protocol: int):
         state = {
             k: ("tensor", tensor_buffer(v, protocol)) if isinstance(v, torch.Tensor) else ("raw", v)
@@ -218,6 +222,13 @@ def _cat(values: list[Field], name: str) -> Field:
     if isinstance(first, PackedTensor):
         return PackedTensor.cat(values)
     if isinstance(first, torch.Tensor):
+        for i, v in enumerate(values):
+            if (v.dtype, v.shape[1:], v.device) != (first.dtype, first.shape[1:], first.device):
+                raise PackedError(
+                    f"cat: field {name!r} of batch {i} must have dtype {first.dtype}, trailing "
+                    f"shape {tuple(first.shape[1:])} and device {first.device}, found "
+                    f"{v.dtype}, {tuple(v.shape[1:])}, {v.device}"
+                )
         return torch.cat(values)
     return [item for v in values for item in v]
 

@@ -93,7 +93,10 @@ class PackedTensor:
         offsets.flags.writeable = False
         self.values = values
         self._offsets = offsets
-        self._device_cu_seqlens = cu_seqlens if _is_device_int32(cu_seqlens, values) else None
+        # a private copy: the caller's tensor may change, the host offsets will not
+        self._device_cu_seqlens = (
+            cu_seqlens.clone() if _is_device_int32(cu_seqlens, values) else None
+        )
 
     # --- constructors ---------------------------------------------------------------------
 

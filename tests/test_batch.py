@@ -127,6 +127,17 @@ def test_fields_can_be_added_and_removed_when_b_agrees():
         batch[0] = torch.zeros(2)  # type: ignore[index]
 
 
+def test_copy_shares_fields_and_cat_refuses_mixed_dtypes():
+    import copy
+
+    batch = TensorBatch({"x": torch.arange(3)}, metadata={"k": 1})
+    clone = copy.copy(batch)
+    assert clone["x"] is batch["x"]
+    assert clone.metadata == {"k": 1}
+    with pytest.raises(PackedError, match=r"field 'x' of batch 1 must have dtype torch.int64"):
+        TensorBatch.cat([batch, TensorBatch({"x": torch.zeros(2)})])
+
+
 def test_invalid_batches():
     with pytest.raises(PackedError, match="field 'b' must hold B=2 samples, found 3"):
         TensorBatch({"a": torch.zeros(2), "b": [1, 2, 3]})

@@ -181,10 +181,11 @@ def test_host_offsets_never_read_the_device_copy():
     assert packed.padded().shape == (3, 7)
 
 
-def test_device_cu_seqlens_is_reused_when_given():
+def test_given_cu_seqlens_is_kept_as_a_private_copy():
     cu = torch.tensor([0, 2, 5], dtype=torch.int32)
     packed = PackedTensor(torch.zeros(5), cu)
-    assert packed.cu_seqlens is cu
+    cu[1] = 4  # the caller's tensor changes; the batch's boundaries must not
+    assert packed.cu_seqlens.tolist() == [0, 2, 5] == packed.offsets.tolist()
 
 
 @pytest.mark.parametrize(

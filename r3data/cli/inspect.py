@@ -216,7 +216,7 @@ def _decode(producer: str, parsed: Any, args: argparse.Namespace) -> list[Inline
         return sglang_routes(parsed, on_zero="warn", **_sglang_shape(args))
     if producer == "skyrl":
         return skyrl_routes(parsed, on_zero="warn")
-    choices = parsed.get("choices", [])
+    choices = parsed.get("choices", []) if isinstance(parsed, dict) else []
     if not any(isinstance(c, dict) and c.get("routed_experts") is not None for c in choices):
         return []
     return primerl_routes(parsed, on_zero="warn")

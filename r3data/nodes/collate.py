@@ -37,13 +37,14 @@ from r3data.nodes.fill import pack_field, torch_dtype
 from r3data.nodes.screen import RouteScreen
 from r3data.nodes.steps import BatchSteps
 from r3data.nodes.stitcher import StitchedRollout
-from r3data.packed import PackedTensor
+from r3data.packed import PackedTensor, aranges
 from r3data.parallel import fill_rows
 from r3data.payload.reader import PayloadReader
 from r3data.trace import ROUTES_FIELD, StitchedField, StitchStats
 from r3data.trace.builder import ZeroRows, clip_source
 from r3data.trace.materialize import materialize_field
 from r3data.wire import MASK_FILL
+from r3data.wire.dtypes import compact_route_dtype
 
 if TYPE_CHECKING:
     from r3data.layout import TokenLayout
@@ -74,15 +75,8 @@ def _localized(
 
 
 def _positions(ranges: list[tuple[int, int]]) -> np.ndarray:
-    return np.concatenate([np.arange(lo, hi) for lo, hi in ranges] or [np.zeros(0, np.int64)])
-
-
-def compact_route_dtype(num_experts: int) -> np.dtype:
-    """The narrowest dtype for ids below ``num_experts`` (uint8, uint16, else int32)."""
-    for dtype in (np.uint8, np.uint16):
-        if num_experts - 1 <= np.iinfo(dtype).max:
-            return np.dtype(dtype)
-    return np.dtype(np.int32)
+    spans = np.array(ranges, dtype=np.int64).reshape(-1, 2)
+    return aranges(spans[:, 0], spans[:, 1] - spans[:, 0])
 
 
 @dataclass(frozen=True)
@@ -171,7 +165,7 @@ class CollateRollouts:
         routes = name == self.routes_field
         compact = routes and self.num_experts is not None
         if compact:
-            dtype = compact_route_dtype(self.num_experts)
+            dtype = compact_route_dtype(self.num_experts - 1)
         else:
             dtype = np.result_type(*[s.dtype for s in stitched]) if stitched else np.dtype(np.uint8)
         screen = RouteScreen(name, self.num_experts, self.zero_rows) if routes else None
@@ -185,7 +179,7 @@ class CollateRollouts:
             pin_memory=self.pin_memory,
             pool=self.pool,
             check=screen,
-            narrow=compact,
+            id_limit=self.num_experts if compact else None,
         )
         if screen is not None:
             screen.mark_invalid(valid, positions)

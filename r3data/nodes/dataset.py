@@ -26,9 +26,10 @@ class RolloutDataset(IterableDataset):
 
     def __iter__(self) -> Iterator[TensorBatch]:
         info = get_worker_info()
-        if info is not None and info.num_workers > 1:
+        if info is not None:
             raise ConfigError(
-                f"RolloutDataset runs its own threads: use num_workers=0, found {info.num_workers}"
+                "RolloutDataset runs its own threads and batches are already collated: use "
+                f"DataLoader(..., batch_size=None, num_workers=0), found num_workers={info.num_workers}"
             )
         return iter(self.loader)
 

@@ -17,12 +17,17 @@ from r3data.packed import PackedTensor
 from r3data.parallel import fill_rows, io_workers, pool_workers
 from r3data.payload.reader import PayloadReader
 from r3data.payload.segment import PayloadSegment
+from r3data.trace import check_expert_ids
 from r3data.wire.rows import InlineRows
 
 Piece = InlineRows | PayloadSegment
 HandleCheck = Callable[[int, PayloadSegment, np.ndarray], None]
 """``check(sample, segment, rows)`` validates (and may repair) rows read by handle; inline
 rows were checked when their trace was built."""
+
+
+def _casting(id_limit: int | None) -> str:
+    return "safe" if id_limit is None else "unsafe"  # unsafe: only after the ids were checked
 
 
 def torch_dtype(dtype: np.dtype) -> torch.dtype:
@@ -36,7 +41,7 @@ def _fill_sample(
     out: np.ndarray,
     reader: PayloadReader | None,
     check: HandleCheck | None,
-    casting: str,
+    id_limit: int | None,
 ) -> None:
     """Copy or read ``pieces`` back to back into ``out`` (one sample's slice)."""
     cursor = 0
@@ -51,7 +56,11 @@ def _fill_sample(
         target = out[cursor : cursor + piece.rows]
         cursor += piece.rows
         if isinstance(piece, InlineRows):
-            np.copyto(target, piece.array, casting=casting)
+            if id_limit is not None and piece.array.dtype != out.dtype:
+                check_expert_ids(
+                    piece.array, id_limit, trace_id="inline", field=field, pos=piece.pos
+                )
+            np.copyto(target, piece.array, casting=_casting(id_limit))
         elif reader is None:
             raise SegmentError(f"field {field!r}: a by-handle piece needs a payload reader")
         elif np.dtype(piece.dtype) == out.dtype:
@@ -68,7 +77,7 @@ def _fill_sample(
         for (segment, _), array in zip(widened, staged, strict=True):
             check(sample, segment, array)
     for (_, target), array in zip(widened, staged, strict=True):
-        np.copyto(target, array, casting=casting)
+        np.copyto(target, array, casting=_casting(id_limit))
 
 
 def pack_field(
@@ -82,15 +91,16 @@ def pack_field(
     pin_memory: bool = False,
     pool: BufferPool | None = None,
     check: HandleCheck | None = None,
-    narrow: bool = False,
+    id_limit: int | None = None,
 ) -> PackedTensor:
     """One ``PackedTensor`` whose segment i holds sample i's pieces back to back.
 
     ``reader`` reads by-handle pieces straight into the buffer and ``check`` validates what
     it read. The buffer comes from ``pool`` when given (a recycled buffer fills at memcpy
-    speed). ``narrow`` allows values of a wider dtype than ``dtype`` (ids already checked to
-    fit). Failures carry the sample index (``exc.r3data_index``). ``workers`` defaults to
-    the I/O worker count when any piece is by handle, else to the CPU worker count.
+    speed). With ``id_limit``, pieces of another dtype than ``dtype`` are narrowed once their
+    ids are known to be below it (inline pieces are checked here, by-handle ones by
+    ``check``). Failures carry the sample index (``exc.r3data_index``). ``workers`` defaults
+    to the I/O worker count when any piece is by handle, else to the CPU worker count.
     """
     lengths = np.array([sum(p.rows for p in sample) for sample in pieces], dtype=np.int64)
     offsets = np.concatenate(([0], np.cumsum(lengths)))
@@ -108,7 +118,7 @@ def pack_field(
             out[offsets[i] : offsets[i + 1]],
             reader,
             check,
-            "unsafe" if narrow else "safe",
+            id_limit,
         ),
         len(pieces),
         workers,

@@ -53,7 +53,7 @@ def loader(
     ``samples``: dicts or dataclasses (see :mod:`r3data.nodes.sample`), a list or any
     re-iterable. ``payload_root`` (path or fsspec URL) is needed for by-handle sources.
     ``workers`` bounds the stitching threads and the parallel fills (default: the
-    cgroup-aware CPU count). With ``retention``, the files of batch k's samples are claimed
+    cgroup-aware CPU count for stitching and inline fills, the I/O worker count for reads). With ``retention``, the files of batch k's samples are claimed
     for step ``start_step + k`` as soon as each sample is stitched (before any read), so the
     trainer only calls ``retention.on_policy_update(step)``. With ``layout`` each batch is one
     micro-batch on that rank: stitched fields hold only the rank's rows (rank-local reads).

@@ -67,8 +67,13 @@ def _get(obj: Any, *names: str, default: Any = None) -> Any:
 
 def _vector(sample_id: str, name: str, value: Any, length: int | None, dtype: Any) -> np.ndarray:
     array = np.asarray(value)
-    if array.dtype.kind not in "biuf":
-        raise TraceError(f"sample {sample_id!r}: {name} must be numbers, found dtype {array.dtype}")
+    kinds = {np.int64: "iu", bool: "biu", np.float32: "biuf"}[dtype]
+    if array.dtype.kind not in kinds or (dtype is bool and array.size and array.max() > 1):
+        expected = {"iu": "integers", "biu": "booleans or 0/1", "biuf": "numbers"}[kinds]
+        raise TraceError(
+            f"sample {sample_id!r}: {name} must be {expected}, found dtype {array.dtype}"
+            + (f" with values up to {array.max()}" if array.dtype.kind in "iu" else "")
+        )
     if array.ndim != 1 or (length is not None and array.shape[0] != length):
         raise TraceError(
             f"sample {sample_id!r}: {name} must be 1-D with {length} entries, "

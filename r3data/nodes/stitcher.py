@@ -7,7 +7,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from r3data.errors import with_context
+from r3data.errors import ConfigError, with_context
 from r3data.nodes.sample import RolloutSample, as_rollout
 from r3data.nodes.steps import BatchSteps
 from r3data.payload.retention import PayloadRetention
@@ -37,6 +37,10 @@ class StitchRollout:
     retention: PayloadRetention | None = None
     """Claims each sample's payload files, as soon as it is stitched, for its batch's step."""
     steps: BatchSteps | None = None
+
+    def __post_init__(self) -> None:
+        if self.retention is not None and self.steps is None:
+            raise ConfigError("StitchRollout with a retention needs steps (BatchSteps)")
 
     def __call__(self, item: tuple[int, Any]) -> StitchedRollout:
         index, raw = item

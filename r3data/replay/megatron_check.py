@@ -39,7 +39,8 @@ class ReplayOutcome:
 
 @contextlib.contextmanager
 def _single_rank() -> Iterator[None]:
-    """megatron's ``parallel_state`` on a one-process gloo group (reused if one exists)."""
+    """megatron's ``parallel_state`` on a one-process gloo group (only outside a trainer:
+    :func:`check_replay` refuses to run where either already exists)."""
     import torch.distributed as dist
     from megatron.core import parallel_state
 
@@ -116,6 +117,15 @@ def check_replay(
         return ReplayOutcome(
             "skipped", "megatron-core is not installed (pip install 'r3data[megatron]')"
         )
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    if dist.is_initialized() or parallel_state.model_parallel_is_initialized():
+        return ReplayOutcome(
+            "skipped",
+            "a process group or Megatron model parallelism already exists: the check builds "
+            "its own single-process routers and must not touch a trainer's state",
+        )
     routes = [t.to(torch.int64) for t in per_layer]
     tokens = routes[0].shape[0] if routes else 0
     generator = torch.Generator().manual_seed(seed)
@@ -141,6 +151,6 @@ def check_replay(
         )
     return ReplayOutcome(
         "verified",
-        f"{count} Megatron TopKRouters routed rank tp0 cp0's {tokens:,} tokens exactly "
+        f"{count} Megatron TopKRouters routed this rank's {tokens:,} tokens exactly "
         f"as installed, in the forward and in recompute",
     )

@@ -14,6 +14,7 @@ import numpy as np
 
 from r3data.errors import ConfigError
 from r3data.layout import ModelLayers
+from r3data.wire.dtypes import compact_route_dtype
 
 __all__ = ["MODEL_SHAPES", "ModelShape", "model_shape"]
 
@@ -43,7 +44,7 @@ class ModelShape:
     @property
     def route_dtype(self) -> np.dtype:
         """The dtype an engine reports expert ids in."""
-        return np.dtype(np.uint8 if self.num_experts <= 256 else np.uint16)
+        return compact_route_dtype(self.num_experts - 1)
 
     @property
     def row_shape(self) -> tuple[int, int]:

@@ -15,7 +15,7 @@ import numpy as np
 
 from r3data.errors import WireFormatError
 
-__all__ = ["ALL_DTYPES", "ROUTE_DTYPES", "DTypeLike", "parse_dtype"]
+__all__ = ["ALL_DTYPES", "ROUTE_DTYPES", "DTypeLike", "compact_route_dtype", "parse_dtype"]
 
 #: Expert-id dtypes, smallest first: what ``compact_routes`` picks from, plus int64 as sent
 #: by trainers that keep indices in torch's default integer type.
@@ -87,3 +87,12 @@ def parse_dtype(name: object, allowed: Iterable[DTypeLike] | None = None) -> np.
     ):
         return _parse(name, names)
     raise _rejected(names, f"found {type(name).__name__} {name!r:.{_MAX_SHOWN}}")
+
+
+def compact_route_dtype(max_id: int) -> np.dtype | None:
+    """The narrowest route dtype holding ids up to ``max_id``: uint8, uint16, else int32
+    (None when not even int32 holds it)."""
+    for dtype in ROUTE_DTYPES[:3]:
+        if max_id <= np.iinfo(dtype).max:
+            return dtype
+    return None

@@ -17,7 +17,7 @@ import numpy as np
 import pybase64
 
 from r3data.errors import WireFormatError
-from r3data.wire.dtypes import ROUTE_DTYPES, DTypeLike, parse_dtype
+from r3data.wire.dtypes import ROUTE_DTYPES, DTypeLike, compact_route_dtype, parse_dtype
 
 __all__ = [
     "ENVELOPE_KEYS",
@@ -249,9 +249,9 @@ def compact_routes(array: Any) -> np.ndarray:
             f"layer {layer}, slot {slot}"
         )
     high = int(routes.max())
-    for dtype in ROUTE_DTYPES[:3]:
-        if high <= np.iinfo(dtype).max:
-            return routes.astype(dtype, copy=False)
+    dtype = compact_route_dtype(high)
+    if dtype is not None:
+        return routes.astype(dtype, copy=False)
     raise WireFormatError(
         f"compact_routes: expected expert ids <= {np.iinfo(np.int32).max}, found {high}"
     )

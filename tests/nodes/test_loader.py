@@ -11,9 +11,16 @@ from torch.utils.data import DataLoader
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from r3data import TensorBatch, loader
-from r3data.errors import PayloadNotFoundError, PayloadReadError, TraceError, TraceGapError
+from r3data.errors import (
+    ConfigError,
+    PayloadNotFoundError,
+    PayloadReadError,
+    TraceError,
+    TraceGapError,
+)
 from r3data.nodes import BatchSteps, RolloutDataset, StitchRollout
 from r3data.payload import PayloadRetention, PayloadWriter, shift
+from r3data.trace import TraceBuilder
 from r3data.wire import InlineRows, pack_ndarray
 
 LAYERS, TOPK, EXPERTS = 3, 2, 40
@@ -403,7 +410,12 @@ def test_a_multi_choice_response_needs_a_choice():
 @pytest.mark.parametrize(
     ("sample", "message"),
     [
-        ({"id": "a", "token_ids": ["x"], "requests": []}, "token_ids must be numbers"),
+        ({"id": "a", "token_ids": ["x"], "requests": []}, "token_ids must be integers"),
+        ({"id": "f", "token_ids": [1.9, 2.0], "requests": []}, "token_ids must be integers"),
+        (
+            {"id": "m", "token_ids": [1, 2], "loss_mask": [0, 3], "requests": []},
+            "loss_mask must be booleans or 0/1, found dtype int64 with values up to 3",
+        ),
         ({"id": "b", "token_ids": [1], "requests": [{"prompt_len": 1}]}, "request 0: expected"),
         ({"id": "c", "token_ids": [1], "requests": [3]}, "request 0: expected"),
     ],
@@ -437,3 +449,32 @@ def test_a_sample_with_no_routes_at_all_is_dropped_unless_gaps_raise(caplog):
     assert "no rows of ['routed_experts'] in any request" in caplog.text
     with pytest.raises(TraceGapError, match=r"sample 'bare'.*no rows for positions \[0, 3\)"):
         list(loader([good, bare], batch_size=2, workers=1, on_gap="raise"))
+
+
+def test_a_ready_trace_with_ids_too_wide_for_the_compact_dtype_is_refused():
+    """num_experts narrows routes; ids a ready trace never checked must not wrap (300 -> 44)."""
+    ids = np.full((3, LAYERS, TOPK), 300, np.int32)
+    builder = TraceBuilder("ready")
+    builder.add_request(2, 2, [InlineRows("routed_experts", ids, 0)])
+    sample = {"id": "ready", "token_ids": np.arange(4), "trace": builder}
+    options = {"batch_size": 1, "workers": 1, "trace_options": {"num_experts": EXPERTS}}
+    with pytest.raises(
+        TraceError, match=r"sample 'ready'.*expected expert ids in \[0, 40\), found 300"
+    ):
+        list(loader([sample], **options))
+    ids[:] = 7
+    (batch,) = loader([sample], **options)
+    assert batch["routed_experts"].dtype == torch.uint8
+    assert (batch["routed_experts"][0][:3] == 7).all()
+
+
+def test_retention_without_batch_steps_is_a_config_error():
+    with pytest.raises(ConfigError, match="needs steps"):
+        StitchRollout(("routed_experts",), retention=object())
+
+
+def test_worker_processes_are_refused(tmp_path):
+    samples, _ = make_rollouts(np.random.default_rng(8), 2, root=tmp_path)
+    dataset = RolloutDataset(samples, batch_size=2, payload_root=tmp_path)
+    with pytest.raises(ConfigError, match="num_workers=0"):
+        list(DataLoader(dataset, batch_size=None, num_workers=1))
