@@ -79,18 +79,20 @@ def test_pool_workers_honours_quota_reserve_cap_and_env(tmp_path, monkeypatch):
 
 def test_fill_rows_returns_in_order_and_runs_concurrently():
     running, peak, lock = [0], [0], threading.Lock()
+    together = threading.Barrier(3, timeout=10)  # passes only if three items run at once
 
     def work(i: int) -> int:
         with lock:
             running[0] += 1
             peak[0] = max(peak[0], running[0])
-        time.sleep(0.01)
+        if i < 3:
+            together.wait()
         with lock:
             running[0] -= 1
         return i * i
 
     assert fill_rows(work, 12, workers=3) == [i * i for i in range(12)]
-    assert 2 <= peak[0] <= 3
+    assert peak[0] == 3  # never more than ``workers``
 
 
 def test_fill_rows_reports_the_failing_index_and_waits_for_every_lane():

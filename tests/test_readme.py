@@ -19,3 +19,12 @@ def test_quickstart_runs_and_expands_routes():
     assert batch["routed_experts_valid"].values.sum() == 19  # the last token of each has no row
     assert len(per_layer) == 48
     assert all(t.shape[1] == 8 for t in per_layer)
+
+
+def test_every_link_of_the_readme_names_a_file_of_the_checkout():
+    links = re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", README.read_text())
+    local = [link for link in links if "://" not in link]
+    assert {"docs/architecture.md", "docs/loader.md", "docs/benchmarks.md"} <= set(local)
+    assert len([link for link in local if link.startswith("notebooks/")]) == 3
+    missing = [link for link in local if not (README.parent / link).is_file()]
+    assert not missing

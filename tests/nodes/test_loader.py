@@ -43,18 +43,22 @@ def make_rollouts(rng: np.random.Generator, count: int, root=None, version: int 
             prompt_len = tokens + int(rng.integers(1, 6))
             completion_len = int(rng.integers(1, 8))
             forwarded = prompt_len + completion_len - 1
-            rows = rng.integers(0, EXPERTS, (forwarded, LAYERS, TOPK)).astype(np.uint8)
-            for p in range(forwarded):
-                engine[p] = rows[p]
+            # a later turn sends the full prefix, or only the rows from its first new one
+            # (routed_experts_prompt_start): the earlier turns' rows must then survive
+            first = 0 if tokens == 0 or rng.random() < 0.5 else tokens - 1
+            rows = rng.integers(0, EXPERTS, (forwarded - first, LAYERS, TOPK)).astype(np.uint8)
+            for p in range(first, forwarded):
+                engine[p] = rows[p - first]
             if writer is not None and i % 2:
-                source = writer.write(version, {"routed_experts": rows}, pos=0)[0].to_dict()
+                source = writer.write(version, {"routed_experts": rows}, pos=first)[0].to_dict()
             elif i % 3 == 0:
+                envelope = pack_ndarray(rows, start=first)
                 source = {
                     "producer": "prime-rl",
-                    "response": {"choices": [{"routed_experts": pack_ndarray(rows, start=0)}]},
+                    "response": {"choices": [{"routed_experts": envelope}]},
                 }
             else:
-                source = InlineRows("routed_experts", rows, 0)
+                source = InlineRows("routed_experts", rows, first)
             requests.append(
                 {"prompt_len": prompt_len, "completion_len": completion_len, "sources": [source]}
             )
