@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -139,9 +140,9 @@ class TruncatedView(io.RawIOBase):
 
 def short_reads(base: type) -> type:
     class ShortReads(base):
-        """The first ``short_opens`` opens see the file cut at ``visible`` bytes."""
+        """The first ``short_opens`` opens to read see the file cut at ``visible`` bytes."""
 
-        def __init__(self, short_opens: int, visible: int, **kwargs) -> None:
+        def __init__(self, short_opens: int, visible: int = 0, **kwargs) -> None:
             super().__init__(skip_instance_cache=True, **kwargs)
             self.short_opens, self.visible, self.opens = short_opens, visible, 0
 
@@ -155,13 +156,17 @@ def short_reads(base: type) -> type:
     return ShortReads
 
 
+PRIVATE_STORE = {LocalFileSystem: {}, MemoryFileSystem: {"global_store": False}}
+
+
 @pytest.mark.parametrize("base", [LocalFileSystem, MemoryFileSystem])
 @pytest.mark.parametrize("k", [0, 1, 3, 4, 5, 7])
 def test_short_reads_k_times_with_four_retries(tmp_path, base, k):
-    root = str(tmp_path) if base is LocalFileSystem else f"/r3test-short-{k}"
-    s = write_routes(root, fs=base())
-    visible = s.offset + 2000
-    fs = short_reads(base)(short_opens=k, visible=visible)
+    root = str(tmp_path) if base is LocalFileSystem else "/r3test-short"
+    fs = short_reads(base)(short_opens=k, **PRIVATE_STORE[base])
+    s = write_routes(root, fs=fs)
+    assert fs.opens == 0  # writing opened nothing to read
+    fs.visible = s.offset + 2000
     reader = PayloadReader(root, fs=fs, retries=4, backoff=0.001, max_backoff=0.002)
     out = np.zeros_like(ROUTES)
     if k <= 4:
@@ -173,8 +178,6 @@ def test_short_reads_k_times_with_four_retries(tmp_path, base, k):
         with pytest.raises(PayloadReadError, match=pattern):
             reader.read_into([s], out)
         assert fs.opens == 5
-    if base is MemoryFileSystem:
-        MemoryFileSystem().rm(root, recursive=True)
 
 
 def test_backoff_doubles_up_to_its_cap(tmp_path):
@@ -188,23 +191,28 @@ def test_backoff_doubles_up_to_its_cap(tmp_path):
 
 
 class DeniedFS(MemoryFileSystem):
-    """memory:// whose files exist but may not be opened."""
+    """A private memory:// store whose files may be written but not opened to read."""
 
-    opens = 0
+    def __init__(self) -> None:
+        super().__init__(global_store=False, skip_instance_cache=True)
+        self.opens = 0
 
     def _open(self, path, mode="rb", **kwargs):
-        DeniedFS.opens += 1
+        if "r" not in mode:
+            return super()._open(path, mode, **kwargs)
+        self.opens += 1
         raise PermissionError(13, "Permission denied", path)
 
 
 def test_permission_denied_is_distinct_and_not_retried():
     root = "/r3test-denied"
-    s = write_routes(root, fs=MemoryFileSystem())
+    fs = DeniedFS()
+    s = write_routes(root, fs=fs)
+    assert fs.exists(f"{root}/{s.file}")
     with pytest.raises(PayloadPermissionError, match=rf"{s.file} may not be read") as info:
-        PayloadReader(root, fs=DeniedFS(skip_instance_cache=True)).read([s])
+        PayloadReader(root, fs=fs).read([s])
     assert isinstance(info.value, PermissionError)
-    assert DeniedFS.opens == 1
-    MemoryFileSystem().rm(root, recursive=True)
+    assert fs.opens == 1
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root reads files whatever their mode")
@@ -244,17 +252,18 @@ def test_bad_fields_are_refused_before_writing(payload_root, version, fields, po
     assert not fs.exists(path) or fs.find(path) == []
 
 
-SLOW_WRITER = """
+STALLED_WRITER = """
 import os, sys, time
 import numpy as np
 from r3data.payload import PayloadWriter
 
 real_write = os.write
-def slow_write(fd, data):  # real writes, 1 MiB at a time, so the kill lands mid-file
-    time.sleep(0.01)
-    return real_write(fd, memoryview(data)[: 1 << 20])
-os.write = slow_write
-print("writing", flush=True)
+def write_then_stall(fd, data):  # one real write, then hang so the kill lands mid-file
+    written = real_write(fd, memoryview(data)[: 1 << 20])
+    print("half", flush=True)
+    time.sleep(60)
+    return written
+os.write = write_then_stall
 PayloadWriter(sys.argv[1]).write(1, {"routes": np.ones((1 << 16, 48, 8), np.uint8)})
 print("published", flush=True)
 """
@@ -272,19 +281,32 @@ def run_python(script: str, *args: str, **kwargs) -> subprocess.Popen:
     )
 
 
+def read_line(child: subprocess.Popen, timeout: float) -> str:
+    """The child's next line of output; "" when it printed none within ``timeout`` seconds."""
+    readable, _, _ = select.select([child.stdout], [], [], timeout)
+    return child.stdout.readline() if readable else ""
+
+
 def test_writer_killed_mid_write_leaves_no_visible_file(tmp_path):
-    child = run_python(SLOW_WRITER, str(tmp_path))
-    assert child.stdout.readline() == "writing\n"
-    deadline = time.monotonic() + 30
-    while not [p for p in tmp_path.glob("v1/.*.tmp") if p.stat().st_size > 1 << 20]:
-        assert time.monotonic() < deadline, child.stderr.read()
-        time.sleep(0.005)
-    child.send_signal(signal.SIGKILL)
-    child.wait()
-    assert child.returncode == -signal.SIGKILL
-    assert list(tmp_path.glob("v1/*.bin")) == []
-    (temp,) = tmp_path.glob("v1/.*.bin.tmp")
-    assert 0 < temp.stat().st_size < 24 << 20
+    child = run_python(STALLED_WRITER, str(tmp_path))
+    try:
+        line = read_line(child, timeout=60)
+        if line != "half\n":
+            child.kill()
+            pytest.fail(f"the writer printed {line!r}, not 'half': {child.stderr.read()}")
+        child.send_signal(signal.SIGKILL)
+        assert child.wait(timeout=30) == -signal.SIGKILL
+    finally:
+        child.kill()
+        child.wait()
+        child.stdout.close()
+        child.stderr.close()
+    names = os.listdir(tmp_path / "v1")  # the writer is dead: the listing is final
+    assert [n for n in names if n.endswith(".bin")] == []  # nothing under a final name
+    (temp,) = names  # only the temporary
+    assert temp.startswith(".")
+    assert temp.endswith(".bin.tmp")
+    assert 0 < (tmp_path / "v1" / temp).stat().st_size < 24 << 20
 
 
 FULL_DISK_WRITER = """
@@ -317,8 +339,7 @@ class FailingPutFS(MemoryFileSystem):
 
 def test_failed_put_raises_and_publishes_nothing():
     root = "/r3test-failed-put"
-    fs = FailingPutFS(skip_instance_cache=True)
+    fs = FailingPutFS(global_store=False, skip_instance_cache=True)
     with pytest.raises(PayloadWriteError, match="No space left"):
         PayloadWriter(root, fs=fs).write(1, {"routes": ROUTES})
     assert fs.find(root) == []
-    fs.rm(root, recursive=True)

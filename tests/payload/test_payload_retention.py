@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import logging
 import posixpath
-import tempfile
 import threading
-import time
 import uuid
 
 import fsspec
@@ -32,21 +30,34 @@ def write(writer: PayloadWriter, version: int) -> str:
     return writer.write(version, {"routes": ROW})[0].file
 
 
-def new_root(kind: str) -> str:
+def new_root(kind: str, tmp_path_factory) -> str:
     if kind == "local":
-        return tempfile.mkdtemp(prefix="r3retention-")
+        return str(tmp_path_factory.mktemp("retention"))
     return f"memory://r3retention-{uuid.uuid4().hex}"
 
 
 @settings(max_examples=30, deadline=None)
 @given(data=st.data())
-def test_random_schedules_never_delete_early_and_delete_everything_eventually(data):
+def test_random_schedules_never_delete_early_and_delete_everything_eventually(
+    tmp_path_factory, data
+):
     kind = data.draw(st.sampled_from(["local", "memory"]), label="filesystem")
     max_off = data.draw(st.integers(0, 3), label="max_off_policy_steps")
-    root = new_root(kind)
+    root = new_root(kind, tmp_path_factory)
     fs, path = fsspec.core.url_to_fs(root)
+    try:
+        with PayloadRetention(root, max_off, fresh=True) as retention:
+            check_schedule(data, root, retention)
+    finally:
+        if fs.exists(path):
+            fs.rm(path, recursive=True)
+
+
+def check_schedule(data, root: str, retention: PayloadRetention) -> None:
+    """Drive a random schedule and check the files left after every call against a model."""
+    fs, path = fsspec.core.url_to_fs(root)
+    max_off = retention.max_off_policy_steps
     writer = PayloadWriter(root)
-    retention = PayloadRetention(root, max_off, fresh=True)
     size_of: dict[str, int] = {}
     version_of: dict[str, int] = {}
     claims: dict[str, int] = {}  # file -> latest step that claimed it, until released
@@ -92,7 +103,6 @@ def test_random_schedules_never_delete_early_and_delete_everything_eventually(da
     assert metrics.files_deleted == len(version_of)
     assert metrics.bytes_deleted == sum(size_of.values())
     assert (metrics.files_live, metrics.bytes_live, metrics.files_pending) == (0, 0, 0)
-    fs.rm(path, recursive=True)
 
 
 def test_min_fresh_version():
@@ -181,7 +191,7 @@ def test_a_file_stays_until_its_latest_claim_is_released(payload_root):
     assert stored(payload_root) == set()
 
 
-def test_state_does_not_grow_with_the_files_deleted(payload_root):
+def test_nothing_is_held_for_the_files_deleted(payload_root):
     writer = PayloadWriter(payload_root)
     retention = PayloadRetention(payload_root, 0, fresh=False)
     held = []
@@ -191,51 +201,72 @@ def test_state_does_not_grow_with_the_files_deleted(payload_root):
         retention.discard(files[10:])
         retention.on_policy_update(step)
         retention.wait()
-        held.append(
-            sum(len(v) for v in vars(retention).values() if isinstance(v, (list, dict, set)))
-        )
+        metrics = retention.metrics()
+        held.append((metrics.files_claimed, metrics.files_pending, metrics.files_live))
     assert stored(payload_root) == set()
-    assert held == [0, 0, 0]
+    assert held == [(0, 0, 0)] * 3
     metrics = retention.metrics()
-    assert metrics.files_deleted == 60
+    assert (metrics.files_deleted, metrics.delete_errors) == (60, 0)
     assert 0 < metrics.deletion_latency_s_mean <= metrics.deletion_latency_s_max
     assert 0 < metrics.deletion_latency_s_last <= metrics.deletion_latency_s_max
 
 
-class SlowDeletes(LocalFileSystem):
-    """A local filesystem whose deletions take a while, and fail the first ``failures`` times.
+class HeldDeletes(LocalFileSystem):
+    """A local filesystem whose deletions wait for ``release``, and fail the first ``failures``
+    times.
 
     ``started`` is set when a deletion begins; ``deleting`` lists the paths begun.
     """
 
     cachable = False  # each test gets its own events and counts
 
-    def __init__(self, delay: float, failures: int = 0) -> None:
+    def __init__(self, failures: int = 0) -> None:
         super().__init__()
-        self.delay, self.failures = delay, failures
+        self.failures = failures
         self.release, self.started = threading.Event(), threading.Event()
         self.deleting: list[str] = []
 
     def rm_file(self, path):
         self.deleting.append(path)
         self.started.set()
-        self.release.wait(self.delay)
+        self.release.wait()
         if self.failures:
             self.failures -= 1
             raise OSError(5, "Input/output error", path)
         super().rm_file(path)
 
 
-def test_update_never_blocks_and_close_waits(tmp_path):
-    fs = SlowDeletes(delay=10.0)
+@pytest.fixture
+def held_deletes():
+    """Makes :class:`HeldDeletes`; releases them all when the test ends, passed or failed."""
+    made: list[HeldDeletes] = []
+
+    def make(failures: int = 0) -> HeldDeletes:
+        made.append(HeldDeletes(failures))
+        return made[-1]
+
+    yield make
+    for fs in made:
+        fs.release.set()
+
+
+def test_update_never_blocks_and_close_waits(tmp_path, held_deletes):
+    fs = held_deletes()
     writer = PayloadWriter(str(tmp_path))
     files = [write(writer, 0) for _ in range(3)]
     retention = PayloadRetention(str(tmp_path), 4, fs=fs, fresh=False)
     retention.claim(0, files)
-    start = time.perf_counter()
-    retention.on_policy_update(0)
-    retention.on_policy_update(1)
-    assert time.perf_counter() - start < 1.0
+
+    def updates() -> None:
+        retention.on_policy_update(0)
+        retention.on_policy_update(1)
+
+    updater = threading.Thread(target=updates, daemon=True)
+    updater.start()
+    updater.join(5.0)
+    assert fs.started.wait(5.0)
+    assert not updater.is_alive()  # both calls returned...
+    assert not fs.release.is_set()  # ...while the first deletion is still held
     assert stored(str(tmp_path)) == set(files)
     fs.release.set()
     retention.close()
@@ -245,8 +276,8 @@ def test_update_never_blocks_and_close_waits(tmp_path):
     assert metrics.deletion_latency_s_max >= metrics.deletion_latency_s_mean > 0
 
 
-def start_deleting(tmp_path, fs: SlowDeletes, count: int) -> tuple[PayloadRetention, list[str]]:
-    """Release ``count`` files; returns once the worker is inside the first deletion (blocked)."""
+def start_deleting(tmp_path, fs: HeldDeletes, count: int) -> tuple[PayloadRetention, list[str]]:
+    """Release ``count`` files; returns once the worker is inside the first deletion (held)."""
     writer = PayloadWriter(str(tmp_path))
     files = [write(writer, 0) for _ in range(count)]
     retention = PayloadRetention(str(tmp_path), 4, fs=fs, fresh=False)
@@ -257,22 +288,28 @@ def start_deleting(tmp_path, fs: SlowDeletes, count: int) -> tuple[PayloadRetent
     return retention, [busy, *(f for f in files if f != busy)]
 
 
-def claim_in_thread(retention: PayloadRetention, step: int, files: list[str]) -> threading.Thread:
-    thread = threading.Thread(target=retention.claim, args=(step, files))
-    thread.start()
-    thread.join(0.2)
-    return thread
+def claim_in_thread(retention: PayloadRetention, step: int, files: list[str]) -> threading.Event:
+    """Claim on another thread; the event is set as soon as ``claim`` returns."""
+    returned = threading.Event()
+
+    def claim() -> None:
+        retention.claim(step, files)
+        returned.set()
+
+    threading.Thread(target=claim, daemon=True).start()
+    return returned
 
 
-def test_a_claim_racing_a_deletion_waits_for_it(tmp_path):
-    fs = SlowDeletes(delay=10.0)
+def test_a_claim_racing_a_deletion_waits_for_it(tmp_path, held_deletes):
+    fs = held_deletes()
     retention, (busy, queued) = start_deleting(tmp_path, fs, 2)
     racing = claim_in_thread(retention, 1, [busy])
-    assert racing.is_alive()  # the claim waits for the deletion under way...
-    retention.claim(1, [queued])  # ...while a claim of a file not begun keeps it at once
+    # a claim of a file not begun keeps it at once, while the deletion is held...
+    assert claim_in_thread(retention, 1, [queued]).wait(5.0)
+    assert not racing.wait(0.2)  # ...and the claim of the file being deleted waits for it
+    assert not fs.release.is_set()
     fs.release.set()
-    racing.join(5.0)
-    assert not racing.is_alive()
+    assert racing.wait(5.0)
     retention.wait()
     assert stored(str(tmp_path)) == {queued}  # `busy` went before its claim took effect
     assert len(fs.deleting) == 1
@@ -282,13 +319,14 @@ def test_a_claim_racing_a_deletion_waits_for_it(tmp_path):
     assert retention.metrics().files_deleted == 2
 
 
-def test_a_claim_waiting_on_a_failed_deletion_keeps_the_file(tmp_path):
-    fs = SlowDeletes(delay=10.0, failures=1)
+def test_a_claim_waiting_on_a_failed_deletion_keeps_the_file(tmp_path, held_deletes):
+    fs = held_deletes(failures=1)
     retention, (busy,) = start_deleting(tmp_path, fs, 1)
     racing = claim_in_thread(retention, 1, [busy])
-    assert racing.is_alive()
+    assert not racing.wait(0.2)
+    assert not fs.release.is_set()
     fs.release.set()
-    racing.join(5.0)
+    assert racing.wait(5.0)
     retention.on_policy_update(0)  # the failed deletion is not retried: `busy` is claimed now
     retention.wait()
     assert stored(str(tmp_path)) == {busy}
@@ -299,8 +337,9 @@ def test_a_claim_waiting_on_a_failed_deletion_keeps_the_file(tmp_path):
     assert stored(str(tmp_path)) == set()
 
 
-def test_failed_deletions_are_logged_and_retried_next_time(tmp_path, caplog):
-    fs = SlowDeletes(delay=0.0, failures=1)
+def test_failed_deletions_are_logged_and_retried_next_time(tmp_path, held_deletes, caplog):
+    fs = held_deletes(failures=1)
+    fs.release.set()
     writer = PayloadWriter(str(tmp_path))
     first, second = write(writer, 0), write(writer, 0)
     retention = PayloadRetention(str(tmp_path), 4, fs=fs, fresh=False)

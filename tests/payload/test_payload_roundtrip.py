@@ -24,20 +24,24 @@ from r3data.payload import (
 )
 from r3data.wire.dtypes import ALL_DTYPES
 
-RNG = np.random.default_rng(0)
+
+@pytest.fixture
+def rng() -> np.random.Generator:
+    """Each test's own generator, so that its data does not depend on the tests run before."""
+    return np.random.default_rng(0)
 
 
-def random_rows(dtype: str, shape: tuple[int, ...]) -> np.ndarray:
+def random_rows(rng: np.random.Generator, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
     if dtype == "bool":
-        return RNG.random(shape) < 0.5
+        return rng.random(shape) < 0.5
     if np.dtype(dtype).kind == "f":
-        return RNG.standard_normal(shape).astype(dtype)
+        return rng.standard_normal(shape).astype(dtype)
     info = np.iinfo(dtype)
-    return RNG.integers(info.min, info.max, shape, dtype=dtype, endpoint=True)
+    return rng.integers(info.min, info.max, shape, dtype=dtype, endpoint=True)
 
 
-def ragged_rows(lengths: list[int]) -> list[np.ndarray]:
-    return [RNG.integers(0, 150_000, n, dtype=np.int32) for n in lengths]
+def ragged_rows(rng: np.random.Generator, lengths: list[int]) -> list[np.ndarray]:
+    return [rng.integers(0, 150_000, n, dtype=np.int32) for n in lengths]
 
 
 def assert_ragged_equal(got: RaggedRows, rows: list[np.ndarray]) -> None:
@@ -47,12 +51,12 @@ def assert_ragged_equal(got: RaggedRows, rows: list[np.ndarray]) -> None:
 
 
 @pytest.mark.parametrize("dtype", sorted(ALL_DTYPES))
-def test_every_dtype_and_row_shape_round_trips(payload_root, dtype):
+def test_every_dtype_and_row_shape_round_trips(rng, payload_root, dtype):
     fields = {
-        "routes": random_rows(dtype, (9, 48, 8)),
-        "flat": random_rows(dtype, (5,)),
-        "vector": random_rows(dtype, (7, 3)),
-        "empty": random_rows(dtype, (0, 4)),
+        "routes": random_rows(rng, dtype, (9, 48, 8)),
+        "flat": random_rows(rng, dtype, (5,)),
+        "vector": random_rows(rng, dtype, (7, 3)),
+        "empty": random_rows(rng, dtype, (0, 4)),
     }
     segments = PayloadWriter(payload_root).write(3, fields, pos=11)
     assert [s.field for s in segments] == list(fields)
@@ -65,8 +69,8 @@ def test_every_dtype_and_row_shape_round_trips(payload_root, dtype):
 
 
 @pytest.mark.parametrize("form", ["list", "tuple", "RaggedRows", "torch"])
-def test_ragged_fields_round_trip_in_every_input_form(payload_root, form):
-    rows = ragged_rows([3, 0, 5, 1, 0, 8])
+def test_ragged_fields_round_trip_in_every_input_form(rng, payload_root, form):
+    rows = ragged_rows(rng, [3, 0, 5, 1, 0, 8])
     lengths = np.array([len(r) for r in rows])
     data = {
         "list": rows,
@@ -74,7 +78,7 @@ def test_ragged_fields_round_trip_in_every_input_form(payload_root, form):
         "RaggedRows": RaggedRows(np.concatenate(rows), lengths),
         "torch": [torch.from_numpy(r) for r in rows],
     }[form]
-    routes = torch.randint(0, 128, (6, 4, 2), dtype=torch.uint8)
+    routes = torch.from_numpy(random_rows(rng, "uint8", (6, 4, 2)))
     segments = PayloadWriter(payload_root).write(
         0, {"mask": data, "routes": routes}, pos={"mask": 20, "routes": 19}
     )
@@ -85,8 +89,8 @@ def test_ragged_fields_round_trip_in_every_input_form(payload_root, form):
     np.testing.assert_array_equal(out["routes"], routes.numpy())
 
 
-def test_file_is_self_describing(payload_root):
-    rows = ragged_rows([2, 4])
+def test_file_is_self_describing(rng, payload_root):
+    rows = ragged_rows(rng, [2, 4])
     segments = PayloadWriter(payload_root).write(
         5, {"routes": np.ones((2, 48, 8), np.uint8), "mask": rows}, pos=7
     )
@@ -104,14 +108,18 @@ def test_file_is_self_describing(payload_root):
     lengths=st.lists(st.integers(0, 6), min_size=1, max_size=12),
     cuts=st.lists(st.integers(0, 30), max_size=4),
     split=st.integers(0, 12),
+    seed=st.integers(0, 2**32 - 1),
 )
-def test_clip_and_stitch_across_two_files_at_any_boundaries(tmp_path_factory, lengths, cuts, split):
+def test_clip_and_stitch_across_two_files_at_any_boundaries(
+    tmp_path_factory, lengths, cuts, split, seed
+):
     """Turn 1 wrote rows [0, split), turn 2 rows [split, n): any cut points read back exactly."""
+    rng = np.random.default_rng(seed)
     root = str(tmp_path_factory.mktemp("stitch"))
     n = len(lengths)
     split = min(split, n)
-    routes = random_rows("uint16", (n, 3, 2))
-    rows = ragged_rows(lengths)
+    routes = random_rows(rng, "uint16", (n, 3, 2))
+    rows = ragged_rows(rng, lengths)
     writer = PayloadWriter(root)
     segments = []
     for lo, hi in ((0, split), (split, n)):
@@ -132,9 +140,9 @@ def test_clip_and_stitch_across_two_files_at_any_boundaries(tmp_path_factory, le
     np.testing.assert_array_equal(buffer, routes)
 
 
-def test_every_single_cut_of_a_file(payload_root):
-    routes = random_rows("uint8", (7, 48, 8))
-    rows = ragged_rows([1, 0, 3, 2, 0, 4, 1])
+def test_every_single_cut_of_a_file(rng, payload_root):
+    routes = random_rows(rng, "uint8", (7, 48, 8))
+    rows = ragged_rows(rng, [1, 0, 3, 2, 0, 4, 1])
     segments = PayloadWriter(payload_root).write(2, {"routes": routes, "mask": rows})
     reader = PayloadReader(payload_root)
     for cut in range(8):
@@ -147,8 +155,8 @@ def test_every_single_cut_of_a_file(payload_root):
             assert_ragged_equal(out["mask"], rows[lo:hi])
 
 
-def test_read_into_fills_a_slice_of_a_batch_buffer(payload_root):
-    a, b = random_rows("uint8", (5, 48, 8)), random_rows("uint8", (3, 48, 8))
+def test_read_into_fills_a_slice_of_a_batch_buffer(rng, payload_root):
+    a, b = random_rows(rng, "uint8", (5, 48, 8)), random_rows(rng, "uint8", (3, 48, 8))
     writer = PayloadWriter(payload_root)
     seg_a, seg_b = writer.write(1, {"routes": a})[0], writer.write(1, {"routes": b}, pos=5)[0]
     batch = np.full((12, 48, 8), 255, np.uint8)
@@ -161,8 +169,8 @@ def test_read_into_fills_a_slice_of_a_batch_buffer(payload_root):
     np.testing.assert_array_equal(tensor.numpy().reshape(8, 48, 8), np.concatenate([a, b]))
 
 
-def test_placeholder_row_repeats_the_previous_row(payload_root):
-    routes = random_rows("uint8", (4, 48, 8))
+def test_placeholder_row_repeats_the_previous_row(rng, payload_root):
+    routes = random_rows(rng, "uint8", (4, 48, 8))
     (s,) = PayloadWriter(payload_root).write(1, {"routes": routes}, pos=10)
     last = PayloadSegment(s.field, s.file, s.offset + 3 * s.row_bytes, s.end, 1, s.dtype, s.shape)
     out = np.empty((5, 48, 8), np.uint8)
@@ -187,9 +195,9 @@ def test_read_into_refuses_buffers_it_cannot_fill(payload_root, out, message):
         PayloadReader(payload_root).read_into([s], out)
 
 
-def test_read_into_refuses_ragged_and_mixed_fields(payload_root):
+def test_read_into_refuses_ragged_and_mixed_fields(rng, payload_root):
     segments = PayloadWriter(payload_root).write(
-        1, {"routes": np.ones((2, 4), np.uint8), "mask": ragged_rows([1, 2])}
+        1, {"routes": np.ones((2, 4), np.uint8), "mask": ragged_rows(rng, [1, 2])}
     )
     with pytest.raises(SegmentError, match="ragged"):
         PayloadReader(payload_root).read_into(segments[1:], np.empty(3, np.int32))
@@ -200,10 +208,10 @@ def test_read_into_refuses_ragged_and_mixed_fields(payload_root):
 
 
 class CountingMemoryFS(MemoryFileSystem):
-    """memory:// that counts opens per path (shares the memory store)."""
+    """A private memory:// store that counts opens per path."""
 
-    def __init__(self, **kwargs):
-        super().__init__(**kwargs)
+    def __init__(self) -> None:
+        super().__init__(global_store=False, skip_instance_cache=True)
         self.opens: dict[str, int] = {}
 
     def _open(self, path, mode="rb", **kwargs):
@@ -211,11 +219,11 @@ class CountingMemoryFS(MemoryFileSystem):
         return super()._open(path, mode, **kwargs)
 
 
-def test_read_many_opens_each_file_once():
+def test_read_many_opens_each_file_once(rng):
     root = "/r3test-read-many"
-    fs = CountingMemoryFS(skip_instance_cache=True)
+    fs = CountingMemoryFS()
     writer = PayloadWriter(root, fs=fs)
-    arrays = [random_rows("uint8", (n, 48, 8)) for n in (3, 6, 2)]
+    arrays = [random_rows(rng, "uint8", (n, 48, 8)) for n in (3, 6, 2)]
     segments = [writer.write(1, {"routes": a})[0] for a in arrays]
     fs.opens.clear()
     outs = [np.empty((9, 48, 8), np.uint8), np.empty((4, 48, 8), np.uint8)]
@@ -227,12 +235,11 @@ def test_read_many_opens_each_file_once():
     np.testing.assert_array_equal(outs[0], np.concatenate(arrays[:2]))
     np.testing.assert_array_equal(outs[1], np.concatenate([arrays[1][4:], arrays[2]]))
     assert sorted(fs.opens.values()) == [1, 1, 1]
-    fs.rm(root, recursive=True)
 
 
-def test_headerless_raw_files_read_from_segments_alone(payload_root):
+def test_headerless_raw_files_read_from_segments_alone(rng, payload_root):
     """prime-rl's server layout: rows back to back, no header; only the segments describe it."""
-    routes = random_rows("uint8", (10, 48, 8))
+    routes = random_rows(rng, "uint8", (10, 48, 8))
     fs, path = fsspec.core.url_to_fs(payload_root)
     fs.makedirs(f"{path}/v4", exist_ok=True)
     fs.pipe_file(f"{path}/v4/raw.bin", routes.tobytes())
@@ -256,8 +263,8 @@ def test_handles_may_name_the_root_absolutely(payload_root):
         )
 
 
-def test_checksum_mismatch_is_detected(payload_root):
-    routes = random_rows("uint8", (6, 48, 8))
+def test_checksum_mismatch_is_detected(rng, payload_root):
+    routes = random_rows(rng, "uint8", (6, 48, 8))
     (s,) = PayloadWriter(payload_root).write(1, {"routes": routes})
     fs, path = fsspec.core.url_to_fs(payload_root)
     data = bytearray(fs.cat_file(f"{path}/{s.file}"))
@@ -270,9 +277,9 @@ def test_checksum_mismatch_is_detected(payload_root):
     np.testing.assert_array_equal(reader.read(clip([s], 0, 5))["routes"], routes[:5])
 
 
-def test_serial_and_concurrent_reads_agree(payload_root):
+def test_serial_and_concurrent_reads_agree(rng, payload_root):
     writer = PayloadWriter(payload_root)
-    arrays = [random_rows("uint8", (n, 48, 8)) for n in range(1, 20)]
+    arrays = [random_rows(rng, "uint8", (n, 48, 8)) for n in range(1, 20)]
     segments = [writer.write(n % 3, {"routes": a})[0] for n, a in enumerate(arrays)]
     serial = PayloadReader(payload_root, workers=1).read(segments)["routes"]
     concurrent = PayloadReader(payload_root, workers=8).read(segments)["routes"]
