@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import base64
-import contextlib
+import math
+import re
 import tracemalloc
 
 import numpy as np
 import orjson
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import event, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
@@ -112,6 +113,7 @@ def _envelope(**overrides):
         (_envelope(shape=[1] * 33), "at most 32 dimensions"),
         (_envelope(shape=[3, 3]), "expected 18 bytes.*decodes to 12 bytes"),
         (_envelope(shape=[2**40, 2**40]), "decodes to 12 bytes"),
+        (_envelope(data="", shape=[0, 2**62, 4]), "at most 9223372036854775807 bytes"),
         (_envelope(data="AAECAwQFBgcICQo"), "multiple of 4"),
         (_envelope(data="AAECAwQF!gcICQoL"), "invalid base64"),
         (_envelope(data="AAEC\nAwQFBgcICQoL"[:16]), "invalid base64"),
@@ -150,41 +152,180 @@ def test_claimed_size_is_checked_before_any_allocation():
     assert peak < 64 * 1024
 
 
+_BASE64 = re.compile(rb"(?:[A-Za-z0-9+/]{4})*(?:[A-Za-z0-9+/]{2}==|[A-Za-z0-9+/]{3}=)?")
+_FORMS = {
+    "str": lambda raw: raw.decode("latin-1"),
+    "bytes": bytes,
+    "bytearray": bytearray,
+    "memoryview": memoryview,
+}
+
+
+def _strict_base64(data: object) -> bytes | None:
+    """What padded RFC 4648 base64 without line breaks decodes to; ``None`` for anything else."""
+    if isinstance(data, str):
+        data = data.encode() if data.isascii() else None
+    if not isinstance(data, bytes | bytearray | memoryview):
+        return None
+    return base64.b64decode(data) if _BASE64.fullmatch(data) else None
+
+
+@st.composite
+def mutated_base64(draw) -> bytes:
+    """Base64 of random bytes, often broken: a byte deleted, replaced or inserted, padding
+    added or stripped, whitespace or a newline injected."""
+    encoded = bytearray(base64.b64encode(draw(st.binary(max_size=48))))
+    for _ in range(draw(st.integers(0, 2))):
+        at = draw(st.integers(0, len(encoded)))
+        op = draw(st.sampled_from(["delete", "replace", "insert", "pad", "unpad", "space"]))
+        if op == "delete":
+            del encoded[at : at + 1]
+        elif op == "replace" and at < len(encoded):
+            encoded[at] = draw(st.integers(0, 255))
+        elif op == "insert":
+            encoded.insert(at, draw(st.sampled_from(b"A/+=-_!\xff")))
+        elif op == "pad":
+            encoded += b"=" * draw(st.integers(1, 2))
+        elif op == "unpad":
+            encoded = encoded.rstrip(b"=")
+        elif op == "space":
+            encoded[at:at] = draw(st.sampled_from([b" ", b"\n", b"\r\n", b"\t"]))
+    return bytes(encoded)
+
+
 @SETTINGS
-@given(
-    st.dictionaries(
-        st.sampled_from(["data", "shape", "dtype", "x"]),
-        st.recursive(
-            st.none()
-            | st.booleans()
-            | st.integers(-(2**70), 2**70)
-            | st.floats()
-            | st.text(max_size=12),
-            lambda inner: st.lists(inner, max_size=4),
-            max_leaves=8,
-        ),
+@given(mutated_base64(), st.sampled_from(sorted(_FORMS)), st.none() | st.integers(-2, 2))
+def test_fuzz_decode_base64(raw, form, delta):
+    truth = _strict_base64(raw)
+    size = len(raw) // 4 * 3 if truth is None else len(truth)
+    expected = None if delta is None else max(0, size + delta)
+    data = _FORMS[form](raw)
+    valid = truth is not None and expected in (None, len(truth))
+    event(f"valid={valid}")  # see --hypothesis-show-statistics
+    if not valid:
+        with pytest.raises(R3DataError):
+            decode_base64(data, expected_nbytes=expected)
+        return
+    decoded = decode_base64(data, expected_nbytes=expected)
+    assert isinstance(decoded, bytearray)
+    assert decoded == truth
+
+
+GOOD_DTYPES = [*sorted(ALL_DTYPES), "<u2", "|u1", "<i8", "<f4", "?"]
+BAD_DTYPES = [
+    "object", "O", ">u2", ">f8", "V8", "complex64", "S3", "U2", "M8[s]", "i1,i2", "(2,)i4",
+    "bfloat16", "float128", "", "nope", 5, None, True, ["uint8"],
+]  # fmt: skip
+_HUGE = [2**31, 2**40, 2**62, 2**63, 2**64 + 1]
+
+
+def _truth_or(truth, broken):
+    """``(value, True)`` from ``truth`` three times in four, else ``(value, False)`` from
+    ``broken`` (which may still happen to be valid)."""
+    return st.sampled_from([True, True, True, False]).flatmap(
+        lambda kept: truth.map(lambda v: (v, True)) if kept else broken.map(lambda v: (v, False))
     )
+
+
+def _envelopes_of(array: np.ndarray):
+    encoded = base64.b64encode(array.tobytes())
+    as_bytes = np.frombuffer(array.tobytes(), np.uint8)
+    entry = (
+        st.integers(0, 6)
+        | st.sampled_from(_HUGE)
+        | st.integers(-3, -1)
+        | st.booleans()
+        | st.floats(0, 4)
+    )
+    return st.fixed_dictionaries(
+        {
+            "data": _truth_or(
+                st.sampled_from(sorted(_FORMS)).map(lambda form: _FORMS[form](encoded))
+                | st.just(array),
+                mutated_base64().map(lambda raw: raw.decode("latin-1"))
+                | st.sampled_from(["", "AAAA", "QUJDRA==", "A" * 400])
+                | st.just(as_bytes)
+                | st.integers()
+                | st.none()
+                | st.lists(st.integers(), max_size=3),
+            ),
+            "shape": _truth_or(
+                st.just(list(array.shape)),
+                st.lists(entry, max_size=5)
+                | st.lists(st.integers(0, 6), max_size=3)
+                | st.just([1] * (33 - array.ndim) + list(array.shape))
+                | st.sampled_from(_HUGE).map(lambda n: [*array.shape, n, n])
+                | st.just([{0: False, 1: True}.get(n, float(n)) for n in array.shape])
+                | st.just(tuple(array.shape))
+                | st.text(max_size=4)
+                | st.integers()
+                | st.none(),
+            ),
+            "dtype": _truth_or(
+                st.just(array.dtype.name), st.sampled_from(GOOD_DTYPES + BAD_DTYPES)
+            ),
+        },
+        optional={"start": st.tuples(st.integers(0, 9), st.just(True))},
+    )
+
+
+def _expected_array(envelope: dict) -> np.ndarray | None:
+    """What ``envelope`` decodes to, worked out the slow way; ``None`` if it is invalid."""
+    data, shape, name = envelope["data"], envelope["shape"], envelope["dtype"]
+    if not isinstance(name, str) or name not in GOOD_DTYPES:
+        return None
+    if not isinstance(shape, list | tuple) or len(shape) > 32:
+        return None
+    if not all(type(n) is int and n >= 0 for n in shape):
+        return None
+    dtype = np.dtype(name)
+    if isinstance(data, np.ndarray):
+        return data if data.dtype == dtype and data.shape == tuple(shape) else None
+    decoded = _strict_base64(data)
+    if decoded is None or len(decoded) != math.prod(shape) * dtype.itemsize:
+        return None
+    try:  # numpy cannot shape some empty arrays (huge extents beside a zero)
+        return np.frombuffer(decoded, dtype).reshape(shape)
+    except ValueError:
+        return None
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    hnp.arrays(
+        dtype=st.sampled_from(sorted(ALL_DTYPES)).map(np.dtype),
+        shape=hnp.array_shapes(min_dims=0, max_dims=3, min_side=0, max_side=4),
+    ).flatmap(lambda array: st.tuples(st.just(array), _envelopes_of(array)))
 )
-def test_fuzz_unpack_only_raises_r3data_errors(envelope):
+def test_fuzz_unpack_round_trips_or_raises_r3data_errors(case):
+    array, drawn = case
+    envelope = {key: value for key, (value, _) in drawn.items()}
+    truthful = all(flag for _, flag in drawn.values())
+    expected = _expected_array(envelope)
+    event(f"valid={expected is not None}, truthful={truthful}")
+    data = envelope["data"]
+    budget = 2 * len(data) if isinstance(data, str | bytes | bytearray | memoryview) else 0
     tracemalloc.start()
     try:
-        with contextlib.suppress(R3DataError):
-            unpack_ndarray(envelope)
+        if expected is None:
+            with pytest.raises(R3DataError):
+                unpack_ndarray(envelope)
+        else:
+            decoded, sidecar = unpack_ndarray(envelope)
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
-    assert peak < 256 * 1024
-
-
-@SETTINGS
-@given(st.binary(max_size=64), st.integers(0, 48))
-def test_fuzz_decode_base64(data, expected):
-    try:
-        decoded = decode_base64(data, expected_nbytes=expected)
-    except R3DataError:
+    assert peak < budget + 64 * 1024
+    if expected is None:
+        assert not truthful, "the oracle rejected a truthful envelope"
         return
-    assert len(decoded) == expected
-    assert base64.b64decode(data, validate=True) == decoded
+    assert sidecar == {key: envelope[key] for key in envelope.keys() - {"data", "shape", "dtype"}}
+    assert decoded.dtype == expected.dtype
+    assert decoded.shape == expected.shape
+    assert decoded.tobytes() == expected.tobytes()
+    if truthful:
+        np.testing.assert_array_equal(decoded, array)
+        assert decoded.tobytes() == array.tobytes()
 
 
 @pytest.mark.parametrize(

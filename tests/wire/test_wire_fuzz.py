@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from r3data.errors import R3DataError
-from r3data.wire import load_packed_body, pack_csr, pack_ndarray
+from r3data.wire import ROUTE_DTYPES, load_packed_body, pack_csr, pack_ndarray
 
 FIELDS = ("routed_experts", "sampling_mask")
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -45,26 +45,38 @@ def _check(raw: bytes) -> None:
 
 
 @st.composite
-def valid_bodies(draw) -> bytes:
-    choices = []
+def valid_bodies_and_choices(draw) -> tuple[bytes, list[tuple[str, object]]]:
+    """A body of 1-3 choices, and per choice its kind and what it was built from."""
+    choices, built = [], []
     for _ in range(draw(st.integers(1, 3))):
         rows = draw(st.integers(0, 4))
-        routes = np.arange(rows * 6, dtype=np.uint8).reshape(rows, 3, 2)
+        dtype = draw(st.sampled_from(ROUTE_DTYPES))
+        routes = np.arange(rows * 6, dtype=dtype).reshape(rows, 3, 2)
         kind = draw(st.sampled_from(["envelope", "bare", "null", "mask"]))
         if kind == "envelope":
             choices.append({"routed_experts": pack_ndarray(routes, start=rows), "text": "hi"})
+            built.append((kind, routes))
         elif kind == "bare":
             choices.append({"routed_experts": pack_ndarray(routes)["data"]})
+            built.append((kind, routes))
         elif kind == "null":
             choices.append({"routed_experts": None})
+            built.append((kind, None))
         else:
-            choices.append({"sampling_mask": pack_csr([1, 2, 3], [1, 2])})
-    return orjson.dumps({"choices": choices, "note": '"routed_experts": "QUJD"'})
+            counts = draw(st.lists(st.integers(0, 3), max_size=4))
+            ids = np.arange(sum(counts), dtype=np.int32) * 7
+            choices.append({"sampling_mask": pack_csr(ids, counts)})
+            built.append((kind, (ids, np.array(counts, np.int32))))
+    raw = orjson.dumps({"choices": choices, "note": '"routed_experts": "QUJD"'})
+    return raw, built
+
+
+valid_bodies = valid_bodies_and_choices().map(lambda pair: pair[0])
 
 
 @st.composite
 def mutated_bodies(draw) -> bytes:
-    raw = bytearray(draw(valid_bodies()))
+    raw = bytearray(draw(valid_bodies))
     for _ in range(draw(st.integers(1, 4))):
         at = draw(st.integers(0, len(raw)))
         op = draw(st.sampled_from(["delete", "insert", "replace", "duplicate", "truncate"]))
@@ -134,12 +146,37 @@ def test_lying_envelopes(raw):
     _check(raw)
 
 
+def _little_endian_bytes(array: np.ndarray) -> bytes:
+    return array.astype(array.dtype.newbyteorder("<")).tobytes()
+
+
 @settings(max_examples=30, deadline=None)
-@given(valid_bodies())
-def test_valid_bodies_always_decode(raw):
+@given(valid_bodies_and_choices())
+def test_valid_bodies_always_decode(case):
+    raw, built = case
     parsed = load_packed_body(raw, FIELDS)
-    for choice, original in zip(parsed["choices"], orjson.loads(raw)["choices"], strict=True):
-        if isinstance(original.get("routed_experts"), dict):
-            assert choice["routed_experts"]["data"].shape == tuple(
-                original["routed_experts"]["shape"]
-            )
+    assert parsed["note"] == '"routed_experts": "QUJD"'
+    assert len(parsed["choices"]) == len(built)
+    for choice, (kind, source) in zip(parsed["choices"], built, strict=True):
+        if kind == "envelope":
+            assert choice.keys() == {"routed_experts", "text"}
+            assert choice["text"] == "hi"
+            envelope = choice["routed_experts"]
+            assert envelope.keys() == {"data", "shape", "dtype", "start"}
+            assert envelope["start"] == len(source)
+            assert envelope["data"].dtype == source.dtype
+            np.testing.assert_array_equal(envelope["data"], source)
+            assert envelope["data"].tobytes() == _little_endian_bytes(source)
+        elif kind == "bare":
+            assert type(choice["routed_experts"]) is bytearray
+            assert choice["routed_experts"] == _little_endian_bytes(source)
+        elif kind == "null":
+            assert choice == {"routed_experts": None}
+        else:
+            assert choice["sampling_mask"].keys() == {"ids", "counts"}
+            for member, expected in zip(("ids", "counts"), source, strict=True):
+                envelope = choice["sampling_mask"][member]
+                assert envelope["dtype"] == "int32"
+                assert envelope["shape"] == [len(expected)]
+                assert envelope["data"].dtype == np.int32
+                assert envelope["data"].tobytes() == _little_endian_bytes(expected)

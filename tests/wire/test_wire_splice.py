@@ -12,7 +12,7 @@ import orjson
 import pytest
 
 from r3data.errors import ConfigError, WireFormatError
-from r3data.wire import load_packed_body, pack_csr, pack_ndarray
+from r3data.wire import load_packed_body, pack_csr, pack_ndarray, splice
 
 
 def _routes(seed: int, rows: int = 5, dtype=np.uint8) -> np.ndarray:
@@ -239,13 +239,55 @@ def test_rejects_non_bytes_and_bad_field_names():
         load_packed_body(b"{}", ('a"b',))
 
 
-def test_second_field_is_found_in_the_same_pass():
+class _CountingPattern:
+    """The real compiled key pattern, recording where each search starts and what it found."""
+
+    def __init__(self, pattern: re.Pattern[bytes]) -> None:
+        self.pattern = pattern
+        self.searches: list[tuple[int, bytes | None]] = []
+
+    def search(self, raw: bytes, pos: int) -> re.Match[bytes] | None:
+        match = self.pattern.search(raw, pos)
+        self.searches.append((pos, None if match is None else match.group(1)))
+        return match
+
+
+def _scan_searches(
+    monkeypatch, raw: bytes, fields: tuple[str, ...]
+) -> list[tuple[int, bytes | None]]:
+    """Every key search ``load_packed_body(raw, fields)`` makes, in order."""
+    patterns = []
+    real = splice._key_pattern
+
+    def counting(names):
+        patterns.append(_CountingPattern(real(names)))
+        return patterns[-1]
+
+    with monkeypatch.context() as patch:
+        patch.setattr(splice, "_key_pattern", counting)
+        load_packed_body(raw, fields)
+    assert len(patterns) == 1
+    return patterns[0].searches
+
+
+def test_second_field_is_found_in_the_same_pass(monkeypatch):
     raw = orjson.dumps(TRICKY)
     one = load_packed_body(raw, ("routed_experts",))
     two = load_packed_body(raw, ("routed_experts", "sampling_mask"))
     assert _strip(two["choices"][0]) == _strip(one["choices"][0])
     assert isinstance(one["choices"][4]["sampling_mask"]["ids"]["data"], str)
     assert isinstance(two["choices"][4]["sampling_mask"]["ids"]["data"], np.ndarray)
+
+    single = _scan_searches(monkeypatch, raw, ("routed_experts",))
+    double = _scan_searches(monkeypatch, raw, ("routed_experts", "sampling_mask"))
+    for searches in (single, double):
+        starts = [pos for pos, _ in searches]
+        assert starts == sorted(set(starts)), "a search went back over scanned bytes"
+        assert [found for _, found in searches].count(None) == 1, "more than one sweep"
+        assert searches[-1][1] is None
+    found = [key for _, key in double if key is not None]
+    assert found.count(b"sampling_mask") == raw.count(b'"sampling_mask":') == 2
+    assert len(double) == len(single) + found.count(b"sampling_mask")
 
 
 def test_offsets_in_errors_point_at_the_blob():
