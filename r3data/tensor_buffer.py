@@ -20,15 +20,20 @@ _SIGNED_TWIN = {torch.uint16: torch.int16, torch.uint32: torch.int32, torch.uint
 
 
 def as_tensor(data: torch.Tensor | np.ndarray) -> torch.Tensor:
-    """A tensor sharing ``data``'s memory when it is writable (read-only numpy is copied)."""
+    """A tensor sharing ``data``'s memory when torch can (read-only, reversed or big-endian
+    arrays are copied)."""
     if isinstance(data, torch.Tensor):
         return data
     if not isinstance(data, np.ndarray):
         raise PackedError(f"expected a torch.Tensor or numpy.ndarray, found {type(data).__name__}")
     if data.dtype.kind not in "biuf":
         raise PackedError(f"expected a numeric or bool array, found dtype {data.dtype}")
-    if not data.flags.writeable:
-        data = data.copy()
+    if (
+        not data.flags.writeable
+        or any(stride < 0 for stride in data.strides)
+        or data.dtype.byteorder == ">"
+    ):  # torch takes neither read-only memory, reversed strides nor big-endian data
+        data = np.array(data, dtype=data.dtype.newbyteorder("="))
     return torch.from_numpy(data)
 
 

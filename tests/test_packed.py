@@ -137,6 +137,10 @@ def test_numpy_views_and_from_segments_accept_numpy():
     assert PackedTensor.from_segments(views) == packed
     readonly = np.frombuffer(bytes(8), dtype=np.int32).reshape(2, 1)
     assert PackedTensor.from_segments([readonly]).total_rows == 2
+    reversed_rows = np.arange(6, dtype=np.int32).reshape(3, 2)[::-1]
+    assert PackedTensor.from_segments([reversed_rows])[0].tolist() == [[4, 5], [2, 3], [0, 1]]
+    big_endian = np.arange(3, dtype=">u2")
+    assert PackedTensor.from_lengths(big_endian, [3]).values.tolist() == [0, 1, 2]
 
 
 def test_to_contiguous_and_repr():
