@@ -26,11 +26,9 @@ import torch
 from r3data.benchmarking import CHECKOUT_BENCHMARKS, load_benchmark
 from r3data.cli.bench_plots import write_plots
 from r3data.cli.bench_report import SUMMARY, checks, table
-from r3data.cli.common import progress
+from r3data.cli.common import EXIT_PROBLEMS, progress
 from r3data.errors import ConfigError
 from r3data.parallel import permitted_cpus
-
-EXIT_PROBLEMS = 1
 
 
 def register(commands: argparse._SubParsersAction) -> None:

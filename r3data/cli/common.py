@@ -29,6 +29,9 @@ def _one_line(text: str) -> str:
     return " ".join(str(text).split())
 
 
+EXIT_PROBLEMS = 1
+"""A command ran but found problems (corrupt files, missed targets)."""
+
 REMOTE_TRACEBACK = "Traceback (most recent call last)"
 
 

@@ -5,11 +5,9 @@ from __future__ import annotations
 import argparse
 import json
 
-from r3data.cli.common import count, format_bytes, int_at_least, resolve
+from r3data.cli.common import EXIT_PROBLEMS, count, format_bytes, int_at_least, resolve
 from r3data.errors import ConfigError
 from r3data.payload import gc, verify
-
-EXIT_PROBLEMS = 1
 
 
 def register(commands: argparse._SubParsersAction) -> None:
