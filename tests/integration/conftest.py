@@ -1,0 +1,21 @@
+"""The integration suite: real servers started by the tests themselves.
+
+A real part that cannot be brought up here is a skip with a one-line reason, except under
+``R3DATA_REQUIRE_INTEGRATION=1`` (CI sets it), where it is a failure: a skipped real-server
+suite must not pass CI.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+REQUIRE_ENV = "R3DATA_REQUIRE_INTEGRATION"
+
+
+def unavailable(reason: str) -> None:
+    """Skip (or, when the suite is required, fail) because a real part cannot run: ``reason``."""
+    if os.environ.get(REQUIRE_ENV) == "1":
+        pytest.fail(f"{REQUIRE_ENV}=1 but {reason}", pytrace=False)
+    pytest.skip(reason)
