@@ -1,6 +1,4 @@
-"""The integration suite: real servers started by the tests themselves.
-
-A real part that cannot be brought up here is a skip with a one-line reason, except under
+"""What the integration suite shares: the skip-or-fail rule for real parts.
 ``R3DATA_REQUIRE_INTEGRATION=1`` (CI sets it), where it is a failure: a skipped real-server
 suite must not pass CI.
 """
