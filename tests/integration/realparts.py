@@ -1,4 +1,6 @@
 """What the integration suite shares: the skip-or-fail rule for real parts.
+
+A real part that cannot be brought up here is a skip with a one-line reason, except under
 ``R3DATA_REQUIRE_INTEGRATION=1`` (CI sets it), where it is a failure: a skipped real-server
 suite must not pass CI.
 """
