@@ -10,7 +10,7 @@ STAMP := $(VENV)/.r3data-installed
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet "$(TORCH_SPEC)"
-	$(PY) -m pip install --quiet -e ".[dev,megatron]"
+	$(PY) -m pip install --quiet -e ".[dev,megatron,hf,s3]"
 	touch $(STAMP)
 
 demo: $(STAMP)
