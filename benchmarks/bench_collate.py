@@ -1,7 +1,7 @@
 """Collation: padded rectangle vs packed buffer, one thread vs the shared pool.
 
 Every arm starts from the same decoded per-sample route arrays (what the wire hands over) and
-ends with one batch buffer. The packed arms are r3data's path: ``pack_field`` into buffers a
+ends with one batch buffer. The packed arms are r3data's path: ``fill_field`` into buffers a
 ``BufferPool`` recycles from batch to batch (the steady state of a training loop; the first,
 page-faulting batch is reported separately). The padded arms are what trainers write by hand:
 ``torch.zeros`` of the rectangle, then one copy per sample; a third padded arm gets the same
@@ -24,9 +24,10 @@ import torch
 
 from r3data.benchmarking import time_interleaved, write_report
 from r3data.buffers import BufferPool
-from r3data.nodes.fill import pack_field
+from r3data.nodes.fill import fill_field
 from r3data.parallel import fill_rows, pool_workers
 from r3data.synth import LENGTH_DISTRIBUTIONS, draw_lengths
+from r3data.trace import FieldInfo, StitchedField
 from r3data.wire.rows import InlineRows
 
 RESULTS = Path(__file__).parent / "results" / "bench_collate.json"
@@ -56,21 +57,20 @@ def run_distribution(kind: str, args: argparse.Namespace, rng: np.random.Generat
     lengths = draw_lengths(kind, args.num_sequences, args.max_len, rng)
     row_shape = (args.layers, args.topk)
     arrays = [rng.integers(0, 128, (n, *row_shape), dtype=np.uint8) for n in lengths]
-    pieces = [[InlineRows("routed_experts", a, 0)] for a in arrays]
+    info = FieldInfo(np.dtype(np.uint8), row_shape, ragged=False)
+    pieces = [
+        StitchedField("routed_experts", (InlineRows("routed_experts", a, 0),), info, len(a))
+        for a in arrays
+    ]
     real_bytes = int(sum(a.nbytes for a in arrays))
     threads = pool_workers()
 
     pool, padded_pool = BufferPool(), BufferPool()
 
     def packed(workers: int):
-        return pack_field(
-            "routed_experts",
-            pieces,
-            row_shape=row_shape,
-            dtype=np.uint8,
-            workers=workers,
-            pool=pool,
-        )
+        return fill_field(
+            "routed_experts", pieces, dtype=np.dtype(np.uint8), workers=workers, pool=pool
+        ).values
 
     cold = time.perf_counter()
     result = packed(threads)

@@ -1,7 +1,8 @@
 """``TensorBatch``: named fields of one batch of B samples.
 
 Each field is a ``torch.Tensor`` whose first dimension is B, a ``PackedTensor`` with B
-segments, or a list of B Python objects (ids, metadata per sample). Every operation keeps the
+segments, a ``PackedRagged`` (ragged rows: sampling masks) with B samples, or a list of B
+Python objects (ids, metadata per sample). Every operation keeps the
 fields aligned: selecting samples selects them in every field.
 """
 
@@ -15,13 +16,15 @@ import torch
 
 from r3data.errors import PackedError
 from r3data.packed import PackedTensor, check_count, pick_indices
+from r3data.packed_ragged import PackedRagged
 from r3data.tensor_buffer import bit_view, rebuild_tensor, tensor_buffer
 
-Field = torch.Tensor | PackedTensor | list
+Field = torch.Tensor | PackedTensor | PackedRagged | list
+_PACKED = (PackedTensor, PackedRagged)
 
 
 def _field_size(name: str, value: Field) -> int:
-    if isinstance(value, PackedTensor):
+    if isinstance(value, _PACKED):
         return len(value)
     if isinstance(value, torch.Tensor):
         if value.dim() == 0:
@@ -30,12 +33,13 @@ def _field_size(name: str, value: Field) -> int:
     if isinstance(value, list):
         return len(value)
     raise PackedError(
-        f"field {name!r} must be a torch.Tensor, PackedTensor or list, found {type(value).__name__}"
+        f"field {name!r} must be a torch.Tensor, PackedTensor, PackedRagged or list, found "
+        f"{type(value).__name__}"
     )
 
 
 def _pick(value: Field, picks: np.ndarray) -> Field:
-    if isinstance(value, PackedTensor):
+    if isinstance(value, _PACKED):
         return value.gather(picks)
     if isinstance(value, torch.Tensor):
         index = torch.from_numpy(picks).to(value.device, non_blocking=True)
@@ -219,8 +223,8 @@ def _cat(values: list[Field], name: str) -> Field:
             f"cat: field {name!r} must have one kind, found {sorted(k.__name__ for k in kinds)}"
         )
     first = values[0]
-    if isinstance(first, PackedTensor):
-        return PackedTensor.cat(values)
+    if isinstance(first, _PACKED):
+        return type(first).cat(values)
     if isinstance(first, torch.Tensor):
         for i, v in enumerate(values):
             if (v.dtype, v.shape[1:], v.device) != (first.dtype, first.shape[1:], first.device):
@@ -244,6 +248,8 @@ def _field_equal(a: Field, b: Field) -> bool:
 def _describe(value: Field) -> str:
     if isinstance(value, PackedTensor):
         return f"packed rows={value.total_rows} row_shape={value.row_shape} dtype={value.dtype}"
+    if isinstance(value, PackedRagged):
+        return f"ragged rows={value.total_rows} values={value.values.shape[0]} dtype={value.dtype}"
     if isinstance(value, torch.Tensor):
         return f"tensor shape={tuple(value.shape)} dtype={value.dtype}"
     return f"list[{len(value)}]"

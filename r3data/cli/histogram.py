@@ -8,8 +8,8 @@ from typing import Any
 import numpy as np
 
 from r3data.cli.common import count
+from r3data.nodes.screen import dense_layers
 from r3data.synth.expert_load import expert_load
-from r3data.wire import dense_layers
 
 __all__ = ["load_summary", "render_histogram"]
 

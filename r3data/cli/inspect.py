@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import json
 import posixpath
-import warnings
 from dataclasses import replace
 from typing import Any
 
@@ -15,12 +14,13 @@ from fsspec import AbstractFileSystem
 from r3data.cli.common import count, format_bytes, int_at_least, render_table, resolve
 from r3data.cli.histogram import load_summary, render_histogram
 from r3data.errors import ConfigError, PayloadError, PayloadFormatError, WireFormatError
+from r3data.nodes.screen import ScreenOptions, dense_layers, screen_rows
 from r3data.parallel import fill_rows, io_workers
 from r3data.payload import MAGIC, PayloadReader, PayloadSegment
 from r3data.payload import inspect as inspect_file
 from r3data.synth import MODEL_SHAPES
 from r3data.wire import (
-    InlineRows,
+    RowSource,
     load_packed_body,
     primerl_routes,
     primerl_sampling_mask,
@@ -28,6 +28,7 @@ from r3data.wire import (
     skyrl_routes,
     vllm_routes,
 )
+from r3data.wire.blob import Blob
 
 PRODUCERS = ("vllm", "sglang", "prime-rl", "skyrl")
 BODY_FIELDS = ("routed_experts", "sampling_mask")
@@ -175,7 +176,7 @@ def _detect(parsed: Any) -> str:
     choices = parsed.get("choices") if isinstance(parsed, dict) else None
     if isinstance(choices, list) and choices and isinstance(choices[0], dict):
         routes = choices[0].get("routed_experts")
-        if isinstance(routes, (bytes, bytearray, str)):
+        if isinstance(routes, (Blob, bytes, bytearray, str)):
             return "vllm"
         if isinstance(routes, dict) or choices[0].get("payload") is not None:
             return "prime-rl"
@@ -209,17 +210,17 @@ def _handles(parsed: Any) -> list[dict[str, Any]]:
     ]
 
 
-def _decode(producer: str, parsed: Any, args: argparse.Namespace) -> list[InlineRows]:
+def _decode(producer: str, parsed: Any, args: argparse.Namespace) -> list[RowSource]:
     if producer == "vllm":
-        return vllm_routes(parsed, on_zero="warn")
+        return vllm_routes(parsed)
     if producer == "sglang":
-        return sglang_routes(parsed, on_zero="warn", **_sglang_shape(args))
+        return sglang_routes(parsed, **_sglang_shape(args))
     if producer == "skyrl":
-        return skyrl_routes(parsed, on_zero="warn")
+        return skyrl_routes(parsed)
     choices = parsed.get("choices", []) if isinstance(parsed, dict) else []
     if not any(isinstance(c, dict) and c.get("routed_experts") is not None for c in choices):
         return []
-    return primerl_routes(parsed, on_zero="warn")
+    return primerl_routes(parsed)
 
 
 def _masks(parsed: Any) -> list[dict[str, Any]]:
@@ -233,26 +234,47 @@ def _masks(parsed: Any) -> list[dict[str, Any]]:
     return [_rows_summary(r) for r in rows]
 
 
-def _rows_summary(rows: InlineRows) -> dict[str, Any]:
+def _rows_summary(rows: RowSource) -> dict[str, Any]:
     meta = {k: v for k, v in rows.meta.items() if k != "sidecar"}
-    return {
+    summary = {
         "field": rows.field,
         "pos": rows.pos,
         "end": rows.end,
         "rows": rows.rows,
         "row_shape": list(rows.row_shape),
-        "dtype": rows.array.dtype.name,
-        "nbytes": rows.array.nbytes,
+        "dtype": rows.dtype.name,
+        "nbytes": rows.nbytes,
         **{k: list(v) if isinstance(v, tuple) else v for k, v in meta.items()},
     }
+    if not rows.ragged:
+        summary["dense_layers"] = list(dense_layers(rows.array))
+    return summary
+
+
+def _screened(rows: RowSource) -> list[str]:
+    """What the loader's screen would find missing in decoded routes, in words."""
+    flags = screen_rows(rows.array, ScreenOptions())
+    what = getattr(rows, "what", f"field {rows.field!r}")
+    found = []
+    if flags.zero is not None:
+        zero = int(flags.zero.sum())
+        scope = f"all {zero}" if zero == rows.rows else f"{zero} of {rows.rows}"
+        found.append(
+            f"{what}: {scope} route rows are zero in every layer (a known engine bug); the "
+            f"loader treats them as missing"
+        )
+    if flags.negative is not None:
+        found.append(
+            f"{what}: {int(flags.negative.sum())} route rows hold negative ids (no route); "
+            f"the loader treats them as missing"
+        )
+    return found
 
 
 def _response(raw: bytes, args: argparse.Namespace) -> dict[str, Any]:
-    parsed = load_packed_body(raw, BODY_FIELDS)
+    parsed = load_packed_body(raw, BODY_FIELDS, decode=False)
     producer = args.producer or _detect(parsed)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        rows = _decode(producer, parsed, args)
+    rows = _decode(producer, parsed, args)
     experts = MODEL_SHAPES[args.model_shape].num_experts if args.model_shape else None
     return {
         "kind": "response",
@@ -262,7 +284,7 @@ def _response(raw: bytes, args: argparse.Namespace) -> dict[str, Any]:
         "routes": [_rows_summary(r) for r in rows],
         "handles": _handles(parsed),
         "sampling_masks": _masks(parsed),
-        "warnings": [str(w.message) for w in caught],
+        "warnings": [w for r in rows for w in _screened(r)],
         "expert_load": load_summary([r.array for r in rows], experts),
     }
 

@@ -1,126 +1,605 @@
-"""Fill one packed field of a batch: allocate the final buffer once, copy each piece into it.
+"""The one fill: a batch's stitched fields written into their final buffers in one pass.
 
-Inline pieces are one ``memcpy`` each from the decoded wire array; by-handle pieces are read
-straight into their slice of the buffer. Samples fill in parallel on the shared pool.
+For each field the pieces of every sample's plan (:func:`r3data.trace.stitch`) are executed
+once, in parallel on the shared pool, into one buffer allocated at its final size:
+
+- inline rows are copied, base64 rows decoded straight into their slice (through a cache-sized
+  bounce), by-handle rows read straight into it: one read plan for the batch, every file
+  opened once, adjacent ranges of a file in one ``preadv``, checksummed chunk by chunk;
+- route rows are screened (:mod:`r3data.nodes.screen`) while still in cache: a large piece
+  chunk by chunk as it lands, small pieces together in one pass over their rows;
+- placeholders are written last, in a few vectorised assignments for the whole batch;
+- rows the screen finds missing are a gap, handled by ``on_gap`` as stitching handles one.
+
+Ragged fields (sampling masks) are filled the same way into CSR: values and row offsets.
+Nothing sized by an untrusted claim is allocated before the claim is checked against its
+file's size.
 """
 
 from __future__ import annotations
 
+import math
+import threading
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from r3data.buffers import BufferPool, empty_rows
-from r3data.errors import SegmentError
-from r3data.packed import PackedTensor
-from r3data.parallel import fill_rows, io_workers, pool_workers
-from r3data.payload.reader import PayloadReader
+from r3data.errors import SegmentError, TraceError, TraceGapError
+from r3data.nodes.screen import ScreenOptions, screen_rows
+from r3data.packed import PackedTensor, aranges
+from r3data.packed_ragged import PackedRagged
+from r3data.parallel import fill_rows, pool_workers
+from r3data.payload.reader import PayloadReader, RangeRead, values_range
 from r3data.payload.segment import PayloadSegment
-from r3data.trace import check_expert_ids
-from r3data.wire.rows import InlineRows
+from r3data.ragged import RaggedRows
+from r3data.spans import format_spans, merge
+from r3data.trace.stitch import OnGap, PlaceholderRows, StitchedField, StitchStats, distinct_row
+from r3data.wire.rows import EncodedRows, InlineRows
 
-Piece = InlineRows | PayloadSegment
-HandleCheck = Callable[[int, PayloadSegment, np.ndarray], None]
-"""``check(sample, segment, rows)`` validates (and may repair) rows read by handle; inline
-rows were checked when their trace was built."""
+__all__ = ["MAX_BUFFER_BYTES", "FilledField", "fill_field", "materialize", "torch_dtype"]
 
+MAX_BUFFER_BYTES = 1 << 40
+"""No field's buffer is larger than this (1 TiB): a claim above it is refused unread."""
 
-def _casting(id_limit: int | None) -> str:
-    return "safe" if id_limit is None else "unsafe"  # unsafe: only after the ids were checked
+_SMALL = 256 << 10
+"""Pieces below this many bytes are screened together after the fill, not one by one."""
+_JOB_BYTES = 4 << 20
+"""Inline pieces are cut into jobs of about this many bytes (parallel, cache-friendly)."""
 
 
 def torch_dtype(dtype: np.dtype) -> torch.dtype:
     return torch.from_numpy(np.empty(0, dtype=dtype)).dtype
 
 
-def _fill_sample(
-    field: str,
-    sample: int,
-    pieces: Sequence[Piece],
-    out: np.ndarray,
-    reader: PayloadReader | None,
-    check: HandleCheck | None,
-    id_limit: int | None,
-) -> None:
-    """Copy or read ``pieces`` back to back into ``out`` (one sample's slice)."""
-    cursor = 0
-    direct: list[tuple[list[PayloadSegment], np.ndarray]] = []
-    widened: list[tuple[PayloadSegment, np.ndarray]] = []
-    for piece in pieces:
-        if piece.row_shape != out.shape[1:]:
-            raise SegmentError(
-                f"field {field!r}: expected rows of shape {out.shape[1:]}, found "
-                f"{piece.row_shape} at position {piece.pos}"
-            )
-        target = out[cursor : cursor + piece.rows]
-        cursor += piece.rows
-        if isinstance(piece, InlineRows):
-            if id_limit is not None and piece.array.dtype != out.dtype:
-                check_expert_ids(
-                    piece.array, id_limit, trace_id="inline", field=field, pos=piece.pos
+@dataclass
+class FilledField:
+    """One field of a batch: its values, which rows are engine rows, and what the screen
+    changed (a statistics delta, samples to drop, warnings)."""
+
+    values: PackedTensor | PackedRagged
+    valid: np.ndarray
+    stats: StitchStats = field(default_factory=StitchStats)
+    dropped: list[int] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class _Placed:
+    """A piece placed at batch rows ``[lo, lo + piece.rows)`` of sample ``sample``."""
+
+    piece: InlineRows | EncodedRows | PayloadSegment
+    lo: int
+    sample: int
+    real: bool
+
+    def position(self, row: int) -> int:
+        """The token position of batch row ``row`` (inside this piece)."""
+        return self.piece.pos + row - self.lo
+
+    def where(self) -> str:
+        return f" in file {self.piece.file}" if type(self.piece) is PayloadSegment else ""
+
+
+class _Flags:
+    """Rows the screen flagged, gathered from every thread."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.missing: list[np.ndarray] = []
+        self.zero = 0
+        self.negative = 0
+
+    def add(self, rows: np.ndarray, zero: int, negative: int) -> None:
+        with self.lock:
+            self.missing.append(rows)
+            self.zero += zero
+            self.negative += negative
+
+
+class _FixedFill:
+    """The fill of one fixed-width field (see the module docstring): plan, allocate, run,
+    finish."""
+
+    def __init__(
+        self,
+        name: str,
+        fields: Sequence[StitchedField],
+        row_shape: tuple[int, ...],
+        dtype: np.dtype,
+        reader: PayloadReader | None,
+        screen: ScreenOptions | None,
+    ) -> None:
+        self.name = name
+        self.fields = fields
+        self.row_shape = row_shape
+        self.dtype = dtype
+        self.reader = reader
+        self.screen = screen
+        self.row_bytes = dtype.itemsize * math.prod(row_shape)
+        lengths = np.array([sum(p.rows for p in f.pieces) for f in fields], dtype=np.int64)
+        self.offsets = np.zeros(len(fields) + 1, np.int64)
+        np.cumsum(lengths, out=self.offsets[1:])
+        self.out: np.ndarray = np.empty((0, *row_shape), dtype)
+        self.flags = _Flags()
+        self.placed: list[_Placed] = []
+        self.rows: list[int] = []
+        """Rows of every piece, in batch order (they tile the buffer)."""
+        self.real: list[bool] = []
+        """Whether each piece is engine rows (else a placeholder)."""
+        self.placeholders: dict[str, list[tuple[int, int]]] = {
+            "repeat_previous": [],
+            "distinct": [],
+            "fill": [],
+        }
+        self.small: list[_Placed] = []
+        self.staged: list[tuple[_Placed, np.ndarray]] = []
+
+    # --- planning -----------------------------------------------------------------------------
+
+    def plan(self) -> dict[int, int]:
+        """Place every piece at its batch rows; returns the by-handle ones (``id`` of the
+        segment -> the sample it is in), to check before allocating."""
+        handles: dict[int, int] = {}
+        for sample, stitched in enumerate(self.fields):
+            lo = int(self.offsets[sample])
+            for piece in stitched.pieces:
+                self.rows.append(piece.rows)
+                self.real.append(type(piece) is not PlaceholderRows)
+                if type(piece) is PlaceholderRows:
+                    self.placeholders[piece.kind].append((lo, piece.rows))
+                    if piece.source is not None:  # the one row it repeats comes first
+                        self.placed.append(_Placed(piece.source, lo, sample, real=False))
+                else:
+                    if piece.row_shape != self.row_shape:
+                        raise _at(
+                            SegmentError(
+                                f"field {self.name!r}: expected rows of shape {self.row_shape}, "
+                                f"found {piece.row_shape} at position {piece.pos}"
+                            ),
+                            sample,
+                        )
+                    self.placed.append(_Placed(piece, lo, sample, real=True))
+                lo += piece.rows
+        for placed in self.placed:
+            if type(placed.piece) is PayloadSegment:
+                if self.reader is None:
+                    raise _at(
+                        SegmentError(
+                            f"field {self.name!r}: a by-handle piece needs a payload reader"
+                        ),
+                        placed.sample,
+                    )
+                handles.setdefault(id(placed.piece), placed.sample)
+        return handles
+
+    def jobs(self) -> list[Callable[[], None]]:
+        """The fill's work, bound to the allocated buffer :attr:`out`: file reads first."""
+        ranges: list[RangeRead] = []
+        jobs: list[Callable[[], None]] = []
+        for placed in self.placed:
+            piece, rows = placed.piece, placed.piece.rows
+            if rows == 0:
+                continue
+            same = np.dtype(piece.dtype) == self.dtype
+            big = self.screen is not None and rows * self.row_bytes >= _SMALL
+            if not same:  # a turn of another dtype: staged, screened, then converted
+                staged = np.empty((rows, *self.row_shape), piece.dtype)
+                self.staged.append((placed, staged))
+                dest = staged
+            else:
+                dest = self.out[placed.lo : placed.lo + rows]
+                if not big:
+                    self.small.append(placed)
+            sink = _Sink(self, placed) if same and big else None
+            if type(piece) is PayloadSegment:
+                ranges.append(
+                    RangeRead(
+                        piece,
+                        piece.offset,
+                        piece.nbytes,
+                        memoryview(dest.reshape(-1).view(np.uint8)),
+                        piece.crc32c,
+                        on_bytes=None if sink is None else sink.advance,
+                    )
                 )
-            np.copyto(target, piece.array, casting=_casting(id_limit))
-        elif reader is None:
-            raise SegmentError(f"field {field!r}: a by-handle piece needs a payload reader")
-        elif np.dtype(piece.dtype) == out.dtype:
-            direct.append(([piece], target))
-        else:  # a turn of another dtype than the batch: read, check, then convert
-            widened.append((piece, target))
-    if reader is None:
-        return
-    staged = [np.empty((p.rows, *out.shape[1:]), dtype=p.dtype) for p, _ in widened]
-    reader.read_many(direct + [([p], s) for (p, _), s in zip(widened, staged, strict=True)])
-    if check is not None:
-        for segments, target in direct:
-            check(sample, segments[0], target)
-        for (segment, _), array in zip(widened, staged, strict=True):
-            check(sample, segment, array)
-    for (_, target), array in zip(widened, staged, strict=True):
-        np.copyto(target, array, casting=_casting(id_limit))
+                continue
+            step = max(1, _JOB_BYTES // max(self.row_bytes, 1))
+            for first in range(0, rows, step):
+                stop = min(first + step, rows)
+                part = piece.clipped(piece.pos + first, piece.pos + stop)
+                target = dest[first:stop]
+                jobs.append(
+                    lambda part=part, target=target, placed=placed, first=first, big=sink: (
+                        self._copy(part, target, placed, first, big is not None)
+                    )
+                )
+        if ranges:
+            jobs = self.reader.file_jobs(ranges) + jobs
+        return jobs
+
+    # --- execution ----------------------------------------------------------------------------
+
+    def _copy(
+        self,
+        part: InlineRows | EncodedRows,
+        dest: np.ndarray,
+        placed: _Placed,
+        first: int,
+        screened: bool,
+    ) -> None:
+        sink = _Sink(self, placed, first) if screened else None
+        try:
+            if type(part) is EncodedRows:
+                part.decode_into(dest, None if sink is None else sink.advance)
+            else:
+                np.copyto(dest, part.array)
+                if sink is not None:
+                    sink.advance(dest.nbytes)
+        except Exception as exc:
+            raise _at(exc, placed.sample) from None
+
+    def convert_staged(self) -> None:
+        """Screen rows that arrived in another dtype, then convert them into the buffer
+        (narrowing only once their ids were screened against ``num_experts``)."""
+        narrowing = self.screen is not None and self.screen.num_experts is not None
+        for placed, staged in self.staged:
+            try:
+                self.check(staged, placed)
+                dest = self.out[placed.lo : placed.lo + placed.piece.rows]
+                np.copyto(dest, staged, casting="unsafe" if narrowing else "safe")
+            except Exception as exc:
+                raise _at(exc, placed.sample) from None
+
+    # --- screening ----------------------------------------------------------------------------
+
+    def check(self, rows: np.ndarray, placed: _Placed, first: int = 0) -> None:
+        """Screen ``rows``, the rows of ``placed`` from its row ``first``: refuse what the
+        options refuse, remember what is missing."""
+        if self.screen is None:
+            return
+        flags = screen_rows(rows, self.screen)
+        if flags.too_large is not None:
+            row, entry, value = flags.too_large
+            layer = entry // self.row_shape[-1] if len(self.row_shape) > 1 else 0
+            raise _at(
+                TraceError(
+                    f"field {self.name!r}{placed.where()}: expected expert ids in "
+                    f"[0, {self.screen.num_experts}), found {value} at position "
+                    f"{placed.piece.pos + first + row} (layer {layer})"
+                ),
+                placed.sample,
+            )
+        zero, negative = flags.zero, flags.negative
+        if zero is None and negative is None:
+            return
+        if zero is not None and self.screen.zero_rows == "raise":
+            at = placed.piece.pos + first + np.flatnonzero(zero)
+            raise _at(
+                TraceError(
+                    f"field {self.name!r}{placed.where()}: route rows at positions "
+                    f"{at[:8].tolist()} are zero in every layer (an engine bug)"
+                ),
+                placed.sample,
+            )
+        if zero is None:
+            bad = negative
+        elif negative is None:
+            bad = zero
+        else:
+            bad = zero | negative
+        self.flags.add(
+            placed.lo + first + np.flatnonzero(bad),
+            0 if zero is None else int(zero.sum()),
+            0 if negative is None else int(negative.sum()),
+        )
+
+    def screen_small(self) -> None:
+        """Screen the small pieces together, one pass per run of adjacent batch rows; only a
+        run with a finding is screened again piece by piece, for exact positions (the
+        placeholder rows between pieces are screened too, and ignored)."""
+        if not self.small or self.screen is None:
+            return
+        order = sorted(self.small, key=lambda p: p.lo)
+        starts = np.array([p.lo for p in order], np.int64)
+        for lo, hi in merge((p.lo, p.lo + p.piece.rows) for p in order):
+            flags = screen_rows(self.out[lo:hi], self.screen)
+            if flags.zero is None and flags.negative is None and flags.too_large is None:
+                continue
+            for placed in order[
+                int(np.searchsorted(starts, lo)) : int(np.searchsorted(starts, hi))
+            ]:
+                self.check(self.out[placed.lo : placed.lo + placed.piece.rows], placed)
+
+    # --- after the fill -----------------------------------------------------------------------
+
+    def finish(self, topk: int | None, on_gap: OnGap, sample_ids: Sequence[str]) -> FilledField:
+        """Placeholders, and ``on_gap`` for rows the screen found missing."""
+        valid = np.repeat(np.array(self.real, bool), np.array(self.rows, np.int64))
+        filled = FilledField(values=None, valid=valid)  # type: ignore[arg-type]
+        drop_routes: list[int] = []
+        if self.flags.missing:
+            missing = np.unique(np.concatenate(self.flags.missing))
+            fake = missing[~valid[missing]]  # a placeholder's source row: never replayed
+            if fake.size:
+                self.out[fake] = self._distinct(topk)
+            real = missing[valid[missing]]
+            if real.size:
+                drop_routes = self._gaps(real, on_gap, sample_ids, filled)
+        self._placeholders(topk)
+        for sample in drop_routes:
+            lo, hi = int(self.offsets[sample]), int(self.offsets[sample + 1])
+            self.out[lo:hi] = self._distinct(topk)
+            valid[lo:hi] = False
+        return filled
+
+    def _distinct(self, topk: int | None) -> np.ndarray:
+        return distinct_row(self.row_shape, self.dtype, topk)
+
+    def _gaps(
+        self, rows: np.ndarray, on_gap: OnGap, sample_ids: Sequence[str], filled: FilledField
+    ) -> list[int]:
+        """Apply ``on_gap`` to the samples whose engine rows the screen found missing."""
+        samples = np.searchsorted(self.offsets, rows, "right") - 1
+        drop: list[int] = []
+        for sample in np.unique(samples).tolist():
+            lo, hi = int(self.offsets[sample]), int(self.offsets[sample + 1])
+            at = rows[samples == sample]
+            message = (
+                f"sample {sample_ids[sample]!r} field {self.name!r}: {at.size} route rows at "
+                f"positions {format_spans(_spans(self._positions(sample, at)))} are missing "
+                f"(zero in every layer, an engine bug, or holding a negative id: no route)"
+            )
+            if on_gap == "raise":
+                raise _at(TraceGapError(message), sample)
+            if on_gap == "drop_sample":
+                filled.dropped.append(sample)
+                filled.warnings.append(f"{message}; sample dropped")
+                continue
+            captured = int(filled.valid[lo:hi].sum())
+            drop.append(sample)
+            filled.warnings.append(f"{message}; every row of {self.name!r} is a placeholder")
+            filled.stats += StitchStats(
+                rows_captured=-captured,
+                placeholders=captured,
+                gaps=1,
+                rows_dropped=captured - at.size,
+                rows_missing=at.size,
+            )
+        return drop
+
+    def _positions(self, sample: int, rows: np.ndarray) -> np.ndarray:
+        """Token positions of batch rows of ``sample``, from its pieces."""
+        lo = int(self.offsets[sample])
+        starts, firsts = [], []
+        for piece in self.fields[sample].pieces:
+            starts.append(lo)
+            firsts.append(piece.pos)
+            lo += piece.rows
+        index = np.searchsorted(np.array(starts), rows, "right") - 1
+        return np.array(firsts, np.int64)[index] + rows - np.array(starts, np.int64)[index]
+
+    def _placeholders(self, topk: int | None) -> None:
+        repeat = self.placeholders["repeat_previous"]
+        if repeat:
+            los, counts = np.array(repeat, np.int64).T
+            more = counts - 1
+            if more.sum():
+                self.out[aranges(los + 1, more)] = self.out[np.repeat(los, more)]
+        for kind in ("distinct", "fill"):
+            spans = self.placeholders[kind]
+            if spans:
+                los, counts = np.array(spans, np.int64).T
+                self.out[aranges(los, counts)] = 0 if kind == "fill" else self._distinct(topk)
 
 
-def pack_field(
-    field: str,
-    pieces: Sequence[Sequence[Piece]],
+class _Sink:
+    """Screens a large piece's rows as its bytes land, chunk by chunk; ``first`` is the row of
+    the piece its destination starts at."""
+
+    __slots__ = ("fill", "first", "placed", "screened")
+
+    def __init__(self, fill: _FixedFill, placed: _Placed, first: int = 0) -> None:
+        self.fill, self.placed, self.first, self.screened = fill, placed, first, 0
+
+    def advance(self, done: int) -> None:
+        rows = done // self.fill.row_bytes
+        if rows > self.screened:
+            lo = self.placed.lo + self.first
+            self.fill.check(
+                self.fill.out[lo + self.screened : lo + rows],
+                self.placed,
+                self.first + self.screened,
+            )
+            self.screened = rows
+
+
+def _spans(positions: np.ndarray) -> list[tuple[int, int]]:
+    return merge((int(p), int(p) + 1) for p in positions)
+
+
+def _at(exc: Exception, sample: int) -> Exception:
+    """``exc`` tagged with the batch index of the sample it happened in."""
+    exc.r3data_index = sample  # type: ignore[attr-defined]
+    return exc
+
+
+def _check_sizes(
+    reader: PayloadReader, segments: list[PayloadSegment], samples: dict[int, int]
+) -> None:
+    """``reader.check_sizes``; a failure names the sample of the segment that failed."""
+    try:
+        reader.check_sizes(segments)
+    except Exception as exc:
+        failed = getattr(exc, "r3data_segment", None)
+        if failed is not None and id(failed) in samples:
+            _at(exc, samples[id(failed)])
+        raise
+
+
+def _allocate(
+    shape: tuple[int, ...],
+    dtype: np.dtype,
     *,
-    row_shape: Sequence[int],
+    name: str,
+    pin_memory: bool,
+    pool: BufferPool | None,
+) -> torch.Tensor:
+    nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes > MAX_BUFFER_BYTES:
+        raise SegmentError(
+            f"field {name!r}: its rows would take {nbytes} bytes ({list(shape)} of {dtype}), "
+            f"more than the {MAX_BUFFER_BYTES} any batch buffer may"
+        )
+    return empty_rows(shape, torch_dtype(dtype), pin_memory=pin_memory, pool=pool)
+
+
+def fill_field(
+    name: str,
+    fields: Sequence[StitchedField],
+    *,
     dtype: np.dtype,
     reader: PayloadReader | None = None,
+    screen: ScreenOptions | None = None,
+    on_gap: OnGap = "drop_routes",
+    sample_ids: Sequence[str] | None = None,
     workers: int | None = None,
     pin_memory: bool = False,
     pool: BufferPool | None = None,
-    check: HandleCheck | None = None,
-    id_limit: int | None = None,
-) -> PackedTensor:
-    """One ``PackedTensor`` whose segment i holds sample i's pieces back to back.
+) -> FilledField:
+    """Fill one field of a batch from every sample's stitched ``fields`` (one per sample).
 
-    ``reader`` reads by-handle pieces straight into the buffer and ``check`` validates what
-    it read. The buffer comes from ``pool`` when given (a recycled buffer fills at memcpy
-    speed). With ``id_limit``, pieces of another dtype than ``dtype`` are narrowed once their
-    ids are known to be below it (inline pieces are checked here, by-handle ones by
-    ``check``). Failures carry the sample index (``exc.r3data_index``). ``workers`` defaults
-    to the I/O worker count when any piece is by handle, else to the CPU worker count.
+    ``screen`` (route fields) screens every engine row; ``dtype`` is the buffer's (pieces of
+    another dtype are converted, narrowing only after their ids were screened against
+    ``num_experts``). Failures carry the sample's batch index (``exc.r3data_index``).
     """
-    lengths = np.array([sum(p.rows for p in sample) for sample in pieces], dtype=np.int64)
-    offsets = np.concatenate(([0], np.cumsum(lengths)))
-    shape = (int(offsets[-1]), *row_shape)
-    values = empty_rows(shape, torch_dtype(np.dtype(dtype)), pin_memory=pin_memory, pool=pool)
+    ids = sample_ids if sample_ids is not None else [str(i) for i in range(len(fields))]
+    workers = pool_workers() if workers is None else workers
+    if fields and fields[0].ragged:
+        return _fill_ragged(name, fields, dtype, reader, workers, pin_memory, pool)
+    row_shapes = {f.row_shape for f in fields}
+    if len(row_shapes) > 1:
+        raise SegmentError(
+            f"field {name!r}: every sample of a batch needs the same row shape, found "
+            f"{sorted(row_shapes)} in samples {list(ids)}"
+        )
+    fill = _FixedFill(name, fields, row_shapes.pop() if row_shapes else (), dtype, reader, screen)
+    handles = fill.plan()
+    if handles:  # claims are checked against the files before anything is allocated
+        _check_sizes(reader, [p.piece for p in fill.placed if id(p.piece) in handles], handles)
+    shape = (int(fill.offsets[-1]), *fill.row_shape)
+    values = _allocate(shape, dtype, name=name, pin_memory=pin_memory, pool=pool)
+    fill.out = values.numpy()
+    jobs = fill.jobs()
+    fill_rows(lambda i: jobs[i](), len(jobs), workers)
+    fill.convert_staged()
+    fill.screen_small()
+    filled = fill.finish(fields[0].topk if fields else None, on_gap, ids)
+    filled.values = PackedTensor(values, fill.offsets)
+    return filled
+
+
+def _fill_ragged(
+    name: str,
+    fields: Sequence[StitchedField],
+    dtype: np.dtype,
+    reader: PayloadReader | None,
+    workers: int,
+    pin_memory: bool,
+    pool: BufferPool | None,
+) -> FilledField:
+    """Ragged rows into CSR: the row lengths first (index tables and padded rows are read for
+    them), then every value once into one buffer."""
+    pieces = [(sample, piece) for sample, f in enumerate(fields) for piece in f.pieces]
+    handles = {id(p): sample for sample, p in pieces if type(p) is PayloadSegment}
+    if handles:
+        if reader is None:
+            raise SegmentError(f"field {name!r}: a by-handle piece needs a payload reader")
+        _check_sizes(reader, [p for _, p in pieces if id(p) in handles], handles)
+    first: list[RangeRead] = []  # index tables (ragged) or the rows themselves (padded)
+    for _, piece in pieces:
+        if type(piece) is PayloadSegment and piece.rows:
+            where = (piece.index, piece.nbytes) if piece.ragged else (piece.offset, piece.nbytes)
+            first.append(RangeRead(piece, *where, crc=None if piece.ragged else piece.crc32c))
+    if first:
+        reader.read_ranges(first)
+    runs: list[RaggedRows | RangeRead | int] = []  # per piece: its rows, a values range, or empty
+    tables = iter(first)
+    for _, piece in pieces:
+        if type(piece) is PlaceholderRows:
+            runs.append(piece.rows)
+        elif type(piece) is PayloadSegment:
+            if not piece.rows:
+                runs.append(0)
+            elif piece.ragged:
+                runs.append(next(tables))
+            else:
+                padded = next(tables).array().view(piece.dtype).reshape(piece.rows, *piece.shape)
+                runs.append(RaggedRows.from_padded(padded, what=f"{piece.file} {name!r}"))
+        else:
+            runs.append(piece.array)
+    lengths: list[np.ndarray] = []
+    reads: list[tuple[RangeRead, np.ndarray]] = []
+    for i, run in enumerate(runs):
+        if isinstance(run, int):
+            lengths.append(np.zeros(run, np.int64))
+        elif isinstance(run, RaggedRows):
+            lengths.append(run.lengths)
+        else:
+            values, index = values_range(run)
+            reads.append((values, index))
+            runs[i] = values
+            lengths.append(np.diff(index))
+    row_lengths = np.concatenate(lengths) if lengths else np.zeros(0, np.int64)
+    row_offsets = np.zeros(row_lengths.size + 1, np.int64)
+    np.cumsum(row_lengths, out=row_offsets[1:])
+    values = _allocate((int(row_offsets[-1]),), dtype, name=name, pin_memory=pin_memory, pool=pool)
     out = values.numpy()
-    if workers is None:
-        by_handle = any(isinstance(p, PayloadSegment) for sample in pieces for p in sample)
-        workers = io_workers() if by_handle else pool_workers()
-    fill_rows(
-        lambda i: _fill_sample(
-            field,
-            i,
-            pieces[i],
-            out[offsets[i] : offsets[i + 1]],
-            reader,
-            check,
-            id_limit,
-        ),
-        len(pieces),
-        workers,
+    cursor = 0
+    copies: list[tuple[np.ndarray, np.ndarray]] = []
+    for run, length in zip(runs, lengths, strict=True):
+        n = int(length.sum())
+        dest = out[cursor : cursor + n]
+        cursor += n
+        if isinstance(run, RaggedRows):
+            copies.append((dest, run.compact()[0]))
+        elif isinstance(run, RangeRead):
+            run.dest = memoryview(dest.view(np.uint8))
+    if reads:
+        if any(np.dtype(r.segment.dtype) != dtype for r, _ in reads):
+            raise SegmentError(f"field {name!r}: ragged rows by handle must be {dtype}")
+        reader.read_ranges([r for r, _ in reads])
+    fill_rows(lambda i: np.copyto(*copies[i], casting="safe"), len(copies), workers)
+    sample_rows = np.zeros(len(fields) + 1, np.int64)
+    np.cumsum([sum(p.rows for p in f.pieces) for f in fields], out=sample_rows[1:])
+    valid = np.concatenate(
+        [np.full(p.rows, type(p) is not PlaceholderRows) for _, p in pieces] or [np.zeros(0, bool)]
     )
-    return PackedTensor(values, offsets)
+    rows = PackedTensor(values, row_offsets)
+    return FilledField(values=PackedRagged(rows, sample_rows), valid=valid)
+
+
+def materialize(
+    stitched: StitchedField,
+    reader: PayloadReader | None = None,
+    *,
+    screen: ScreenOptions | None = None,
+    on_gap: OnGap = "drop_routes",
+) -> np.ndarray | RaggedRows:
+    """One sample's stitched field as one array ``[sample_len, *row_shape]`` (ragged fields:
+    :class:`~r3data.ragged.RaggedRows`), through the loader's own fill; by-handle pieces are
+    read through ``reader``."""
+    filled = fill_field(
+        stitched.name,
+        [stitched],
+        dtype=stitched.dtype,
+        reader=reader,
+        screen=screen,
+        on_gap=on_gap,
+        workers=1,
+    )
+    if isinstance(filled.values, PackedRagged):
+        return filled.values.segment(0)
+    return filled.values.values.numpy()

@@ -1,8 +1,9 @@
 """``loader``: the whole pipeline from training samples to ``TensorBatch``es.
 
-``SampleSource -> ParallelMapper(StitchRollout) -> Batcher -> Mapper(CollateRollouts)
--> Prefetcher``, wrapped in a ``torchdata.nodes.Loader`` whose
-``state_dict()`` resumes exactly after the last batch the trainer received.
+``SampleSource -> Batcher -> ParallelMapper(stitch every sample, then fill the batch) ->
+Prefetcher``, wrapped in a ``torchdata.nodes.Loader`` whose ``state_dict()`` resumes exactly
+after the last batch the trainer received. Work is per batch, not per sample: the fill of one
+batch (copies, decodes and reads that release the GIL) overlaps the stitching of the next.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from torchdata.nodes import Batcher, Loader, Mapper, ParallelMapper, Prefetcher
 from r3data.batch import TensorBatch
 from r3data.errors import ConfigError
 from r3data.nodes.collate import CollateRollouts
+from r3data.nodes.screen import ScreenOptions
 from r3data.nodes.source import SampleSource
 from r3data.nodes.steps import BatchSteps
 from r3data.nodes.stitcher import StitchRollout
@@ -24,9 +26,45 @@ from r3data.parallel import pool_workers
 from r3data.payload.reader import PayloadReader
 from r3data.payload.retention import PayloadRetention
 from r3data.trace import ROUTES_FIELD, OnGap, Placeholder
+from r3data.trace.stitch import check_on_gap
+from r3data.validate import checked_int
 
 if TYPE_CHECKING:
     from r3data.layout import TokenLayout
+
+_SCREEN_OPTIONS = ("num_experts", "zero_rows")
+_TRACE_OPTIONS = ("routes_field", "ragged_fields", "last_token_row")
+
+
+class _Failed:
+    """An exception raised while preparing a batch, carried to the trainer's thread."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+
+class _PrepareBatch:
+    """One batch from its raw samples: stitch each (claiming its files), then fill. A failure
+    travels as a value, so the trainer gets the original exception (its class, its message,
+    the worker's traceback), not a wrapper's, and a ``SystemExit`` in a sample cannot stop a
+    worker thread that the pipeline then waits on forever."""
+
+    def __init__(self, stitch: StitchRollout, collate: CollateRollouts) -> None:
+        self.stitch, self.collate = stitch, collate
+
+    def __call__(self, items: list[tuple[int, Any]]) -> TensorBatch | _Failed:
+        try:
+            return self.collate([self.stitch(item) for item in items])
+        except BaseException as exc:
+            return _Failed(exc)
+
+
+def _delivered(batch: TensorBatch | _Failed) -> TensorBatch:
+    if isinstance(batch, _Failed):
+        raise batch.error
+    return batch
 
 
 def loader(
@@ -52,43 +90,50 @@ def loader(
 
     ``samples``: dicts or dataclasses (see :mod:`r3data.nodes.sample`), a list or any
     re-iterable. ``payload_root`` (path or fsspec URL) is needed for by-handle sources.
-    ``workers`` bounds the stitching threads and the parallel fills (default: the
-    cgroup-aware CPU count for stitching and inline fills, the I/O worker count for reads). With ``retention``, the files of batch k's samples are claimed
-    for step ``start_step + k`` as soon as each sample is stitched (before any read), so the
-    trainer only calls ``retention.on_policy_update(step)``. With ``layout`` each batch is one
-    micro-batch on that rank: stitched fields hold only the rank's rows (rank-local reads).
+    ``workers`` bounds the threads that fill a batch (default: the cgroup-aware CPU count);
+    with ``prefetch`` > 0 the next batches are stitched and filled in the background, two at a
+    time, while the trainer works. With ``retention``, the files of batch k's samples are
+    claimed for step ``start_step + k`` as soon as each sample is stitched (before any read),
+    so the trainer only calls ``retention.on_policy_update(step)``. With ``layout`` each batch
+    is one micro-batch on that rank: stitched fields hold only the rank's rows (rank-local
+    reads). ``trace_options``: ``num_experts`` and ``zero_rows`` screen the routes
+    (:class:`~r3data.nodes.screen.ScreenOptions`); ``routes_field``, ``ragged_fields`` and
+    ``last_token_row`` shape each trace (:class:`~r3data.trace.TraceBuilder`).
     """
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ConfigError(f"batch_size must be an int >= 1, found {batch_size!r}")
-    if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
-        raise ConfigError(f"prefetch must be an int >= 0, found {prefetch!r}")
-    threads = pool_workers() if workers is None else workers
-    if threads < 1:
-        raise ConfigError(f"workers must be >= 1, found {workers}")
+    checked_int("batch_size", batch_size, minimum=1)
+    checked_int("prefetch", prefetch)
+    threads = checked_int("workers", pool_workers() if workers is None else workers, minimum=1)
+    check_on_gap(on_gap)
+    options = dict(trace_options or {})
+    unknown = sorted(set(options) - set(_SCREEN_OPTIONS) - set(_TRACE_OPTIONS))
+    if unknown:
+        raise ConfigError(
+            f"trace_options: unknown {unknown}; expected some of "
+            f"{sorted(_SCREEN_OPTIONS + _TRACE_OPTIONS)}"
+        )
+    screen = ScreenOptions(**{k: options.pop(k) for k in _SCREEN_OPTIONS if k in options})
     reader = None if payload_root is None else PayloadReader(payload_root, fs=payload_fs)
     steps = BatchSteps(batch_size, start_step)
     stitch = StitchRollout(
-        tuple(fields), placeholder, on_gap, topk, trace_options, retention=retention, steps=steps
+        tuple(fields), placeholder, on_gap, topk, options, retention=retention, steps=steps
     )
-    node = SampleSource(samples)
-    if threads > 1:
-        node = ParallelMapper(node, stitch, num_workers=threads, method="thread", in_order=True)
-    else:
-        node = Mapper(node, stitch)
-    node = Batcher(node, batch_size, drop_last=drop_last)
-    options = dict(trace_options or {})
     collate = CollateRollouts(
         tuple(fields),
         reader,
         pin_memory,
-        workers,
-        num_experts=options.get("num_experts"),
-        zero_rows=options.get("zero_rows", "missing"),
+        threads,
+        screen=screen,
+        on_gap=on_gap,
         routes_field=options.get("routes_field", ROUTES_FIELD),
         layout=layout,
         steps=steps,
     )
-    node = Mapper(node, collate)
+    node = Batcher(SampleSource(samples), batch_size, drop_last=drop_last)
+    prepare = _PrepareBatch(stitch, collate)
+    if prefetch and threads > 1:
+        node = ParallelMapper(node, prepare, num_workers=2, method="thread", in_order=True)
+    else:
+        node = Mapper(node, prepare)
     if prefetch:
         node = Prefetcher(node, prefetch_factor=prefetch)
-    return Loader(node, restart_on_stop_iteration=False)
+    return Loader(Mapper(node, _delivered), restart_on_stop_iteration=False)

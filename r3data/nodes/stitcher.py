@@ -1,4 +1,4 @@
-"""``StitchRollout``: normalise one raw sample and stitch its trace (runs in parallel)."""
+"""``StitchRollout``: normalise one raw sample and stitch its trace into its fill plan."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from r3data.nodes.steps import BatchSteps
 from r3data.payload.retention import PayloadRetention
 from r3data.trace import OnGap, Placeholder, StitchedSample, stitch
 
-logger = logging.getLogger("r3data.nodes")
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, eq=False)
@@ -44,8 +44,9 @@ class StitchRollout:
 
     def __call__(self, item: tuple[int, Any]) -> StitchedRollout:
         index, raw = item
-        sample_id = _raw_id(raw, index)
+        sample_id = str(index)
         try:
+            sample_id = _raw_id(raw, index)
             sample = as_rollout(raw, index, self.trace_options)
             if self.retention is not None and sample.files:
                 # before any update can release them: a file shared with a batch that is not

@@ -8,8 +8,7 @@ them with :class:`PayloadRetention` once the batch that used them is trained on.
 from r3data.payload.audit import PayloadFileInfo, VerifyReport, inspect, verify
 from r3data.payload.fileformat import FORMAT_VERSION, MAGIC, FieldEntry, PayloadHeader, read_header
 from r3data.payload.fs import PayloadRoot
-from r3data.payload.ragged import RaggedRows
-from r3data.payload.reader import PayloadReader, ReadJob
+from r3data.payload.reader import PayloadReader, RangeRead, ReadJob
 from r3data.payload.retention import (
     GcReport,
     PayloadRetention,
@@ -34,7 +33,7 @@ __all__ = [
     "PayloadRoot",
     "PayloadSegment",
     "PayloadWriter",
-    "RaggedRows",
+    "RangeRead",
     "ReadJob",
     "RetentionMetrics",
     "VerifyReport",

@@ -1,28 +1,17 @@
-"""``RaggedRows``: rows of varying width (sampling masks) as values plus row lengths (CSR)."""
+"""Intake of the fields a writer is given: host arrays, and ragged rows in any of their forms."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 
 from r3data.errors import SegmentError, WireFormatError
+from r3data.ragged import RaggedRows
 from r3data.wire.dtypes import parse_dtype
 
-__all__ = ["RaggedRows", "as_ragged", "host_array"]
-
-
-class RaggedRows(NamedTuple):
-    """Row ``i`` is ``values[offsets[i]:offsets[i + 1]]`` with offsets the cumsum of ``row_lengths``."""
-
-    values: np.ndarray
-    row_lengths: np.ndarray
-
-    @property
-    def offsets(self) -> np.ndarray:
-        """``rows + 1`` int64 element offsets, starting at 0."""
-        return np.concatenate(([0], np.cumsum(self.row_lengths, dtype=np.int64)))
+__all__ = ["as_ragged", "host_array"]
 
 
 def host_array(data: Any, what: str) -> np.ndarray:
@@ -42,8 +31,12 @@ def host_array(data: Any, what: str) -> np.ndarray:
     return np.asarray(array, dtype=dtype, order="C")
 
 
-def as_ragged(data: tuple[Any, Any] | Sequence[Any], what: str) -> RaggedRows:
-    """Ragged rows given as ``(values, row_lengths)`` or as a list of 1-D arrays, checked."""
+def as_ragged(data: RaggedRows | tuple[Any, Any] | Sequence[Any], what: str) -> RaggedRows:
+    """Ragged rows given as :class:`RaggedRows`, ``(values, row_lengths)`` or a list of 1-D
+    arrays, checked; the result's offsets start at 0."""
+    if isinstance(data, RaggedRows):
+        values, offsets = data.compact()
+        return RaggedRows(host_array(values, f"{what} values"), offsets, what=what)
     if isinstance(data, tuple):
         if len(data) != 2:
             raise SegmentError(
@@ -81,4 +74,4 @@ def as_ragged(data: tuple[Any, Any] | Sequence[Any], what: str) -> RaggedRows:
         raise SegmentError(
             f"{what}: row_lengths sum to {int(lengths.sum())}, values hold {values.size} elements"
         )
-    return RaggedRows(values, lengths)
+    return RaggedRows.from_lengths(values, lengths, what=what)

@@ -1,20 +1,24 @@
-"""``PayloadReader``: rows named by segments, read from payload files into arrays or caller buffers.
+"""``PayloadReader``: byte ranges named by segments, read straight into caller buffers or arrays.
 
-Segments are grouped by file; each file is opened once and its ranges read in offset order;
-files are read concurrently on the shared I/O pool. Local files are read with ``os.preadv``
-straight into the destination, any other fsspec filesystem through its file's ``readinto``.
-A read that comes up short (a file not yet fully visible on a network filesystem, a flaky
-backend) reopens the file and resumes, with doubling backoff, before giving up.
+A batch's reads are one plan (:meth:`PayloadReader.read_ranges`): ranges are grouped by file,
+each file is opened once, and ranges that are adjacent in the file are read together, one
+``os.preadv`` per chunk on a local-backed filesystem (the file's bytes land in every
+destination in one system call), ``readinto`` on any other fsspec filesystem. Each chunk is
+checksummed and handed to the caller's ``on_bytes`` while it is still in cache. Files are read
+concurrently on the shared pool. A read that comes up short (a file not yet fully visible on a
+network filesystem, a flaky backend) closes the file, reopens it and resumes, with doubling
+backoff, before giving up; every file is closed exactly once.
 """
 
 from __future__ import annotations
 
 import os
+import posixpath
 import sys
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 from fsspec import AbstractFileSystem
@@ -28,23 +32,30 @@ from r3data.errors import (
     PayloadReadError,
     SegmentError,
 )
-from r3data.parallel import fill_rows, io_workers
+from r3data.parallel import fill_rows, io_workers, pool_workers
 from r3data.payload.fileformat import checksum
 from r3data.payload.fs import PayloadRoot
-from r3data.payload.ragged import RaggedRows
 from r3data.payload.segment import INDEX_DTYPE, PayloadSegment
+from r3data.ragged import RaggedRows
+from r3data.validate import checked_int
 
-__all__ = ["PayloadReader", "ReadJob"]
+__all__ = ["CHUNK_BYTES", "PayloadReader", "RangeRead", "ReadJob"]
 
 ReadJob = tuple[Sequence[PayloadSegment], Any]
 """Segments of one fixed-width field and the buffer (numpy array or CPU tensor) their rows fill."""
 
+CHUNK_BYTES = 1 << 20
+"""Bytes per read call: each chunk is checksummed and screened before it leaves the cache."""
 
-@dataclass(eq=False)
-class _Request:
-    """``nbytes`` at ``offset`` of ``segment.file`` into ``dest`` (allocated after a size check
-    when None). ``crc``, when given, is checked over ``dest`` followed by ``crc_tail``;
-    ``crc_running`` is the checksum of the bytes read so far."""
+_IOV_MAX = min(getattr(os, "IOV_MAX", 1024), 1024)
+
+
+@dataclass(eq=False, slots=True)
+class RangeRead:
+    """``nbytes`` at ``offset`` of ``segment.file`` into ``dest`` (a writable byte memoryview;
+    allocated once the file proved large enough when None). ``crc``, when given, is checked
+    over ``dest`` followed by ``crc_tail``. ``on_bytes(done)`` is told, after each chunk, how
+    many leading bytes of ``dest`` are in place and checked so far."""
 
     segment: PayloadSegment
     offset: int
@@ -52,45 +63,39 @@ class _Request:
     dest: memoryview | None = None
     crc: int | None = None
     crc_tail: bytes = b""
+    on_bytes: Callable[[int], None] | None = None
     crc_running: int = 0
-
-    def allocate(self) -> None:
-        self.dest = memoryview(np.empty(self.nbytes, np.uint8))
+    done: int = 0
 
     def array(self) -> np.ndarray:
         return np.frombuffer(self.dest, np.uint8)
 
 
-class _OpenFile(Protocol):
-    size: int
-    chunk: int | None
-    """Bytes per read when checksumming, or None for one read per range."""
-
-    def read_at(self, offset: int, dest: memoryview) -> int:
-        """Read into ``dest`` from ``offset``; fewer bytes than asked, 0 at end of file."""
-
-    def close(self) -> None: ...
-
-
 class _LocalFile:
-    chunk = 1 << 20  # cache-sized: each piece is checksummed before it leaves the CPU cache
+    """A local file opened for ``os.preadv`` (``fd``)."""
 
     def __init__(self, path: str) -> None:
-        self.fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        self.url = path
+        self.fd: int | None = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         self.size = os.fstat(self.fd).st_size
 
     def read_at(self, offset: int, dest: memoryview) -> int:
         return os.preadv(self.fd, [dest], offset)
 
     def close(self) -> None:
-        os.close(self.fd)
+        fd, self.fd = self.fd, None
+        if fd is not None:
+            os.close(fd)
 
 
 class _FsspecFile:
-    chunk = None  # every read may cost a round trip
+    """A file of any fsspec filesystem, read with ``seek`` and ``readinto``."""
+
+    fd = None
 
     def __init__(self, fs: AbstractFileSystem, path: str) -> None:
-        self.f = fs.open(path, "rb")
+        self.url = fs.unstrip_protocol(path)
+        self.f: Any = fs.open(path, "rb")
         self.size = self.f.seek(0, 2)
 
     def read_at(self, offset: int, dest: memoryview) -> int:
@@ -98,28 +103,72 @@ class _FsspecFile:
         return self.f.readinto(dest) or 0
 
     def close(self) -> None:
-        self.f.close()
+        f, self.f = self.f, None
+        if f is not None:
+            f.close()
 
 
-def _fill(handle: _OpenFile, r: _Request, got: int) -> int:
-    """Read ``r`` from byte ``got`` on until it is full or the file ends; returns bytes held."""
-    step = (handle.chunk if r.crc is not None else None) or r.nbytes
-    while got < r.nbytes:
-        n = handle.read_at(r.offset + got, r.dest[got : min(got + step, r.nbytes)])
-        if not n:
+def _runs(ranges: list[RangeRead]) -> list[list[RangeRead]]:
+    """Ranges (in offset order) cut into runs that are contiguous in the file."""
+    runs: list[list[RangeRead]] = []
+    end = -1
+    for r in ranges:
+        if r.offset == end and len(runs[-1]) < _IOV_MAX:
+            runs[-1].append(r)
+        else:
+            runs.append([r])
+        end = r.offset + r.nbytes
+    return runs
+
+
+def _views(run: list[RangeRead], start: int, want: int) -> list[tuple[RangeRead, int, int]]:
+    """``(range, lo, hi)``: the destination slices holding run bytes ``[start, start + want)``."""
+    out = []
+    at = 0
+    for r in run:
+        lo, hi = max(start - at, 0), min(start + want - at, r.nbytes)
+        if lo < hi:
+            out.append((r, lo, hi))
+        at += r.nbytes
+        if at >= start + want:
+            break
+    return out
+
+
+def _read_chunk(handle: Any, offset: int, views: list[memoryview]) -> int:
+    if handle.fd is not None:
+        return os.preadv(handle.fd, views, offset)
+    got = 0
+    for view in views:
+        n = handle.read_at(offset + got, view)
+        got += n
+        if n < len(view):
+            break
+    return got
+
+
+def _landed(pieces: list[tuple[RangeRead, int, int]], got: int) -> None:
+    """Account ``got`` bytes of a chunk: checksums and ``on_bytes`` of every range touched."""
+    for r, lo, hi in pieces:
+        n = min(hi - lo, got)
+        if n <= 0:
             break
         if r.crc is not None:
-            r.crc_running = checksum(r.dest[got : got + n], value=r.crc_running)
-        got += n
-    return got
+            r.crc_running = checksum(r.dest[lo : lo + n], value=r.crc_running)
+        r.done = lo + n
+        if r.on_bytes is not None:
+            r.on_bytes(r.done)
+        got -= n
 
 
 class PayloadReader:
     """Reads segments' rows from files under ``root`` (a path or fsspec URL; or a path in ``fs``).
 
-    ``workers`` bounds the files read at once (default :func:`r3data.parallel.io_workers`). A
-    short read or I/O error is retried ``retries`` times, reopening the file, after ``backoff``
-    seconds doubling up to ``max_backoff``. Segments carrying ``crc32c`` are verified.
+    ``workers`` bounds the files read at once (default: the CPUs this process may use on a
+    local-backed root, where a read is a copy from the page cache; more on other filesystems,
+    where reads wait on the network). A short read or I/O error is retried ``retries`` times,
+    reopening the file, after ``backoff`` seconds doubling up to ``max_backoff``. Segments
+    carrying ``crc32c`` are verified.
     """
 
     def __init__(
@@ -133,16 +182,13 @@ class PayloadReader:
         max_backoff: float = 0.8,
     ) -> None:
         self.root = PayloadRoot(root, fs)
-        self.workers = io_workers() if workers is None else workers
-        if isinstance(self.workers, bool) or not isinstance(self.workers, int) or self.workers < 1:
-            raise ConfigError(f"workers must be an int >= 1, found {workers!r}")
-        if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
-            raise ConfigError(f"retries must be an int >= 0, found {retries!r}")
+        default = pool_workers() if self.root.local else io_workers()
+        self.workers = checked_int("workers", default if workers is None else workers, minimum=1)
+        self.retries = checked_int("retries", retries)
         if not 0 <= backoff <= max_backoff:
             raise ConfigError(
                 f"backoff must satisfy 0 <= backoff <= max_backoff, found {backoff} and {max_backoff}"
             )
-        self.retries = retries
         self.backoff = backoff
         self.max_backoff = max_backoff
 
@@ -153,36 +199,219 @@ class PayloadReader:
         """The files (relative to the root, normalised) that reading ``segments`` touches."""
         return sorted({self.root.relative(s.file) for s in segments})
 
+    # --- the plan -----------------------------------------------------------------------------
+
+    def read_ranges(self, ranges: Iterable[RangeRead]) -> None:
+        """Read every range: files in parallel, each opened once, adjacent ranges together."""
+        jobs = self.file_jobs(ranges)
+        fill_rows(lambda i: jobs[i](), len(jobs), self.workers)
+
+    def file_jobs(self, ranges: Iterable[RangeRead]) -> list[Callable[[], None]]:
+        """One job per file reading its ranges, for a caller that runs them on its own pool
+        alongside other work (empty ranges are done at once)."""
+        by_file: dict[str, list[RangeRead]] = {}
+        for r in ranges:
+            if r.nbytes == 0:
+                r.dest = memoryview(b"") if r.dest is None else r.dest
+                _check_crc(r, r.segment.file)
+                continue
+            by_file.setdefault(self.root.relative(r.segment.file), []).append(r)
+        return [
+            lambda name=name, group=group: self._read_file(name, group)
+            for name, group in by_file.items()
+        ]
+
+    def check_sizes(self, segments: Iterable[PayloadSegment]) -> None:
+        """Refuse, before anything is allocated for them, segments that claim bytes past the
+        end of their file (:class:`SegmentError`); a file shorter than its claims is looked at
+        again, with the read's backoff, in case it is still growing."""
+        ends: dict[str, tuple[int, PayloadSegment]] = {}
+        for s in segments:
+            end = s.index + s.nbytes if s.ragged else s.offset + s.nbytes
+            name = self.root.relative(s.file)
+            if name not in ends or end > ends[name][0]:
+                ends[name] = (end, s)
+        groups = list(ends.items())
+        fill_rows(lambda i: self._check_size(*groups[i]), len(groups), self.workers)
+
+    def _check_size(self, name: str, claim: tuple[int, PayloadSegment]) -> None:
+        end, s = claim
+        try:
+            self._check_size_retrying(name, end, s)
+        except Exception as exc:
+            exc.r3data_segment = s  # type: ignore[attr-defined]  # which claim failed
+            raise
+
+    def _check_size_retrying(self, name: str, end: int, s: PayloadSegment) -> None:
+        delay = self.backoff
+        for attempt in range(1, self.retries + 2):
+            handle = self._open_retrying(name, s)
+            try:
+                size, url = handle.size, handle.url
+            finally:
+                handle.close()
+            if end <= size:
+                return
+            if attempt <= self.retries:
+                time.sleep(delay)
+                delay = min(2 * delay, self.max_backoff)
+        raise SegmentError(
+            f"{url}: segment of field {s.field!r} rows [{s.pos}, {s.end}) claims bytes up to "
+            f"{end}, but the file has {size} bytes (looked {attempt} times)"
+        )
+
+    # --- reading files --------------------------------------------------------------------------
+
+    def _open(self, name: str) -> Any:
+        path = self.root.full(name)
+        return _LocalFile(path) if self.root.local else _FsspecFile(self.root.fs, path)
+
+    def _open_retrying(self, name: str, s: PayloadSegment) -> Any:
+        """Open ``name``; a missing file or an I/O error is retried like a short read."""
+        delay, failure = self.backoff, None
+        for attempt in range(1, self.retries + 2):
+            try:
+                return self._open(name)
+            except PermissionError as exc:
+                raise self._denied(name, exc) from exc
+            except OSError as exc:
+                failure = exc
+            if attempt <= self.retries:
+                time.sleep(delay)
+                delay = min(2 * delay, self.max_backoff)
+        raise self._failed(name, s.offset, failure, attempt)
+
+    def _read_file(self, name: str, ranges: list[RangeRead]) -> None:
+        ranges.sort(key=lambda r: r.offset)
+        handle = None
+        try:
+            for run in _runs(ranges):
+                handle = self._read_run(name, handle, run)
+        finally:
+            if handle is not None:
+                handle.close()
+
+    def _read_run(self, name: str, handle: Any, run: list[RangeRead]) -> Any:
+        """Read one run completely, reopening and backing off on a short read or I/O error.
+        Returns the open file (the caller closes it); on any failure it is already closed
+        (a close is idempotent: a descriptor is closed exactly once)."""
+        try:
+            return self._read_run_retrying(name, handle, run)
+        except BaseException:
+            _closed(handle)
+            raise
+
+    def _read_run_retrying(self, name: str, handle: Any, run: list[RangeRead]) -> Any:
+        total = sum(r.nbytes for r in run)
+        done, size, failure, delay = 0, None, None, self.backoff
+        for attempt in range(1, self.retries + 2):
+            failure = None
+            try:
+                if handle is None:
+                    handle = self._open(name)
+                size = handle.size
+                done = self._fill_run(handle, run, done, size)
+            except PermissionError as exc:
+                handle = _closed(handle)
+                raise self._denied(name, exc) from exc
+            except OSError as exc:
+                failure = exc
+            except BaseException:
+                _closed(handle)
+                raise
+            if done == total and failure is None:
+                try:
+                    for r in run:  # a mismatch is the bytes themselves: not retried
+                        _check_crc(r, handle.url)
+                except PayloadChecksumError:
+                    _closed(handle)
+                    raise
+                return handle
+            handle = _closed(handle)
+            if attempt <= self.retries:
+                time.sleep(delay)
+                delay = min(2 * delay, self.max_backoff)
+        if failure is not None:
+            raise self._failed(name, run[0].offset, failure, attempt)
+        short = next(r for r in run if r.done < r.nbytes)
+        s = short.segment
+        raise PayloadReadError(
+            f"short read of {self._url(name)}: wanted {short.nbytes} bytes at offset "
+            f"{short.offset}, got {short.done} after {attempt} attempts (file size {size}; "
+            f"field {s.field!r} rows [{s.pos}, {s.end}))"
+        )
+
+    @staticmethod
+    def _fill_run(handle: Any, run: list[RangeRead], done: int, size: int) -> int:
+        """Read the run from its byte ``done`` on until it is complete or the file ends."""
+        total = sum(r.nbytes for r in run)
+        if done == 0 and any(r.dest is None for r in run):
+            if run[-1].offset + run[-1].nbytes > size:
+                return 0  # allocate only once the file proved large enough
+            for r in run:
+                if r.dest is None:
+                    r.dest = memoryview(np.empty(r.nbytes, np.uint8))
+        while done < total:
+            want = min(CHUNK_BYTES, total - done)
+            pieces = _views(run, done, want)
+            got = _read_chunk(handle, run[0].offset + done, [r.dest[lo:hi] for r, lo, hi in pieces])
+            if got <= 0:
+                break
+            _landed(pieces, got)
+            done += got
+        return done
+
+    def _url(self, name: str) -> str:
+        path = posixpath.join(self.root.path, name)
+        return path if self.root.local else self.root.fs.unstrip_protocol(path)
+
+    def _denied(self, name: str, exc: OSError) -> PayloadPermissionError:
+        return PayloadPermissionError(f"payload file {self._url(name)} may not be read: {exc}")
+
+    def _failed(
+        self, name: str, offset: int, failure: OSError | None, attempt: int
+    ) -> PayloadReadError:
+        url = self._url(name)
+        if isinstance(failure, FileNotFoundError):
+            return PayloadNotFoundError(
+                f"payload file {url} does not exist (tried {attempt} times)"
+            )
+        return PayloadReadError(
+            f"reading {url} at offset {offset} failed {attempt} times: {failure}"
+        )
+
+    # --- convenience entry points ------------------------------------------------------------
+
     def read(self, segments: Iterable[PayloadSegment]) -> dict[str, np.ndarray | RaggedRows]:
         """Rows of every field, segments of a field concatenated in the order given.
 
         A fixed-width field comes back as ``[rows, *shape]``; a ragged one as
-        :class:`RaggedRows` ``(values, row_lengths)``. Each segment is allocated after its file
-        proved large enough; for one copy into a batch buffer use :meth:`read_into`.
+        :class:`~r3data.ragged.RaggedRows`. Each segment is allocated after its file proved
+        large enough; for one copy into a batch buffer use :meth:`read_into`.
         """
         by_field: dict[str, list[PayloadSegment]] = {}
         for s in segments:
             _check_same_kind(by_field.setdefault(s.field, []), s).append(s)
         fixed = {
-            f: [_Request(s, s.offset, s.nbytes, crc=s.crc32c) for s in segs]
+            f: [RangeRead(s, s.offset, s.nbytes, crc=s.crc32c) for s in segs]
             for f, segs in by_field.items()
             if not segs[0].ragged
         }
         ragged = {f: segs for f, segs in by_field.items() if segs[0].ragged}
-        indexes = {f: [_Request(s, s.index, s.nbytes) for s in segs] for f, segs in ragged.items()}
-        self._execute([r for rs in (*fixed.values(), *indexes.values()) for r in rs])
-        values = {f: [_values_request(r) for r in rs] for f, rs in indexes.items()}
-        self._execute([r for rs in values.values() for r in rs])
+        indexes = {f: [RangeRead(s, s.index, s.nbytes) for s in segs] for f, segs in ragged.items()}
+        self.read_ranges([r for rs in (*fixed.values(), *indexes.values()) for r in rs])
+        values = {f: [values_range(r) for r in rs] for f, rs in indexes.items()}
+        self.read_ranges([v for vs in values.values() for v, _ in vs])
         out: dict[str, np.ndarray | RaggedRows] = {}
         for f, requests in fixed.items():
             s = requests[0].segment
             arrays = [r.array().view(s.dtype).reshape(r.segment.rows, *s.shape) for r in requests]
             out[f] = arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
-        for f, requests in values.items():
-            dtype = requests[0].segment.dtype
-            out[f] = RaggedRows(
-                _concat([r.array().view(dtype) for r in requests], dtype),
-                _concat([np.diff(r.index) for r in requests], np.int64),
+        for f, parts in values.items():
+            dtype = parts[0][0].segment.dtype
+            out[f] = RaggedRows.from_lengths(
+                _concat([v.array().view(dtype) for v, _ in parts], dtype),
+                _concat([np.diff(index) for _, index in parts], np.int64),
             )
         return out
 
@@ -193,80 +422,16 @@ class PayloadReader:
 
     def read_many(self, jobs: Iterable[ReadJob]) -> None:
         """:meth:`read_into` for many buffers at once: every file opened once, files in parallel."""
-        requests = [r for segments, out in jobs for r in _into_requests(segments, out)]
-        self._execute(requests)
-
-    def _execute(self, requests: list[_Request]) -> None:
-        by_file: dict[str, list[_Request]] = {}
-        for r in requests:
-            if r.nbytes == 0:
-                r.dest = memoryview(b"") if r.dest is None else r.dest
-                _check_crc(r, r.segment.file)
-                continue
-            by_file.setdefault(self.root.relative(r.segment.file), []).append(r)
-        groups = list(by_file.items())
-        fill_rows(lambda i: self._read_file(*groups[i]), len(groups), self.workers)
-
-    def _read_file(self, file: str, requests: list[_Request]) -> None:
-        path = self.root.full(file)
-        handle: _OpenFile | None = None
-        try:
-            for r in sorted(requests, key=lambda r: r.offset):
-                handle = self._read_request(path, handle, r)
-                _check_crc(r, self._url(path))
-        finally:
-            if handle is not None:
-                handle.close()
-
-    def _open(self, path: str) -> _OpenFile:
-        return _LocalFile(path) if self.root.local else _FsspecFile(self.root.fs, path)
-
-    def _read_request(self, path: str, handle: _OpenFile | None, r: _Request) -> _OpenFile:
-        """Read ``r`` completely, reopening and backing off on a short read or I/O error."""
-        got, size, failure, delay = 0, None, None, self.backoff
-        for attempt in range(1, self.retries + 2):
-            failure = None
-            try:
-                if handle is None:
-                    handle = self._open(path)
-                size = handle.size
-                if r.dest is None and r.offset + r.nbytes <= size:
-                    r.allocate()
-                if r.dest is not None:
-                    got = _fill(handle, r, got)
-                if got == r.nbytes:
-                    return handle
-            except PermissionError as exc:
-                raise PayloadPermissionError(
-                    f"payload file {self._url(path)} may not be read: {exc}"
-                ) from exc
-            except OSError as exc:
-                failure = exc
-            if handle is not None:
-                handle.close()
-                handle = None
-            if attempt <= self.retries:
-                time.sleep(delay)
-                delay = min(2 * delay, self.max_backoff)
-        url, s = self._url(path), r.segment
-        if isinstance(failure, FileNotFoundError):
-            raise PayloadNotFoundError(
-                f"payload file {url} does not exist (tried {attempt} times)"
-            ) from failure
-        if failure is not None:
-            raise PayloadReadError(
-                f"reading {url} at offset {r.offset} failed {attempt} times: {failure}"
-            ) from failure
-        raise PayloadReadError(
-            f"short read of {url}: wanted {r.nbytes} bytes at offset {r.offset}, got {got} after "
-            f"{attempt} attempts (file size {size}; field {s.field!r} rows [{s.pos}, {s.end}))"
-        )
-
-    def _url(self, path: str) -> str:
-        return path if self.root.local else self.root.fs.unstrip_protocol(path)
+        self.read_ranges([r for segments, out in jobs for r in _into_ranges(segments, out)])
 
 
-def _check_crc(r: _Request, url: str) -> None:
+def _closed(handle: Any) -> None:
+    """Close ``handle`` (once) and forget it."""
+    if handle is not None:
+        handle.close()
+
+
+def _check_crc(r: RangeRead, url: str) -> None:
     if r.crc is None:
         return
     found = checksum(r.crc_tail, value=r.crc_running)
@@ -292,38 +457,44 @@ def _check_same_kind(
     return field_segments
 
 
-@dataclass(eq=False)
-class _ValuesRequest(_Request):
-    index: np.ndarray | None = None
-
-
-def _values_request(index_request: _Request) -> _ValuesRequest:
-    """The values a ragged segment's index table (already read) points at, checked first."""
-    s = index_request.segment
-    index = index_request.array().view(INDEX_DTYPE)
+def ragged_index(index_range: RangeRead) -> np.ndarray:
+    """The element offsets a ragged segment's index table (already read) holds, checked."""
+    s = index_range.segment
+    index = index_range.array().view(INDEX_DTYPE)
     steps = np.diff(index)
     if index[0] < 0 or (steps.size and steps.min() < 0):
         raise PayloadFormatError(
             f"{s.file}: ragged index of field {s.field!r} at byte {s.index} must be non-decreasing "
             f"from >= 0, found {index[: min(8, index.size)].tolist()}..."
         )
+    return index
+
+
+def values_range(
+    index_range: RangeRead, dest: memoryview | None = None
+) -> tuple[RangeRead, np.ndarray]:
+    """The range of values a ragged segment's index table (already read) points at, and the
+    index; the segment's checksum covers the values, then the index table."""
+    s = index_range.segment
+    index = ragged_index(index_range)
     first, last = int(index[0]), int(index[-1])
-    return _ValuesRequest(
+    values = RangeRead(
         s,
         s.offset + first * s.itemsize,
         (last - first) * s.itemsize,
+        dest,
         crc=s.crc32c,
-        crc_tail=bytes(index_request.dest),
-        index=index,
+        crc_tail=bytes(index_range.dest),
     )
+    return values, index
 
 
 def _concat(arrays: list[np.ndarray], dtype: Any) -> np.ndarray:
     return arrays[0] if len(arrays) == 1 else np.concatenate(arrays).astype(dtype, copy=False)
 
 
-def _into_requests(segments: Sequence[PayloadSegment], out: Any) -> list[_Request]:
-    """Requests that fill ``out`` with the rows of ``segments``, after checking they fit exactly."""
+def _into_ranges(segments: Sequence[PayloadSegment], out: Any) -> list[RangeRead]:
+    """Ranges that fill ``out`` with the rows of ``segments``, after checking they fit exactly."""
     segments = list(segments)
     if not segments:
         raise SegmentError("read_into needs at least one segment")
@@ -334,7 +505,7 @@ def _into_requests(segments: Sequence[PayloadSegment], out: Any) -> list[_Reques
         raise SegmentError(
             f"read_into fills fixed-width fields; {first.field!r} is ragged (use read())"
         )
-    array = _host_view(out)
+    array = host_view(out)
     rows = sum(s.rows for s in segments)
     per_row = int(np.prod(first.shape, dtype=np.int64))
     if (
@@ -348,14 +519,14 @@ def _into_requests(segments: Sequence[PayloadSegment], out: Any) -> list[_Reques
             f"{first.shape}; out is {array.dtype} {array.shape}"
         )
     view = memoryview(array.reshape(-1).view(np.uint8))
-    requests, cursor = [], 0
+    ranges, cursor = [], 0
     for s in segments:
-        requests.append(_Request(s, s.offset, s.nbytes, view[cursor : cursor + s.nbytes], s.crc32c))
+        ranges.append(RangeRead(s, s.offset, s.nbytes, view[cursor : cursor + s.nbytes], s.crc32c))
         cursor += s.nbytes
-    return requests
+    return ranges
 
 
-def _host_view(out: Any) -> np.ndarray:
+def host_view(out: Any) -> np.ndarray:
     """A numpy view sharing ``out``'s memory; refuses what cannot be filled in place."""
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(out, torch.Tensor):

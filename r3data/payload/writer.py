@@ -16,8 +16,9 @@ from fsspec.implementations.memory import MemoryFileSystem
 from r3data.errors import PayloadWriteError, SegmentError
 from r3data.payload.fileformat import FieldEntry, checksum, place_fields
 from r3data.payload.fs import PayloadRoot
-from r3data.payload.ragged import RaggedRows, as_ragged, host_array
+from r3data.payload.ragged import as_ragged, host_array
 from r3data.payload.segment import INDEX_DTYPE, PayloadSegment
+from r3data.ragged import RaggedRows
 
 __all__ = ["FieldData", "PayloadWriter", "TEMP_SUFFIX"]
 
@@ -141,7 +142,7 @@ def _first_pos(pos: int | Mapping[str, int], name: str) -> int:
 def _draft(file: str, name: str, data: FieldData, pos: int) -> tuple[FieldEntry, list[Any]]:
     """The field's segment before placement (offsets 0) and the buffers that hold its bytes."""
     what = f"field {name!r}"
-    if isinstance(data, (tuple, list)):
+    if isinstance(data, (tuple, list, RaggedRows)):
         ragged = as_ragged(data, what)
         index = ragged.offsets.astype(INDEX_DTYPE)
         segment = PayloadSegment(
@@ -149,7 +150,7 @@ def _draft(file: str, name: str, data: FieldData, pos: int) -> tuple[FieldEntry,
             file,
             0,
             pos,
-            len(ragged.row_lengths),
+            ragged.rows,
             ragged.values.dtype.name,
             (),
             index=0,

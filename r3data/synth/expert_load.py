@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from r3data.errors import WireFormatError
-from r3data.wire import dense_layers
+from r3data.nodes.screen import dense_layers
 
 __all__ = ["expert_load"]
 

@@ -87,7 +87,7 @@ def request_source(
 ) -> dict[str, Any]:
     """Request ``request`` of ``rollout`` as a loader source: the producer's raw body plus the
     keyword arguments its decoder needs. ``zero_routes`` sends correctly shaped all-zero rows (a
-    known engine bug), which the decoder drops (``on_zero="drop"``)."""
+    known engine bug), which the loader's screen finds missing."""
     start, stop = rollout.route_span(request)
     rows = rollout.routes[start:stop]
     if zero_routes:
@@ -99,7 +99,7 @@ def request_source(
             prompt_ids=rollout.token_ids[:prompt_len],
             completion_ids=rollout.token_ids[prompt_len : prompt_len + completion_len],
         )
-        return {"producer": producer, "response": body, "prompt_start": start, "on_zero": "drop"}
+        return {"producer": producer, "response": body, "prompt_start": start}
     if producer == "sglang":
         body = sglang_response(
             rows, start=start, prompt_len=prompt_len, completion_len=completion_len
@@ -110,19 +110,16 @@ def request_source(
             "response": body,
             "num_layers": layers,
             "topk": topk,
-            "on_zero": "drop",
         }
     if producer == "prime-rl":
         return {
             "producer": producer,
             "response": primerl_response(rows, start=start),
-            "on_zero": "drop",
         }
     if producer == "skyrl":
         return {
             "producer": producer,
             "response": skyrl_response(rows, start=start),
-            "on_zero": "drop",
         }
     raise ConfigError(f"producer must be one of {list(INLINE_PRODUCERS)}, found {producer!r}")
 

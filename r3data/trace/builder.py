@@ -1,69 +1,58 @@
 """``TraceBuilder``: the rows of a multi-turn conversation, request by request.
 
-Each request brings rows for a span of positions, inline (:class:`InlineRows`) or by handle
-(:class:`PayloadSegment`). The builder keeps, per field, non-overlapping pieces ordered by
-position; a later request wins where spans overlap (within one request, sources of a field
-must not overlap: that is ambiguous, e.g. every choice of a multi-choice response). Adding a
-source cuts at most the pieces it overlaps (views and re-pointed handles, never copies), so a
-whole trace costs O(total rows): earlier turns are never re-gathered.
+Each request brings rows for a span of positions: from the wire (:class:`InlineRows`, or
+:class:`EncodedRows` still base64) or by handle (:class:`PayloadSegment`). The builder keeps,
+per field, non-overlapping pieces ordered by position; a later request wins where spans overlap
+(within one request, sources of a field must not overlap: that is ambiguous, e.g. every choice
+of a multi-choice response). Adding a source cuts at most the pieces it overlaps (views,
+re-pointed handles and narrowed blobs, never copies), so a whole trace costs O(total rows):
+earlier turns are never re-gathered. Nothing here reads or screens the rows themselves: the
+loader's one screen does that as it fills the batch.
 """
 
 from __future__ import annotations
 
 import itertools
-import logging
 from bisect import bisect_left, bisect_right
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Literal
 
 import numpy as np
 
 from r3data.errors import ConfigError, TraceError
 from r3data.payload.segment import PayloadSegment
-from r3data.trace.checks import (
-    check_expert_ids,
-    check_row_shape,
-    nonzero_runs,
-    widened_dtype,
-    zero_rows,
-)
-from r3data.trace.spans import Span, complement, format_spans, merge
-from r3data.wire.anchors import nonnegative_int, routes_end
+from r3data.ragged import RaggedRows
+from r3data.spans import Span, merge
+from r3data.trace.checks import check_row_shape, widened_dtype
+from r3data.validate import nonnegative_int
+from r3data.wire.anchors import routes_end
 from r3data.wire.dtypes import ROUTE_DTYPES, parse_dtype
-from r3data.wire.rows import InlineRows
+from r3data.wire.rows import EncodedRows, InlineRows
 
 __all__ = ["ROUTES_FIELD", "FieldInfo", "Source", "Trace", "TraceBuilder", "clip_source"]
 
 ROUTES_FIELD = "routed_experts"
 
-Source = InlineRows | PayloadSegment
-ZeroRows = Literal["missing", "raise", "keep"]
-
-logger = logging.getLogger("r3data.trace")
+Source = InlineRows | EncodedRows | PayloadSegment
+_SOURCES = (InlineRows, EncodedRows, PayloadSegment)
 
 
 def clip_source(source: Source, lo: int, hi: int) -> Source:
-    """The rows of ``source`` at positions ``[lo, hi)`` (inside its span): a view or a handle."""
-    if isinstance(source, PayloadSegment):
-        part = source.clipped(lo, hi)
-        if part is None:
-            raise TraceError(
-                f"field {source.field!r}: cannot clip rows [{source.pos}, {source.end}) to "
-                f"the empty range [{lo}, {hi})"
-            )
-        return part
-    if (lo, hi) == (source.pos, source.end):
-        return source
-    return InlineRows(
-        source.field, source.array[lo - source.pos : hi - source.pos], lo, source.meta
-    )
+    """The rows of ``source`` at positions ``[lo, hi)`` (inside its span, not empty)."""
+    part = source.clipped(lo, hi)
+    if part is None:
+        raise TraceError(
+            f"field {source.field!r}: cannot clip rows [{source.pos}, {source.end}) to "
+            f"the empty range [{lo}, {hi})"
+        )
+    return part
 
 
 @dataclass(frozen=True)
 class FieldInfo:
-    """What a trace knows of one field's rows: the widest dtype seen and the row shape."""
+    """What a trace knows of one field's rows: the widest dtype seen and the row shape (ragged
+    fields: ``()``, or the widest padded width seen by handle)."""
 
     dtype: np.dtype
     row_shape: tuple[int, ...]
@@ -80,13 +69,20 @@ class Trace:
     pieces: Mapping[str, tuple[Source, ...]]
     info: Mapping[str, FieldInfo]
     warnings: tuple[str, ...] = ()
+    _expected: dict[bool, list[Span]] = field(default_factory=dict, compare=False, repr=False)
 
     def expected(self, field: str) -> list[Span]:
         """Ranges where the engine should have produced rows of ``field``, merged and ordered:
         every forwarded token for routes, every completion token for other fields."""
-        if field == self.routes_field:
-            return merge((0, routes_end(p, c)) for p, c in self.requests)
-        return merge((p, p + c) for p, c in self.requests)
+        routes = field == self.routes_field
+        spans = self._expected.get(routes)
+        if spans is None:
+            if routes:
+                spans = merge((0, routes_end(p, c)) for p, c in self.requests)
+            else:
+                spans = merge((p, p + c) for p, c in self.requests)
+            self._expected[routes] = spans
+        return spans
 
 
 class _Track:
@@ -101,6 +97,10 @@ class _Track:
     def put(self, piece: Source) -> None:
         """Insert ``piece``, trimming or removing the pieces it overlaps (it wins)."""
         lo, hi = piece.pos, piece.end
+        if not self.pieces or self.pieces[-1].end <= lo:  # the usual case: a later turn
+            self.starts.append(lo)
+            self.pieces.append(piece)
+            return
         first = bisect_right(self.starts, lo) - 1
         if first < 0 or self.pieces[first].end <= lo:
             first += 1
@@ -119,10 +119,11 @@ class _Track:
         self.starts[first:stop] = [p.pos for p in replacement]
 
 
-def _rows_of(source: Source) -> tuple[np.dtype, tuple[int, ...], bool]:
-    if isinstance(source, PayloadSegment):
+def _kind(source: Source) -> tuple[np.dtype, tuple[int, ...], bool]:
+    """``(dtype, row_shape, ragged)`` of a source as it arrived."""
+    if type(source) is PayloadSegment:
         return parse_dtype(source.dtype), source.shape, source.ragged
-    return source.array.dtype, source.row_shape, False
+    return source.dtype, source.row_shape, source.ragged
 
 
 class TraceBuilder:
@@ -131,10 +132,9 @@ class TraceBuilder:
     ``routes_field`` rows are anchored on forwarded tokens, so they end by the last one (see
     :mod:`r3data.wire.anchors`; ``last_token_row`` also admits a row for the last token, which
     vLLM, SGLang and prime-rl never send); every other field sits on completion tokens. Fields
-    in ``ragged_fields`` hold rows of varying width (sampling masks: inline padded with -1, by
-    handle with an index table). Inline routes are checked on arrival: ids below
-    ``num_experts`` when given, and rows that are 0 in every entry (an engine bug) are, per
-    ``zero_rows``, treated as missing (logged), refused, or kept. Bad option values raise
+    in ``ragged_fields`` hold rows of varying width (sampling masks): inline as
+    :class:`~r3data.ragged.RaggedRows` or padded 2-D with -1 (made ragged here, once), by
+    handle with an index table or padded with -1. Bad option values raise
     :class:`ConfigError`; rows that do not fit raise :class:`TraceError`.
     """
 
@@ -142,30 +142,19 @@ class TraceBuilder:
         self,
         trace_id: str = "",
         *,
-        num_experts: int | None = None,
         routes_field: str = ROUTES_FIELD,
         ragged_fields: Iterable[str] = ("sampling_mask",),
-        zero_rows: ZeroRows = "missing",
         last_token_row: bool = False,
     ) -> None:
-        if zero_rows not in ("missing", "raise", "keep"):
-            raise ConfigError(
-                f"zero_rows: expected 'missing', 'raise' or 'keep', found {zero_rows!r}"
-            )
-        if num_experts is not None and nonnegative_int("num_experts", num_experts) == 0:
-            raise ConfigError("num_experts: expected an int >= 1, found 0")
         if not isinstance(last_token_row, bool):
             raise ConfigError(f"last_token_row: expected a bool, found {last_token_row!r}")
         self.trace_id = str(trace_id)
-        self.num_experts = num_experts
         self.routes_field = routes_field
         self.ragged_fields = frozenset(ragged_fields)
-        self.zero_rows = zero_rows
         self.last_token_row = last_token_row
         self._requests: list[tuple[int, int]] = []
         self._tracks: dict[str, _Track] = {}
         self._info: dict[str, FieldInfo] = {}
-        self._warnings: list[str] = []
 
     def add_request(
         self, prompt_len: int, completion_len: int, sources: Iterable[Source] = ()
@@ -174,29 +163,45 @@ class TraceBuilder:
         source before changing anything, so a refused request leaves the trace as it was."""
         prompt_len = nonnegative_int("prompt_len", prompt_len, TraceError)
         completion_len = nonnegative_int("completion_len", completion_len, TraceError)
-        request_sources = list(sources)
+        request_sources = [self._ragged_inline(s) for s in sources]
         for source in request_sources:
-            if not isinstance(source, (InlineRows, PayloadSegment)):
+            if not isinstance(source, _SOURCES):
                 raise TraceError(
-                    f"trace {self.trace_id!r}: expected InlineRows or PayloadSegment sources, "
-                    f"found {type(source).__name__}"
+                    f"trace {self.trace_id!r}: expected InlineRows, EncodedRows or "
+                    f"PayloadSegment sources, found {type(source).__name__}"
                 )
             self._check_span(source, prompt_len, completion_len)
-        self._check_disjoint(request_sources)
-        info = dict(self._info)
-        pieces: list[Source] = []
-        warnings: list[str] = []
+        if len(request_sources) > 1:
+            self._check_disjoint(request_sources)
+        info = self._info
         for source in request_sources:
-            info[source.field] = self._merged_info(info.get(source.field), source)
-            if source.rows:
-                pieces.extend(self._checked(source, warnings))
+            merged = self._merged_info(info.get(source.field), source)
+            if merged is not info.get(source.field):
+                info = info if info is not self._info else dict(info)
+                info[source.field] = merged
         self._requests.append((prompt_len, completion_len))
         self._info = info
-        for piece in pieces:
-            self._tracks.setdefault(piece.field, _Track()).put(piece)
-        for message in warnings:
-            logger.warning(message)
-        self._warnings.extend(warnings)
+        for source in request_sources:
+            if source.rows:
+                track = self._tracks.get(source.field)
+                if track is None:
+                    track = self._tracks[source.field] = _Track()
+                track.put(source)
+
+    def _ragged_inline(self, source: Source) -> Source:
+        """Padded inline rows of a ragged field as ragged rows (the one form downstream)."""
+        if (
+            type(source) is InlineRows
+            and not source.ragged
+            and source.array.ndim == 2
+            and (
+                source.field in self.ragged_fields
+                or (source.field in self._info and self._info[source.field].ragged)
+            )
+        ):
+            rows = RaggedRows.from_padded(source.array, what=f"field {source.field!r}")
+            return InlineRows(source.field, rows, source.pos, source.meta)
+        return source
 
     def _check_span(self, source: Source, prompt_len: int, completion_len: int) -> None:
         """Routes end by the last forwarded token (or the last token with
@@ -225,37 +230,44 @@ class TraceBuilder:
         for source in sources:
             if source.rows:
                 spans.setdefault(source.field, []).append((source.pos, source.end))
-        for field, field_spans in spans.items():
+        for field_name, field_spans in spans.items():
             field_spans.sort()
             for (lo, hi), (next_lo, next_hi) in itertools.pairwise(field_spans):
                 if next_lo < hi:
                     raise TraceError(
-                        f"trace {self.trace_id!r} field {field!r}: sources of one request "
+                        f"trace {self.trace_id!r} field {field_name!r}: sources of one request "
                         f"overlap, [{lo}, {hi}) and [{next_lo}, {next_hi}) (several choices "
                         f"of one response?); expected disjoint ranges, one source per position"
                     )
 
     def _merged_info(self, known: FieldInfo | None, source: Source) -> FieldInfo:
-        dtype, row_shape, handle_ragged = _rows_of(source)
+        dtype, row_shape, source_ragged = _kind(source)
+        if (
+            known is not None
+            and known.dtype == dtype
+            and known.row_shape == row_shape
+            and known.ragged == source_ragged
+        ):
+            return known
         where = {"trace_id": self.trace_id, "field": source.field, "pos": source.pos}
-        ragged = handle_ragged or source.field in self.ragged_fields
+        ragged = source_ragged or source.field in self.ragged_fields
         if known is not None and known.ragged != ragged:
             if not known.ragged:
                 raise TraceError(
                     f"trace {self.trace_id!r} field {source.field!r}: ragged rows at position "
                     f"{source.pos} after fixed-width rows of shape {list(known.row_shape)}"
                 )
-            ragged = True  # padded inline rows of a field earlier sent ragged by handle
+            ragged = True  # padded rows of a field earlier sent ragged by handle
         if source.field == self.routes_field and dtype not in ROUTE_DTYPES:
             raise TraceError(
                 f"trace {self.trace_id!r} field {source.field!r}: expected route dtype one of "
                 f"{[d.name for d in ROUTE_DTYPES]}, found {dtype} at position {source.pos}"
             )
-        if ragged and isinstance(source, InlineRows) and source.array.ndim != 2:
+        if ragged and not source_ragged and len(row_shape) != 1:
             raise TraceError(
-                f"trace {self.trace_id!r} field {source.field!r}: expected ragged rows padded "
-                f"2-D [rows, width] with -1, found shape {list(source.array.shape)} at position "
-                f"{source.pos}"
+                f"trace {self.trace_id!r} field {source.field!r}: expected ragged rows, or rows "
+                f"padded 2-D [rows, width] with -1, found row shape {list(row_shape)} at "
+                f"position {source.pos}"
             )
         if known is None:
             return FieldInfo(
@@ -267,36 +279,6 @@ class TraceBuilder:
             known.ragged,
         )
 
-    def _checked(self, source: Source, warnings: list[str]) -> list[Source]:
-        """``source`` split around rows to treat as missing, after the route checks."""
-        if source.field != self.routes_field or not isinstance(source, InlineRows):
-            return [source]
-        if self.num_experts is not None:
-            check_expert_ids(
-                source.array,
-                self.num_experts,
-                trace_id=self.trace_id,
-                field=source.field,
-                pos=source.pos,
-            )
-        if self.zero_rows == "keep":
-            return [source]
-        zero = zero_rows(source.array)
-        if not zero.any():
-            return [source]
-        runs = nonzero_runs(zero)
-        missing = complement(
-            [(source.pos + a, source.pos + b) for a, b in runs], source.pos, source.end
-        )
-        message = (
-            f"trace {self.trace_id!r} field {source.field!r}: {int(zero.sum())} all-zero route "
-            f"rows (an engine bug) at positions {format_spans(missing)}"
-        )
-        if self.zero_rows == "raise":
-            raise TraceError(message)
-        warnings.append(message + "; treated as missing")
-        return [clip_source(source, source.pos + a, source.pos + b) for a, b in runs]
-
     def build(self) -> Trace:
         """An immutable snapshot of the trace so far."""
         return Trace(
@@ -304,6 +286,5 @@ class TraceBuilder:
             routes_field=self.routes_field,
             requests=tuple(self._requests),
             pieces=MappingProxyType({f: tuple(t.pieces) for f, t in self._tracks.items()}),
-            info=MappingProxyType(dict(self._info)),
-            warnings=tuple(self._warnings),
+            info=MappingProxyType(self._info),
         )

@@ -1,17 +1,19 @@
 """``stitch``: one sample's rows per field, as pieces covering ``[0, sample_len)`` exactly.
 
-A piece is a :class:`PayloadSegment` (read by handle) or an :class:`InlineRows` whose array is
-a view of the engine's array, so a loader copies each piece once into its slice of the batch
-buffer. Positions without a row get a placeholder and ``valid`` False:
+The pieces are the plan the loader's fill executes in one pass: sources (views, clipped
+handles, narrowed blobs; nothing is read or decoded here) and :class:`PlaceholderRows` where
+the engine produced no row, which are ``valid`` False:
 
 - positions the engine never forwards or that the trainer appended (the last token, a synthetic
-  EOS) take, for routes, a copy of the previous row (``"repeat_previous"``; by handle a one-row
-  segment re-pointing at that row's bytes) or distinct experts ``arange(topk)``
-  (``"distinct"``, also used where no previous row exists); for other fields a fill row
-  (0, or an empty row for ragged fields), e.g. prompt tokens, which have no sampling mask;
+  EOS) take, for routes, a copy of the previous row (``"repeat_previous"``: the placeholder
+  names that one row as its source) or distinct experts ``arange(topk)`` (``"distinct"``, also
+  used where no previous row exists); for other fields a fill row (0, or an empty row for
+  ragged fields), e.g. prompt tokens, which have no sampling mask;
 - positions where the engine should have produced a row but did not are a gap, handled by
   ``on_gap``: ``"drop_routes"`` makes every row of that field a placeholder (all invalid, with a
-  warning), ``"drop_sample"`` returns None, ``"raise"`` raises :class:`TraceGapError`.
+  warning), ``"drop_sample"`` returns None, ``"raise"`` raises :class:`TraceGapError`. Rows the
+  fill's screen finds missing (all-zero engine rows, ``-1`` ids) are a gap too, under the same
+  policy.
 """
 
 from __future__ import annotations
@@ -20,44 +22,69 @@ import logging
 import math
 from bisect import bisect_left
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 import numpy as np
 
 from r3data.errors import ConfigError, TraceError, TraceGapError
-from r3data.payload.segment import PayloadSegment
+from r3data.spans import complement, format_spans, intersect
 from r3data.trace.builder import ROUTES_FIELD, FieldInfo, Source, Trace, TraceBuilder, clip_source
-from r3data.trace.materialize import materialize_field
-from r3data.trace.spans import complement, format_spans, intersect
-from r3data.wire.anchors import nonnegative_int
-from r3data.wire.rows import InlineRows
-
-if TYPE_CHECKING:
-    from r3data.payload.reader import PayloadReader
+from r3data.validate import checked_int, nonnegative_int
 
 __all__ = [
-    "PLACEHOLDER_META",
+    "GAP_POLICIES",
     "OnGap",
     "Placeholder",
+    "PlaceholderRows",
     "StitchStats",
     "StitchedField",
     "StitchedSample",
+    "check_on_gap",
     "distinct_row",
     "stitch",
 ]
 
 Placeholder = Literal["repeat_previous", "distinct"]
 OnGap = Literal["drop_routes", "drop_sample", "raise"]
+GAP_POLICIES = ("drop_routes", "drop_sample", "raise")
 
-PLACEHOLDER_META = "placeholder"
-"""Key of ``InlineRows.meta`` naming the kind of an inline placeholder piece."""
-
-logger = logging.getLogger("r3data.trace")
+logger = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
+def check_on_gap(on_gap: object) -> OnGap:
+    if on_gap not in GAP_POLICIES:
+        raise ConfigError(
+            f"on_gap: expected 'drop_routes', 'drop_sample' or 'raise', found {on_gap!r}"
+        )
+    return on_gap  # type: ignore[return-value]
+
+
+@dataclass(frozen=True, slots=True)
+class PlaceholderRows:
+    """Rows ``[pos, pos + rows)`` of ``field`` the engine did not produce. ``kind`` says what
+    the fill writes there: ``"repeat_previous"`` (the one row of ``source``, repeated),
+    ``"distinct"`` (experts ``0..topk-1``) or ``"fill"`` (zeros; empty ragged rows)."""
+
+    field: str
+    pos: int
+    rows: int
+    kind: str
+    source: Source | None = None
+
+    @property
+    def end(self) -> int:
+        return self.pos + self.rows
+
+    def clipped(self, lo: int, hi: int) -> PlaceholderRows:
+        return PlaceholderRows(self.field, lo, hi - lo, self.kind, self.source)
+
+
+Piece = Source | PlaceholderRows
+
+
+@dataclass(frozen=True, slots=True)
 class StitchStats:
     """Counts for one sample (summed over its fields) or, added up, for a batch."""
 
@@ -70,12 +97,21 @@ class StitchStats:
     """Ranges where rows were missing inside a sample."""
     rows_dropped: int = 0
     """Rows the engine produced but ``on_gap="drop_routes"`` discarded."""
+    rows_missing: int = 0
+    """Rows the screen found missing (all-zero engine rows, ``-1`` ids): the gaps' cause."""
     bytes: int = 0
     """Bytes of captured rows as the engine stored them (a ragged handle: its index table)."""
 
     def __add__(self, other: StitchStats) -> StitchStats:
         return StitchStats(
-            **{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)}
+            self.samples + other.samples,
+            self.samples_dropped + other.samples_dropped,
+            self.rows_captured + other.rows_captured,
+            self.placeholders + other.placeholders,
+            self.gaps + other.gaps,
+            self.rows_dropped + other.rows_dropped,
+            self.rows_missing + other.rows_missing,
+            self.bytes + other.bytes,
         )
 
     @classmethod
@@ -88,16 +124,56 @@ class StitchStats:
         return out
 
 
-@dataclass(frozen=True, eq=False)
 class StitchedField:
-    """One field of a sample: ``pieces`` in position order, covering ``[0, len(valid))``."""
+    """One field of a sample: ``pieces`` in position order, covering ``[0, sample_len)``;
+    ``topk`` is the width of a distinct placeholder row (None: the row's last axis)."""
 
-    name: str
-    pieces: tuple[Source, ...]
-    valid: np.ndarray
-    dtype: np.dtype
-    row_shape: tuple[int, ...]
-    ragged: bool
+    __slots__ = (
+        "_valid",
+        "dtype",
+        "name",
+        "pieces",
+        "ragged",
+        "row_shape",
+        "sample_len",
+        "topk",
+    )
+
+    def __init__(
+        self,
+        name: str,
+        pieces: tuple[Piece, ...],
+        info: FieldInfo,
+        sample_len: int,
+        topk: int | None = None,
+    ) -> None:
+        self.name = name
+        self.pieces = pieces
+        self.dtype = info.dtype
+        self.row_shape = info.row_shape
+        self.ragged = info.ragged
+        self.sample_len = sample_len
+        self.topk = topk
+        self._valid: np.ndarray | None = None
+
+    @property
+    def info(self) -> FieldInfo:
+        return FieldInfo(self.dtype, self.row_shape, self.ragged)
+
+    def with_pieces(self, pieces: tuple[Piece, ...]) -> StitchedField:
+        """The same field holding only ``pieces`` (e.g. one rank's share of the positions)."""
+        return StitchedField(self.name, pieces, self.info, self.sample_len, self.topk)
+
+    @property
+    def valid(self) -> np.ndarray:
+        """Bool ``[sample_len]`` by position: True where a source (an engine row) fills it."""
+        if self._valid is None:
+            valid = np.zeros(self.sample_len, dtype=bool)
+            for piece in self.pieces:
+                if type(piece) is not PlaceholderRows:
+                    valid[piece.pos : piece.end] = True
+            self._valid = valid
+        return self._valid
 
 
 @dataclass(frozen=True, eq=False)
@@ -116,11 +192,6 @@ class StitchedSample:
 
     def __getitem__(self, field: str) -> StitchedField:
         return self.fields[field]
-
-    def materialize(self, field: str, reader: PayloadReader | None = None) -> np.ndarray:
-        """The field as one array ``[sample_len, *row_shape]`` (ragged: padded with -1);
-        by-handle pieces are read through ``reader``."""
-        return materialize_field(self.fields[field], self.sample_len, reader, self.trace_id)
 
 
 def distinct_row(
@@ -141,61 +212,38 @@ def distinct_row(
 
 def _window(pieces: tuple[Source, ...], n: int) -> list[Source]:
     """The pieces inside positions ``[0, n)``, the last one clipped."""
+    if not pieces or pieces[-1].end <= n:
+        return list(pieces)
     inside = list(pieces[: bisect_left(pieces, n, key=lambda p: p.pos)])
     if inside and inside[-1].end > n:
         inside[-1] = clip_source(inside[-1], inside[-1].pos, n)
     return inside
 
 
-class _Filler:
-    """Placeholder pieces for one field."""
-
-    def __init__(self, field: str, info: FieldInfo, kind: str, topk: int | None) -> None:
-        self.field, self.info, self.kind, self.topk = field, info, kind, topk
-
-    def pieces(self, lo: int, hi: int, previous: Source | None) -> list[Source]:
-        if self.kind == "repeat_previous" and previous is not None:
-            if isinstance(previous, PayloadSegment):
-                last = clip_source(previous, previous.end - 1, previous.end)
-                return [replace(last, pos=p) for p in range(lo, hi)]
-            row = previous.array[-1]
-            return [self._inline(np.broadcast_to(row, (hi - lo, *row.shape)), lo, self.kind)]
-        if self.kind == "fill":
-            shape = (0,) if self.info.ragged else self.info.row_shape
-            row = np.zeros(shape, dtype=self.info.dtype)
-            return [self._inline(np.broadcast_to(row, (hi - lo, *shape)), lo, "fill")]
-        row = distinct_row(self.info.row_shape, self.info.dtype, self.topk)
-        return [self._inline(np.broadcast_to(row, (hi - lo, *row.shape)), lo, "distinct")]
-
-    def _inline(self, array: np.ndarray, pos: int, kind: str) -> InlineRows:
-        return InlineRows(self.field, array, pos, {PLACEHOLDER_META: kind})
-
-
-def _filled(real: list[Source], n: int, filler: _Filler) -> list[Source]:
+def _filled(real: list[Source], n: int, field: str, kind: str) -> list[Piece]:
     """``real`` pieces with placeholders in every hole of ``[0, n)``, in position order."""
-    out: list[Source] = []
+    out: list[Piece] = []
     cursor = 0
     previous: Source | None = None
     for piece in real:
         if piece.pos > cursor:
-            out.extend(filler.pieces(cursor, piece.pos, previous))
+            out.append(_placeholder(field, cursor, piece.pos, kind, previous))
         out.append(piece)
         cursor, previous = piece.end, piece
     if cursor < n:
-        out.extend(filler.pieces(cursor, n, previous))
+        out.append(_placeholder(field, cursor, n, kind, previous))
     return out
 
 
-def _placeholder_kind(routes: bool, placeholder: Placeholder, *, dropped: bool) -> str:
-    """Routes follow ``placeholder`` (distinct once dropped: no row is left to repeat); other
-    fields are filled."""
-    if not routes:
-        return "fill"
-    return "distinct" if dropped else placeholder
-
-
-def _nbytes(piece: Source) -> int:
-    return piece.nbytes if isinstance(piece, PayloadSegment) else piece.array.nbytes
+def _placeholder(
+    field: str, lo: int, hi: int, kind: str, previous: Source | None
+) -> PlaceholderRows:
+    if kind == "repeat_previous":
+        if previous is None:
+            return PlaceholderRows(field, lo, hi - lo, "distinct")
+        last = clip_source(previous, previous.end - 1, previous.end)
+        return PlaceholderRows(field, lo, hi - lo, kind, last)
+    return PlaceholderRows(field, lo, hi - lo, kind)
 
 
 def stitch(
@@ -220,12 +268,9 @@ def stitch(
         raise ConfigError(
             f"placeholder: expected 'repeat_previous' or 'distinct', found {placeholder!r}"
         )
-    if on_gap not in ("drop_routes", "drop_sample", "raise"):
-        raise ConfigError(
-            f"on_gap: expected 'drop_routes', 'drop_sample' or 'raise', found {on_gap!r}"
-        )
-    if topk is not None and nonnegative_int("topk", topk) == 0:
-        raise ConfigError("topk: expected an int >= 1, found 0")
+    check_on_gap(on_gap)
+    if topk is not None:
+        checked_int("topk", topk, minimum=1)
     names = [fields] if isinstance(fields, str) else list(fields)
     if not names or len(set(names)) != len(names):
         raise ConfigError(f"fields: expected distinct field names, found {names!r}")
@@ -238,7 +283,8 @@ def stitch(
             return None
         stitched[field], field_stats, warning = result
         stats += field_stats
-        warnings.extend([warning] if warning else [])
+        if warning:
+            warnings.append(warning)
     return StitchedSample(
         trace_id=trace.trace_id,
         sample_len=n,
@@ -253,7 +299,8 @@ def _stitch_field(
 ) -> tuple[StitchedField, StitchStats, str | None] | None:
     """One field's pieces, statistics and warning; None when the sample is dropped."""
     real = _window(trace.pieces.get(field, ()), n)
-    gaps = intersect(complement([(p.pos, p.end) for p in real], 0, n), trace.expected(field))
+    holes = complement([(p.pos, p.end) for p in real], 0, n)
+    gaps = intersect(holes, trace.expected(field)) if holes else []
     warning, dropped = None, 0
     if gaps:
         message = (
@@ -267,28 +314,22 @@ def _stitch_field(
             return None
         warning = f"{message}; every row of {field!r} is a placeholder"
         logger.warning(warning)
-        dropped, real = sum(p.rows for p in real), []
+        dropped, real, holes = sum(p.rows for p in real), [], [(0, n)]
     info = trace.info.get(field)
     if info is None:
         raise TraceError(
             f"trace {trace.trace_id!r} field {field!r}: no rows anywhere in the trace, so "
             f"its row shape and dtype are unknown"
         )
-    kind = _placeholder_kind(field == trace.routes_field, placeholder, dropped=bool(gaps))
-    valid = np.zeros(n, dtype=bool)
-    for piece in real:
-        valid[piece.pos : piece.end] = True
+    routes = field == trace.routes_field
+    kind = ("distinct" if gaps else placeholder) if routes else "fill"
     captured = sum(p.rows for p in real)
     stats = StitchStats(
         rows_captured=captured,
         placeholders=n - captured,
         gaps=len(gaps),
         rows_dropped=dropped,
-        bytes=sum(_nbytes(p) for p in real),
+        bytes=sum(p.nbytes for p in real),
     )
-    pieces = tuple(_filled(real, n, _Filler(field, info, kind, topk)))
-    return (
-        StitchedField(field, pieces, valid, info.dtype, info.row_shape, info.ragged),
-        stats,
-        warning,
-    )
+    pieces = tuple(_filled(real, n, field, kind)) if holes else tuple(real)
+    return StitchedField(field, pieces, info, n, topk if routes else None), stats, warning

@@ -2,15 +2,20 @@
 
 - :mod:`~r3data.wire.anchors`: where a request's route rows sit (the last token has none);
 - :mod:`~r3data.wire.dtypes`: the dtypes allowed on the wire;
+- :mod:`~r3data.wire.blob`: strict base64, decoded whole or straight into a buffer;
+- :mod:`~r3data.wire.rows`: rows with positions, decoded (``InlineRows``) or not yet
+  (``EncodedRows``);
 - :mod:`~r3data.wire.envelope`: ``{"data": base64, "shape", "dtype", ...}`` packing;
+- :mod:`~r3data.wire.npy`: the ``.npy`` header of vLLM's routes, read strictly;
 - :mod:`~r3data.wire.splice`: parsing a JSON body without turning its blobs into strings;
 - :mod:`~r3data.wire.producers`: vLLM, SGLang, prime-rl and SkyRL response formats;
 - :mod:`~r3data.wire.masks`: CSR sampling masks and per-token floats.
 """
 
 from r3data.wire.anchors import anchored_pos, end_anchored_pos, routes_end, start_anchored_pos
+from r3data.wire.blob import decode_base64
 from r3data.wire.dtypes import ALL_DTYPES, ROUTE_DTYPES, parse_dtype
-from r3data.wire.envelope import compact_routes, decode_base64, pack_ndarray, unpack_ndarray
+from r3data.wire.envelope import compact_routes, pack_ndarray, unpack_ndarray
 from r3data.wire.masks import (
     MASK_FILL,
     NEG_INF_SENTINEL,
@@ -23,17 +28,14 @@ from r3data.wire.masks import (
     unpack_csr,
 )
 from r3data.wire.producers import (
-    OnZero,
-    dense_layers,
     primerl_routes,
     primerl_sampling_mask,
     read_npy,
-    screen_routes,
     sglang_routes,
     skyrl_routes,
     vllm_routes,
 )
-from r3data.wire.rows import InlineRows
+from r3data.wire.rows import EncodedRows, InlineRows, RowSource
 from r3data.wire.splice import load_packed_body
 
 __all__ = [
@@ -41,14 +43,14 @@ __all__ = [
     "MASK_FILL",
     "NEG_INF_SENTINEL",
     "ROUTE_DTYPES",
+    "EncodedRows",
     "InlineRows",
-    "OnZero",
+    "RowSource",
     "anchored_pos",
     "check_csr",
     "compact_routes",
     "csr_to_padded",
     "decode_base64",
-    "dense_layers",
     "end_anchored_pos",
     "floats_from_json",
     "floats_to_json",
@@ -61,7 +63,6 @@ __all__ = [
     "primerl_sampling_mask",
     "read_npy",
     "routes_end",
-    "screen_routes",
     "sglang_routes",
     "skyrl_routes",
     "start_anchored_pos",

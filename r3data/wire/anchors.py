@@ -16,24 +16,15 @@ logprobs) are not routes: their row i sits at ``prompt_len + i``.
 
 from __future__ import annotations
 
-import numpy as np
-
-from r3data.errors import ConfigError, EngineRoutesError, R3DataError
+from r3data.errors import ConfigError, EngineRoutesError
+from r3data.validate import nonnegative_int
 
 __all__ = [
     "anchored_pos",
     "end_anchored_pos",
-    "nonnegative_int",
     "routes_end",
     "start_anchored_pos",
 ]
-
-
-def nonnegative_int(name: str, value: object, error: type[R3DataError] = ConfigError) -> int:
-    """``value`` as an int >= 0 (a length or a position), else ``error`` naming ``name``."""
-    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 0:
-        raise error(f"{name}: expected an int >= 0, found {value!r:.40}")
-    return int(value)
 
 
 def routes_end(prompt_len: int, completion_len: int, *, last_token_row: bool = False) -> int:

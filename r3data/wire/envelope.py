@@ -17,14 +17,14 @@ import numpy as np
 import pybase64
 
 from r3data.errors import WireFormatError
+from r3data.wire.blob import Blob, decode_base64
 from r3data.wire.dtypes import ROUTE_DTYPES, DTypeLike, compact_route_dtype, parse_dtype
 
 __all__ = [
     "ENVELOPE_KEYS",
     "array_from_buffer",
+    "check_nbytes",
     "compact_routes",
-    "decode_base64",
-    "decoded_length",
     "envelope_spec",
     "pack_ndarray",
     "unpack_ndarray",
@@ -35,9 +35,6 @@ ENVELOPE_KEYS = ("data", "shape", "dtype")
 
 _MAX_NDIM = 32  # numpy 1.x limit; nothing on the wire needs more
 _MAX_NBYTES = int(np.iinfo(np.intp).max)  # numpy refuses larger shapes, even empty ones
-_PAD = ord("=")
-
-Base64Data = str | bytes | bytearray | memoryview
 
 
 def _host_array(array: object, what: str) -> np.ndarray:
@@ -75,65 +72,6 @@ def pack_ndarray(
         "dtype": dtype.name,
         **sidecar,
     }
-
-
-def _as_base64_buffer(data: object, what: str) -> Base64Data:
-    if isinstance(data, str | bytes | bytearray):
-        return data
-    if isinstance(data, memoryview):
-        try:
-            return data.cast("B")
-        except TypeError as err:
-            raise WireFormatError(f"{what}: base64 buffer is not contiguous ({err})") from None
-    raise WireFormatError(
-        f"{what}: expected base64 as str, bytes, bytearray or memoryview, "
-        f"found {type(data).__name__}"
-    )
-
-
-def decoded_length(data: Base64Data, what: str = "data") -> int:
-    """Bytes that padded base64 ``data`` decodes to, computed from its length alone."""
-    size = len(data)
-    if size % 4:
-        raise WireFormatError(
-            f"{what}: base64 must be padded to a multiple of 4 characters, found {size}"
-        )
-    if size == 0:
-        return 0
-    last, before = data[-1], data[-2]
-    if isinstance(data, str):
-        pad = (last == "=") + (last == "=" and before == "=")
-    else:
-        pad = (last == _PAD) + (last == _PAD and before == _PAD)
-    return size // 4 * 3 - pad
-
-
-def decode_base64(
-    data: object, *, expected_nbytes: int | None = None, what: str = "data"
-) -> bytearray:
-    """Strictly decode padded base64 into a new (writable) ``bytearray``.
-
-    When ``expected_nbytes`` is given, the decoded size (known from the length) must match it
-    before anything is decoded. A ``str`` is decoded in place, never copied to another string.
-    """
-    buffer = _as_base64_buffer(data, what)
-    nbytes = decoded_length(buffer, what)
-    if expected_nbytes is not None and nbytes != expected_nbytes:
-        raise WireFormatError(
-            f"{what}: expected {expected_nbytes} bytes, found base64 of {len(buffer)} "
-            f"characters that decodes to {nbytes} bytes"
-        )
-    try:
-        decoded = pybase64.b64decode_as_bytearray(buffer, validate=True)
-    except (ValueError, TypeError) as err:
-        raise WireFormatError(
-            f"{what}: invalid base64 in {len(buffer)} characters ({err})"
-        ) from None
-    if len(decoded) != nbytes:
-        raise WireFormatError(
-            f"{what}: expected base64 decoding to {nbytes} bytes, found {len(decoded)}"
-        )
-    return decoded
 
 
 def _parse_shape(shape: object, ndim: int | None, what: str) -> tuple[int, ...]:
@@ -174,6 +112,23 @@ def envelope_spec(
     return dtype, shape, sidecar
 
 
+def check_nbytes(found: int, dtype: np.dtype, shape: tuple[int, ...], *, what: str) -> int:
+    """The bytes of ``shape`` of ``dtype``, which must be ``found``; the shape must be one
+    numpy can hold even when a zero extent makes it empty."""
+    if math.prod(n for n in shape if n) * dtype.itemsize > _MAX_NBYTES:
+        raise WireFormatError(
+            f"{what}: expected a shape of at most {_MAX_NBYTES} bytes (zero extents aside), "
+            f"found {list(shape)!r:.120} of {dtype.name}"
+        )
+    nbytes = math.prod(shape) * dtype.itemsize
+    if found != nbytes:
+        raise WireFormatError(
+            f"{what}: expected {nbytes} bytes for shape {list(shape)} of {dtype.name}, "
+            f"found {found} decoded bytes"
+        )
+    return nbytes
+
+
 def array_from_buffer(
     buffer: bytes | bytearray | memoryview,
     dtype: np.dtype,
@@ -181,19 +136,8 @@ def array_from_buffer(
     *,
     what: str = "data",
 ) -> np.ndarray:
-    """View decoded bytes as an array of ``shape`` and ``dtype``; the sizes must agree, and
-    the shape must be one numpy can hold even when a zero extent makes it empty."""
-    if math.prod(n for n in shape if n) * dtype.itemsize > _MAX_NBYTES:
-        raise WireFormatError(
-            f"{what}: expected a shape of at most {_MAX_NBYTES} bytes (zero extents aside), "
-            f"found {list(shape)!r:.120} of {dtype.name}"
-        )
-    nbytes = math.prod(shape) * dtype.itemsize
-    if len(buffer) != nbytes:
-        raise WireFormatError(
-            f"{what}: expected {nbytes} bytes for shape {list(shape)} of {dtype.name}, "
-            f"found {len(buffer)} decoded bytes"
-        )
+    """View decoded bytes as an array of ``shape`` and ``dtype``; the sizes must agree."""
+    check_nbytes(len(buffer), dtype, shape, what=what)
     return np.frombuffer(buffer, dtype=dtype).reshape(shape)
 
 
@@ -215,6 +159,8 @@ def unpack_ndarray(
         envelope, allowed_dtypes=allowed_dtypes, ndim=ndim, what=what
     )
     data = envelope["data"]
+    if isinstance(data, Blob):
+        data = data.chars
     if isinstance(data, np.ndarray):
         if data.dtype != dtype or data.shape != shape:
             raise WireFormatError(

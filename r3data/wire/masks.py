@@ -20,7 +20,8 @@ from typing import Any
 
 import numpy as np
 
-from r3data.errors import ConfigError, WireFormatError
+from r3data.errors import ConfigError, PackedError, WireFormatError
+from r3data.ragged import MASK_FILL, RaggedRows
 from r3data.wire.envelope import pack_ndarray, unpack_ndarray
 
 __all__ = [
@@ -37,9 +38,6 @@ __all__ = [
     "padded_to_csr",
     "unpack_csr",
 ]
-
-#: Padding of a padded mask row after its kept ids.
-MASK_FILL = -1
 
 #: Largest padded mask (cells) built unless the caller raises it: 1 GiB of int32.
 DEFAULT_MAX_ELEMENTS = 1 << 28
@@ -75,6 +73,11 @@ def check_csr(ids: Any, counts: Any, *, what: str = "mask") -> tuple[np.ndarray,
         raise WireFormatError(
             f"{what}.counts: expected sizes >= 0, found {int(counts.min())} at token "
             f"{int(counts.argmin())}"
+        )
+    if counts.size and int(counts.max()) > _INT32_MAX:  # before any cast could wrap it
+        raise WireFormatError(
+            f"{what}.counts: expected sizes <= {_INT32_MAX}, found {int(counts.max())} at token "
+            f"{int(counts.argmax())}"
         )
     total = int(counts.sum(dtype=np.int64))
     if total != ids.size:
@@ -123,34 +126,22 @@ def csr_to_padded(
             f"counts present, found [{counts.size}, {widest}] = {cells} cells; pass a larger "
             f"max_padding (or None) to allow it"
         )
-    padded = np.full((counts.size, widest), MASK_FILL, dtype=np.int32)
-    padded[np.arange(widest) < counts[:, None]] = ids
-    return padded
+    return RaggedRows.from_lengths(ids, counts, what=what).padded(max_cells=max_elements)
 
 
 def padded_to_csr(padded: Any, *, what: str = "mask") -> tuple[np.ndarray, np.ndarray]:
     """``[tokens, widest]`` mask padded with :data:`MASK_FILL` -> CSR ``(ids, counts)`` int32."""
-    array = np.asarray(padded)
-    if array.ndim != 2 or (array.size and array.dtype.kind not in "iu"):
-        raise WireFormatError(
-            f"{what}: expected a [tokens, widest] integer array, found shape {array.shape} "
-            f"of {array.dtype}"
-        )
-    kept = array != MASK_FILL
-    counts = kept.sum(axis=1, dtype=np.int32)
-    holes = kept != (np.arange(array.shape[1]) < counts[:, None])
-    if holes.any():
-        row = int(holes.any(axis=1).argmax())
-        raise WireFormatError(
-            f"{what}: row {row} has {MASK_FILL} before a kept id; padding must come last"
-        )
-    ids = array[kept]
+    try:
+        rows = RaggedRows.from_padded(padded, fill=MASK_FILL, what=what)
+    except PackedError as exc:
+        raise WireFormatError(str(exc)) from None
+    ids = rows.values
     if ids.size and (int(ids.min()) < 0 or int(ids.max()) > _INT32_MAX):
         raise WireFormatError(
             f"{what}: expected token ids in [0, {_INT32_MAX}] or {MASK_FILL}, found "
             f"[{int(ids.min())}, {int(ids.max())}]"
         )
-    return ids.astype(np.int32, copy=False), counts
+    return ids.astype(np.int32, copy=False), rows.lengths.astype(np.int32)
 
 
 def pack_csr(ids: Any, counts: Any, *, what: str = "mask") -> dict[str, dict[str, Any]]:

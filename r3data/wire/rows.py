@@ -1,56 +1,82 @@
-"""A run of rows of one field, inline: what every producer decoder returns."""
+"""A run of rows of one field with its first token position: what every producer decoder returns.
+
+Two kinds, one interface (``field``, ``pos``, ``rows``, ``end``, ``row_shape``, ``dtype``,
+``nbytes``, ``meta``, ``array``, ``clipped``):
+
+- :class:`InlineRows`: rows already in memory, an array ``[rows, *row_shape]`` or, for a
+  ragged field, :class:`~r3data.ragged.RaggedRows`;
+- :class:`EncodedRows`: rows still base64 on the wire. The loader decodes them once, straight
+  into their slice of the batch buffer (:meth:`EncodedRows.decode_into`); ``array`` decodes
+  them on first use for everyone else.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import math
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
 import numpy as np
 
-from r3data.errors import SegmentError
+from r3data.errors import SegmentError, WireFormatError
+from r3data.ragged import RaggedRows
+from r3data.validate import nonnegative_int
+from r3data.wire.blob import Base64Data, decode_base64_into, decoded_length
 
-__all__ = ["InlineRows"]
+__all__ = ["EncodedRows", "InlineRows", "RowSource", "frozen_meta"]
+
+_EMPTY: Mapping[str, Any] = MappingProxyType({})
 
 
-@dataclass(frozen=True, eq=False)
+def frozen_meta(meta: Mapping[str, Any] | None) -> Mapping[str, Any]:
+    """``meta`` as a read-only mapping (shared when it already is one)."""
+    if not meta:
+        return _EMPTY
+    return meta if isinstance(meta, MappingProxyType) else MappingProxyType(dict(meta))
+
+
+def _check_pos(owner: str, pos: object) -> int:
+    return nonnegative_int(f"{owner}.pos", pos, SegmentError)
+
+
+@dataclass(frozen=True, eq=False, slots=True)
 class InlineRows:
     """Rows ``array[i]`` of ``field`` for token positions ``pos + i``.
 
-    ``array`` is ``[rows, *row_shape]`` (routes: ``[rows, layers, topk]``); ``meta`` carries
-    what the producer said about the rows (choice index, prompt and completion lengths, dense
-    layers, ...), read-only.
+    ``array`` is ``[rows, *row_shape]`` (routes: ``[rows, layers, topk]``), or
+    :class:`~r3data.ragged.RaggedRows` for a ragged field; ``meta`` carries what the producer
+    said about the rows (choice index, prompt and completion lengths, ...), read-only.
     """
 
     field: str
-    array: np.ndarray
+    array: np.ndarray | RaggedRows
     pos: int
-    meta: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+    meta: Mapping[str, Any] = field(default_factory=lambda: _EMPTY)
 
     def __post_init__(self) -> None:
         if not isinstance(self.field, str) or not self.field:
             raise SegmentError(f"InlineRows.field: expected a non-empty str, found {self.field!r}")
-        if not isinstance(self.array, np.ndarray) or self.array.ndim < 1:
+        if not isinstance(self.array, RaggedRows) and (
+            not isinstance(self.array, np.ndarray) or self.array.ndim < 1
+        ):
             found = getattr(self.array, "shape", type(self.array).__name__)
             raise SegmentError(
                 f"InlineRows({self.field!r}).array: expected a numpy array with at least one "
-                f"dimension (rows first), found {found}"
+                f"dimension (rows first) or RaggedRows, found {found}"
             )
-        if isinstance(self.pos, bool) or not isinstance(self.pos, int | np.integer):
-            raise SegmentError(
-                f"InlineRows({self.field!r}).pos: expected an int, found {self.pos!r}"
-            )
-        if self.pos < 0:
-            raise SegmentError(f"InlineRows({self.field!r}).pos: expected >= 0, found {self.pos}")
-        object.__setattr__(self, "pos", int(self.pos))
-        if not isinstance(self.meta, MappingProxyType):
-            object.__setattr__(self, "meta", MappingProxyType(dict(self.meta)))
+        object.__setattr__(self, "pos", _check_pos(f"InlineRows({self.field!r})", self.pos))
+        object.__setattr__(self, "meta", frozen_meta(self.meta))
+
+    @property
+    def ragged(self) -> bool:
+        return isinstance(self.array, RaggedRows)
 
     @property
     def rows(self) -> int:
         """Number of rows (token positions) covered."""
-        return int(self.array.shape[0])
+        return self.array.rows if self.ragged else int(self.array.shape[0])
 
     @property
     def end(self) -> int:
@@ -59,5 +85,130 @@ class InlineRows:
 
     @property
     def row_shape(self) -> tuple[int, ...]:
-        """Shape of one row (routes: ``(layers, topk)``)."""
-        return tuple(self.array.shape[1:])
+        """Shape of one row (routes: ``(layers, topk)``; ragged rows: ``()``)."""
+        return () if self.ragged else tuple(self.array.shape[1:])
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self.array.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return self.array.nbytes
+
+    def clipped(self, lo: int, hi: int) -> InlineRows:
+        """The rows at positions ``[lo, hi)`` (inside the span): a view."""
+        if (lo, hi) == (self.pos, self.end):
+            return self
+        return InlineRows(self.field, self.array[lo - self.pos : hi - self.pos], lo, self.meta)
+
+
+class EncodedRows:
+    """Rows of ``field`` for positions ``pos + i`` that are still base64 on the wire.
+
+    ``data`` holds the base64 characters (a view of the raw body, or a parsed ``str``); the
+    rows start ``skip`` decoded bytes in (a vLLM ``.npy`` header, rows clipped away) and are
+    ``rows x row_shape`` of ``dtype``, little-endian. The claim is checked against the
+    blob's length on construction; the characters are checked as they are decoded.
+    """
+
+    __slots__ = (
+        "_array",
+        "data",
+        "dtype",
+        "field",
+        "meta",
+        "pos",
+        "row_shape",
+        "rows",
+        "skip",
+        "what",
+    )
+
+    def __init__(
+        self,
+        field: str,
+        data: Base64Data,
+        *,
+        dtype: np.dtype,
+        row_shape: tuple[int, ...],
+        rows: int,
+        pos: int,
+        skip: int = 0,
+        meta: Mapping[str, Any] | None = None,
+        what: str = "",
+    ) -> None:
+        self.field = field
+        self.data = data
+        self.dtype = np.dtype(dtype)
+        self.row_shape = tuple(row_shape)
+        self.rows = rows
+        self.pos = _check_pos(f"EncodedRows({field!r})", pos)
+        self.skip = skip
+        self.meta = frozen_meta(meta)
+        self.what = what or f"field {field!r}"
+        self._array: np.ndarray | None = None
+        available = decoded_length(data, self.what)
+        if skip + self.nbytes > available:
+            raise WireFormatError(
+                f"{self.what}: expected {self.nbytes} bytes of rows after byte {skip}, found "
+                f"base64 of {len(data)} characters that decodes to {available} bytes"
+            )
+
+    @property
+    def ragged(self) -> bool:
+        return False
+
+    @property
+    def end(self) -> int:
+        return self.pos + self.rows
+
+    @property
+    def row_bytes(self) -> int:
+        return self.dtype.itemsize * math.prod(self.row_shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.rows * self.row_bytes
+
+    @property
+    def array(self) -> np.ndarray:
+        """The rows decoded (once, on first use)."""
+        if self._array is None:
+            array = np.empty((self.rows, *self.row_shape), self.dtype)
+            self.decode_into(array)
+            self._array = array
+        return self._array
+
+    def decode_into(self, dest: np.ndarray, on_bytes: Callable[[int], None] | None = None) -> None:
+        """Decode the rows into ``dest``, a writable C-contiguous buffer of :attr:`nbytes`;
+        ``on_bytes(done)`` follows the bytes in place, chunk by chunk."""
+        if self._array is not None:
+            np.copyto(dest.reshape(-1).view(np.uint8), self._array.reshape(-1).view(np.uint8))
+            if on_bytes is not None:
+                on_bytes(self.nbytes)
+            return
+        decode_base64_into(self.data, dest, skip=self.skip, what=self.what, on_bytes=on_bytes)
+
+    def clipped(self, lo: int, hi: int) -> EncodedRows:
+        """The rows at positions ``[lo, hi)`` (inside the span), still encoded."""
+        if (lo, hi) == (self.pos, self.end):
+            return self
+        part = object.__new__(EncodedRows)
+        for name in EncodedRows.__slots__:
+            setattr(part, name, getattr(self, name))
+        part.pos, part.rows = lo, hi - lo
+        part.skip = self.skip + (lo - self.pos) * self.row_bytes
+        if self._array is not None:
+            part._array = self._array[lo - self.pos : hi - self.pos]
+        return part
+
+    def __repr__(self) -> str:
+        return (
+            f"EncodedRows({self.field!r}, pos={self.pos}, rows={self.rows}, "
+            f"row_shape={self.row_shape}, dtype={self.dtype})"
+        )
+
+
+RowSource = InlineRows | EncodedRows
+"""Rows from the wire, with their positions."""

@@ -19,6 +19,10 @@ What a registered field's value may be:
 - a group of envelopes such as a CSR mask ``{"ids": <envelope>, "counts": <envelope>}``
   (the first member's value is an object or null): each member envelope is decoded as above.
 
+With ``decode=False`` nothing is decoded: each blob becomes a :class:`~r3data.wire.blob.Blob`
+(a view of its characters in ``raw``), which the loader decodes once, straight into the batch
+buffer; an envelope's claimed size is still checked against the blob's length.
+
 Registered keys are found by one regular-expression pass over the bytes outside the blobs,
 however many fields are registered. A key counts only where JSON allows a key (after ``{`` or
 ``,``), so a string value that mentions a field, a key that merely ends with a field's name,
@@ -45,8 +49,9 @@ from typing import Any, NamedTuple
 import orjson
 
 from r3data.errors import ConfigError, WireFormatError
+from r3data.wire.blob import Blob, decode_base64, decoded_length
 from r3data.wire.dtypes import DTypeLike
-from r3data.wire.envelope import array_from_buffer, decode_base64, envelope_spec
+from r3data.wire.envelope import array_from_buffer, check_nbytes, envelope_spec
 
 __all__ = ["load_packed_body"]
 
@@ -58,12 +63,13 @@ _CONTAINERS = frozenset({dict, list})
 
 
 class _Blob(NamedTuple):
-    """The base64 blob of ``field`` at ``raw[start:end]`` (between quotes), decoded."""
+    """The base64 blob of ``field`` at ``raw[start:end]`` (between quotes), decoded (or, when
+    nothing is decoded, a :class:`Blob` view of its characters)."""
 
     field: str
     start: int
     end: int
-    decoded: bytearray
+    decoded: bytearray | Blob
 
 
 @lru_cache(maxsize=64)
@@ -101,9 +107,10 @@ def _found(raw: bytes, pos: int) -> str:
 class _Scanner:
     """Finds the blobs of registered fields in ``raw`` (see the module docstring)."""
 
-    def __init__(self, raw: bytes, pattern: re.Pattern[bytes]) -> None:
+    def __init__(self, raw: bytes, pattern: re.Pattern[bytes], decode: bool) -> None:
         self.raw = raw
         self.pattern = pattern
+        self.decode = decode
         self.blobs: list[_Blob] = []
 
     def scan(self) -> list[_Blob]:
@@ -123,9 +130,13 @@ class _Scanner:
                 f"field {field!r}: unterminated base64 string starting at byte {quote} "
                 f"of a {len(self.raw)}-byte body"
             )
-        decoded = decode_base64(
-            self.view[quote + 1 : end], what=f"field {field!r} base64 string at byte {quote}"
-        )
+        what = f"field {field!r} base64 string at byte {quote}"
+        if self.decode:
+            decoded: bytearray | Blob = decode_base64(self.view[quote + 1 : end], what=what)
+        else:
+            chars = memoryview(self.raw)[quote + 1 : end]  # outlives the scan's own view
+            decoded_length(chars, what)
+            decoded = Blob(chars, what)
         self.blobs.append(_Blob(field, quote + 1, end, decoded))
         return end + 1
 
@@ -289,16 +300,25 @@ class _Resolver:
             return False
         what = f"field {blob.field!r} envelope at byte {blob.start - 1}"
         dtype, shape, _ = envelope_spec(envelope, allowed_dtypes=self.allowed, what=what)
-        envelope["data"] = array_from_buffer(blob.decoded, dtype, shape, what=what)
+        if isinstance(blob.decoded, Blob):
+            check_nbytes(decoded_length(blob.decoded.chars), dtype, shape, what=what)
+            envelope["data"] = blob.decoded
+        else:
+            envelope["data"] = array_from_buffer(blob.decoded, dtype, shape, what=what)
         return True
 
-    def _resolve(self, node: dict[str, Any], field: str) -> None:
+    def _resolve(self, node: dict[str, Any], field: str) -> list[Any]:
+        """Place the blob(s) of the registered key ``field``; returns the containers under it
+        still to walk (a value the scan did not splice, e.g. under an escaped key)."""
         value = node[field]
         if (blob := self._claim(value)) is not None:
             node[field] = blob.decoded
-        elif type(value) is dict and not self._envelope(value):
-            for member in value.values():
-                self._envelope(member)
+            return []
+        if type(value) is list:
+            return [value]
+        if type(value) is not dict or self._envelope(value):
+            return []
+        return [m for m in value.values() if type(m) in _CONTAINERS and not self._envelope(m)]
 
     def walk(self, root: Any, fields: frozenset[str]) -> None:
         """Resolve the registered keys in ``root``, objects before lists, stopping once every
@@ -310,7 +330,8 @@ class _Resolver:
                 node = objects.pop()
                 for key, value in node.items():
                     if key in fields:
-                        self._resolve(node, key)
+                        for inner in self._resolve(node, key):
+                            (objects if type(inner) is dict else lists).append(inner)
                     elif type(value) is dict:
                         objects.append(value)
                     elif type(value) is list:
@@ -333,12 +354,13 @@ def load_packed_body(
     fields: Iterable[str] = ("routed_experts",),
     *,
     allowed_dtypes: Iterable[DTypeLike] | None = None,
+    decode: bool = True,
 ) -> Any:
     """Parse JSON ``raw`` with every ``fields`` value decoded in one pass (see module doc).
 
-    ``allowed_dtypes`` narrows the dtypes envelopes may use (default: any wire dtype). A
-    ``memoryview`` is copied once to ``bytes``; pass ``bytes``, ``bytearray`` or ``mmap``
-    to avoid that.
+    ``allowed_dtypes`` narrows the dtypes envelopes may use (default: any wire dtype);
+    ``decode=False`` leaves every blob as a :class:`~r3data.wire.blob.Blob`. A ``memoryview``
+    is copied once to ``bytes``; pass ``bytes``, ``bytearray`` or ``mmap`` to avoid that.
     """
     if isinstance(raw, memoryview):
         raw = raw.tobytes()
@@ -349,7 +371,7 @@ def load_packed_body(
     names = tuple(fields)
     if not names:
         raise ConfigError("load_packed_body fields: expected at least one field name")
-    blobs = _Scanner(raw, _key_pattern(names)).scan()
+    blobs = _Scanner(raw, _key_pattern(names), decode).scan()
     base = secrets.randbelow(9 * 10**15) + 10**15
     root = _parse(raw, blobs, base)
     _Resolver(blobs, base, allowed_dtypes).walk(root, frozenset(names))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import itertools
 
 import numpy as np
@@ -14,7 +15,6 @@ from r3data import spans
 from r3data.errors import LayoutError
 from r3data.layout import PAD, ModelLayers, TokenLayout
 from r3data.packed import aranges
-from r3data.trace import spans as trace_spans
 
 GRIDS = st.fixed_dictionaries(
     {
@@ -215,10 +215,12 @@ def test_aranges_concatenates_ranges(runs):
 
 
 def test_span_algebra_is_shared_with_the_trace_code():
-    assert trace_spans.merge is spans.merge
-    assert trace_spans.complement is spans.complement
-    assert trace_spans.intersect is spans.intersect
-    assert trace_spans.format_spans is spans.format_spans
+    trace_builder = importlib.import_module("r3data.trace.builder")
+    trace_stitch = importlib.import_module("r3data.trace.stitch")
+    assert trace_builder.merge is spans.merge
+    assert trace_stitch.complement is spans.complement
+    assert trace_stitch.intersect is spans.intersect
+    assert trace_stitch.format_spans is spans.format_spans
     layout = TokenLayout(cp_size=2, cp_rank=0, packed=False, seq_length=8)
     # chunks 0 and 3 of a length-8 sequence: [0, 2) and [6, 8); sample of 7 keeps [6, 7)
     assert layout.local_ranges([7]) == [[(0, 2), (6, 7)]]

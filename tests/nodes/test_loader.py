@@ -265,8 +265,9 @@ def test_dataloader_and_stateful_dataloader_adapters(tmp_path):
 
 
 def test_sampling_masks_and_widened_routes_collate(tmp_path):
-    """Masks inline (prime-rl CSR) and by handle (ragged file rows) pad to the batch's widest
-    set with -1; a uint16 turn widens a uint8 trace; valid marks engine rows only."""
+    """Masks inline (prime-rl CSR) and by handle (ragged file rows) stay ragged and pad to the
+    batch's widest set with -1 on request; a uint16 turn widens a uint8 trace; valid marks
+    engine rows only."""
     from r3data.wire import pack_csr
 
     writer = PayloadWriter(tmp_path)
@@ -325,7 +326,9 @@ def test_sampling_masks_and_widened_routes_collate(tmp_path):
     assert np.array_equal(routes[0][4].numpy(), narrow[3])  # placeholder repeats the last row
     assert np.array_equal(routes[1][:7].numpy(), wide)
     assert batch["routed_experts_valid"][0].tolist() == [True] * 4 + [False]
-    masks = batch["sampling_mask"]
+    every_id = sum(len(r) for r in mask_rows) + 2 + ids.size  # ragged: each id stored once
+    assert batch["sampling_mask"].values.numel() == every_id
+    masks = batch["sampling_mask"].padded()  # padded to the batch's widest set, on request
     assert masks.row_shape == (5,)
     first = masks[0].numpy()
     assert (first[:2] == -1).all()
@@ -358,26 +361,41 @@ def test_by_handle_expert_ids_are_checked_once_read(tmp_path):
     assert int(batch["routed_experts"].values.max()) == EXPERTS + 7
 
 
-def test_zero_rows_by_handle_become_distinct_invalid_rows_or_raise(tmp_path):
+@pytest.mark.parametrize("by_handle", [True, False])
+def test_zero_rows_are_missing_rows_by_handle_and_inline_alike(tmp_path, by_handle):
+    """One screen: a route row zero in every layer (an engine bug) is a missing row, a gap under
+    ``on_gap``, whether it arrived in a file or inline."""
     rows = np.full((6, LAYERS, TOPK), 3, np.uint8)
     rows[2] = 0  # the engine bug: a row zero in every layer
-    (segment,) = PayloadWriter(tmp_path).write(0, {"routed_experts": rows})
+    if by_handle:
+        (segment,) = PayloadWriter(tmp_path).write(0, {"routed_experts": rows})
+        source = segment.to_dict()
+    else:
+        envelope = pack_ndarray(rows, start=0)
+        source = {"producer": "prime-rl", "response": {"choices": [{"routed_experts": envelope}]}}
     samples = [
         {
             "id": "zeros",
             "token_ids": np.arange(7),
-            "requests": [{"prompt_len": 3, "completion_len": 4, "sources": [segment.to_dict()]}],
+            "requests": [{"prompt_len": 3, "completion_len": 4, "sources": [source]}],
         }
     ]
     options = {"batch_size": 1, "payload_root": tmp_path, "workers": 1}
-    (batch,) = loader(samples, **options)
+    (batch,) = loader(samples, **options)  # on_gap="drop_routes": every row a placeholder
     routes = batch["routed_experts"][0].numpy()
-    assert routes[2].tolist() == [list(range(TOPK))] * LAYERS  # distinct experts, not zeros
-    assert batch["routed_experts_valid"][0].tolist() == [True, True, False, True, True, True, False]
+    assert (routes == np.arange(TOPK)).all()  # distinct experts, never zeros
+    assert not batch["routed_experts_valid"][0].any()
+    stats = batch.metadata["stats"]
+    assert (stats.gaps, stats.rows_missing, stats.rows_dropped) == (1, 1, 5)
+    with pytest.raises(TraceGapError, match=r"sample 'zeros'.*1 route rows at positions \[2, 3\)"):
+        list(loader(samples, on_gap="raise", **options))
+    (none,) = loader(samples, on_gap="drop_sample", **options)
+    assert (none.batch_size, none.metadata["dropped"]) == (0, ["zeros"])
     with pytest.raises(TraceError, match=r"sample 'zeros'.*positions \[2\] are zero"):
         list(loader(samples, trace_options={"zero_rows": "raise"}, **options))
     (kept,) = loader(samples, trace_options={"zero_rows": "keep"}, **options)
     assert not kept["routed_experts"][0][2].any()
+    assert kept["routed_experts_valid"][0].tolist() == [True] * 6 + [False]
 
 
 def test_num_experts_stores_routes_in_the_compact_dtype():

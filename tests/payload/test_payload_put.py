@@ -92,7 +92,7 @@ def test_object_store_upload_streams_blocks_and_appears_only_when_complete():
     got = PayloadReader(ROOT, fs=store).read(segments)
     np.testing.assert_array_equal(got["routes"], FIELDS["routes"])
     np.testing.assert_array_equal(got["mask"].values, np.concatenate(FIELDS["mask"]))
-    assert got["mask"].row_lengths.tolist() == [3, 0, 5000]
+    assert got["mask"].lengths.tolist() == [3, 0, 5000]
 
 
 @pytest.mark.parametrize("fail_at_part", [0, 3])

@@ -18,10 +18,10 @@ from r3data.payload import (
     PayloadReader,
     PayloadSegment,
     PayloadWriter,
-    RaggedRows,
     clip,
     inspect,
 )
+from r3data.ragged import RaggedRows
 from r3data.wire.dtypes import ALL_DTYPES
 
 
@@ -45,7 +45,7 @@ def ragged_rows(rng: np.random.Generator, lengths: list[int]) -> list[np.ndarray
 
 
 def assert_ragged_equal(got: RaggedRows, rows: list[np.ndarray]) -> None:
-    assert got.row_lengths.tolist() == [len(r) for r in rows]
+    assert got.lengths.tolist() == [len(r) for r in rows]
     assert got.values.dtype == np.int32
     np.testing.assert_array_equal(got.values, np.concatenate(rows) if rows else [])
 
@@ -75,7 +75,7 @@ def test_ragged_fields_round_trip_in_every_input_form(rng, payload_root, form):
     data = {
         "list": rows,
         "tuple": (np.concatenate(rows), lengths),
-        "RaggedRows": RaggedRows(np.concatenate(rows), lengths),
+        "RaggedRows": RaggedRows.from_lengths(np.concatenate(rows), lengths),
         "torch": [torch.from_numpy(r) for r in rows],
     }[form]
     routes = torch.from_numpy(random_rows(rng, "uint8", (6, 4, 2)))

@@ -10,19 +10,19 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from trace_engine import engine_rows, routes
+from trace_engine import engine_rows, materialized, routes
 
 from r3data.errors import ConfigError, TraceError
+from r3data.nodes import ScreenOptions
 from r3data.payload.reader import PayloadReader
 from r3data.payload.writer import PayloadWriter
+from r3data.spans import complement, intersect, merge
 from r3data.trace import (
     TraceBuilder,
-    check_expert_ids,
     distinct_row,
     stitch,
     widened_dtype,
 )
-from r3data.trace.spans import complement, intersect, merge
 from r3data.wire import vllm_routes
 from r3data.wire.rows import InlineRows
 
@@ -105,7 +105,7 @@ def test_a_multi_choice_response_is_refused():
         builder.add_request(4, 3, sources)
     builder.add_request(4, 3, vllm_routes({"choices": choices}, choice=1))
     np.testing.assert_array_equal(
-        stitch(builder, 6).materialize("routed_experts"), engine_rows(2, 0, 6)
+        materialized(stitch(builder, 6), "routed_experts"), engine_rows(2, 0, 6)
     )
 
 
@@ -118,10 +118,10 @@ def test_sources_past_the_request_and_foreign_objects_are_refused():
 
 
 def test_a_refused_request_leaves_the_trace_unchanged():
-    builder = TraceBuilder("t", num_experts=8)
+    builder = TraceBuilder("t")
     builder.add_request(4, 3, [routes(1, 0, 6)])
     before = builder.build()
-    bad = InlineRows("routed_experts", np.full((2, 2, 2), 9, np.uint8), 6)
+    bad = InlineRows("routed_experts", np.full((2, 3, 2), 9, np.uint8), 6)  # another row shape
     with pytest.raises(TraceError):
         builder.add_request(9, 2, [routes(2, 6, 8), bad])
     after = builder.build()
@@ -129,39 +129,47 @@ def test_a_refused_request_leaves_the_trace_unchanged():
     assert spans_of(builder) == [(0, 6)]
 
 
-def test_expert_ids_are_checked_against_num_experts():
-    builder = TraceBuilder("t", num_experts=8)
+def test_expert_ids_are_screened_against_num_experts():
+    builder = TraceBuilder("t")
     array = engine_rows(1, 0, 6)  # ids up to 6
     array[4, 1, 0] = 8
+    builder.add_request(4, 3, [InlineRows("routed_experts", array, 0)])
+    sample = stitch(builder, 7)
     with pytest.raises(
-        TraceError, match=r"'t' field 'routed_experts'.*\[0, 8\), found 8 at position 4 \(layer 1\)"
+        TraceError,
+        match=r"field 'routed_experts': expected expert ids in \[0, 8\), found 8 at "
+        r"position 4 \(layer 1\)",
     ):
-        builder.add_request(4, 3, [InlineRows("routed_experts", array, 0)])
-    negative = engine_rows(1, 0, 3, "int32")
-    negative[2, 0, 1] = -1
-    with pytest.raises(TraceError, match="found -1 at position 7"):
-        check_expert_ids(negative, 8, trace_id="t", field="routed_experts", pos=5)
+        materialized(sample, "routed_experts", screen=ScreenOptions(num_experts=8))
+    assert materialized(sample, "routed_experts", screen=ScreenOptions(num_experts=9))[4, 1, 0] == 8
 
 
 @pytest.mark.parametrize("policy", ["missing", "raise", "keep"])
 def test_all_zero_route_rows(policy, caplog):
     array = engine_rows(1, 0, 6)
     array[2:4] = 0
-    builder = TraceBuilder("t", zero_rows=policy)
-    source = InlineRows("routed_experts", array, 0)
-    if policy == "raise":
-        with pytest.raises(TraceError, match=r"2 all-zero route rows .* \[2, 4\)"):
-            builder.add_request(4, 3, [source])
-        return
-    builder.add_request(4, 3, [source])
+    builder = TraceBuilder("t")
+    builder.add_request(4, 3, [InlineRows("routed_experts", array, 0)])
     sample = stitch(builder, 7)
-    if policy == "keep":
-        assert sample.valid[:6].all()
+    screen = ScreenOptions(zero_rows=policy)
+    if policy == "raise":
+        with pytest.raises(TraceError, match=r"positions \[2, 3\] are zero in every layer"):
+            materialized(sample, "routed_experts", screen=screen)
         return
-    assert spans_of(builder) == [(0, 2), (4, 6)]
-    assert "[2, 4)" in caplog.text
-    assert any("all-zero" in w for w in sample.warnings)
-    assert not sample.valid.any()  # the rows are missing: a gap, dropped by default
+    from r3data.nodes import fill_field
+
+    filled = fill_field(
+        "routed_experts", [sample["routed_experts"]], dtype=np.dtype("uint8"), screen=screen
+    )
+    if policy == "keep":
+        assert filled.valid[:6].all()
+        assert not filled.values.values[2:4].any()
+        return
+    # the rows are missing: a gap, the sample's routes dropped by default
+    assert not filled.valid.any()
+    assert (filled.stats.gaps, filled.stats.rows_missing) == (1, 2)
+    assert any("[2, 4)" in w and "missing" in w for w in filled.warnings)
+    assert (filled.values.values.numpy() == distinct_row((2, 2), np.dtype("uint8"))).all()
 
 
 def test_route_dtypes_widen_across_turns_and_never_narrow():
@@ -172,7 +180,7 @@ def test_route_dtypes_widen_across_turns_and_never_narrow():
     builder.add_request(9, 2, [InlineRows("routed_experts", wide, 6)])
     builder.add_request(13, 3, [routes(3, 10, 15, "uint8")])
     assert builder.build().info["routed_experts"].dtype == np.uint16
-    routes_ = stitch(builder, 16).materialize("routed_experts")
+    routes_ = materialized(stitch(builder, 16), "routed_experts")
     assert routes_.dtype == np.uint16
     assert routes_[6, 0, 0] == 300
     builder.add_request(13, 3, [routes(4, 10, 15, "int32")])
@@ -234,14 +242,18 @@ def test_span_algebra_matches_sets(a, b, lo, width):
     [
         ({"zero_rows": "drop"}, "zero_rows: expected 'missing', 'raise' or 'keep', found 'drop'"),
         ({"num_experts": 0}, "num_experts: expected an int >= 1, found 0"),
-        ({"num_experts": -3}, "num_experts: expected an int >= 0, found -3"),
+        ({"num_experts": -3}, "num_experts: expected an int >= 1, found -3"),
         ({"num_experts": "8"}, "num_experts"),
-        ({"last_token_row": 1}, "last_token_row: expected a bool, found 1"),
     ],
 )
-def test_bad_option_values_are_config_errors(options, match):
+def test_bad_screen_options_are_config_errors(options, match):
     with pytest.raises(ConfigError, match=match):
-        TraceBuilder("t", **options)
+        ScreenOptions(**options)
+
+
+def test_bad_builder_options_are_config_errors():
+    with pytest.raises(ConfigError, match="last_token_row: expected a bool, found 1"):
+        TraceBuilder("t", last_token_row=1)
 
 
 def test_builder_arguments_and_ragged_agreement(tmp_path):
@@ -258,16 +270,11 @@ def test_builder_arguments_and_ragged_agreement(tmp_path):
     masks.add_request(4, 3, ragged)
     masks.add_request(9, 2, [InlineRows("token_mask", np.full((2, 4), 7, np.int32), 9)])
     info = masks.build().info["token_mask"]
-    assert (info.ragged, info.row_shape) == (True, (4,))
-    dense = stitch(masks, 11, fields=("token_mask",), on_gap="raise").materialize(
-        "token_mask", PayloadReader(tmp_path)
+    assert (info.ragged, info.row_shape) == (True, ())  # ragged rows have no fixed width
+    dense = materialized(
+        stitch(masks, 11, fields=("token_mask",), on_gap="raise"),
+        "token_mask",
+        PayloadReader(tmp_path),
     )
     assert dense[4:7].tolist() == [[1, 2, -1, -1], [3, -1, -1, -1], [-1] * 4]
     assert dense[9:].tolist() == [[7] * 4] * 2
-
-
-def test_expert_id_checks_need_integers():
-    where = {"trace_id": "t", "field": "f", "pos": 0}
-    check_expert_ids(np.zeros((0, 2, 2), np.uint8), 1, **where)
-    with pytest.raises(TraceError, match="integer expert ids, found dtype float32"):
-        check_expert_ids(np.zeros((1, 2, 2), np.float32), 4, **where)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from trace_engine import engine_rows
+from trace_engine import engine_rows, materialized
 
 from r3data.errors import TraceError
 from r3data.payload.reader import PayloadReader
@@ -68,8 +68,8 @@ def test_by_handle_equals_inline_and_valid_rows_are_the_engines(case, tmp_path_f
         return
     a = stitch(inline, n, placeholder=placeholder)
     b = stitch(by_handle, n, placeholder=placeholder)
-    from_inline = a.materialize("routed_experts")
-    np.testing.assert_array_equal(from_inline, b.materialize("routed_experts", reader))
+    from_inline = materialized(a, "routed_experts")
+    np.testing.assert_array_equal(from_inline, materialized(b, "routed_experts", reader))
     np.testing.assert_array_equal(a.valid, b.valid)
     assert a.stats.rows_captured == b.stats.rows_captured == int(a.valid.sum())
 

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from trace_engine import engine_rows, routes
+from trace_engine import engine_rows, materialized, routes
 
-from r3data.errors import ConfigError, TraceError, TraceGapError
+from r3data.errors import ConfigError, SegmentError, TraceError, TraceGapError
 from r3data.payload.segment import PayloadSegment
 from r3data.trace import (
-    PLACEHOLDER_META,
+    PlaceholderRows,
     StitchStats,
     TraceBuilder,
     end_anchored_pos,
@@ -51,16 +51,17 @@ def positions_of(materialized: np.ndarray) -> list[int]:
 def test_three_turns_with_prompt_start():
     builder, arrays = vllm_trace()
     sample = stitch(builder, LENGTH)
-    routes_ = sample.materialize("routed_experts")
+    routes_ = materialized(sample, "routed_experts")
     assert turns_of(routes_) == [1] * 6 + [2] * 4 + [3] * 6
     # the final token is never forwarded: it repeats the row of position 14
     assert positions_of(routes_) == [*range(15), 14]
     assert sample.valid.tolist() == [True] * 15 + [False]
     pieces = sample["routed_experts"].pieces
     assert [(p.pos, p.end) for p in pieces] == [(0, 6), (6, 10), (10, 15), (15, 16)]
-    assert pieces[-1].meta[PLACEHOLDER_META] == "repeat_previous"
-    for piece, array in zip(pieces, [*arrays, arrays[-1]], strict=True):
+    assert pieces[-1].kind == "repeat_previous"
+    for piece, array in zip(pieces[:-1], arrays, strict=True):
         assert np.shares_memory(piece.array, array)  # views, never copies
+    assert np.shares_memory(pieces[-1].source.array, arrays[-1])  # it repeats the last row
     assert sample.stats == StitchStats(
         samples=1, rows_captured=15, placeholders=1, bytes=15 * routes_[0].nbytes
     )
@@ -68,7 +69,7 @@ def test_three_turns_with_prompt_start():
 
 def test_overlapping_starts_later_request_wins():
     builder, _ = vllm_trace(starts=(0, 4, 8))
-    routes_ = stitch(builder, LENGTH).materialize("routed_experts")
+    routes_ = materialized(stitch(builder, LENGTH), "routed_experts")
     assert turns_of(routes_) == [1] * 4 + [2] * 4 + [3] * 8
     assert positions_of(routes_) == [*range(15), 14]
 
@@ -76,7 +77,7 @@ def test_overlapping_starts_later_request_wins():
 def test_truncated_sample():
     builder, _ = vllm_trace()
     sample = stitch(builder, 12)
-    assert turns_of(sample.materialize("routed_experts")) == [1] * 6 + [2] * 4 + [3] * 2
+    assert turns_of(materialized(sample, "routed_experts")) == [1] * 6 + [2] * 4 + [3] * 2
     assert sample.valid.all()
     assert sample.stats.placeholders == 0
     assert [(p.pos, p.end) for p in sample["routed_experts"].pieces][-1] == (10, 12)
@@ -85,10 +86,10 @@ def test_truncated_sample():
 def test_synthetic_eos_repeats_or_gets_distinct_experts():
     builder, _ = vllm_trace()
     repeated = stitch(builder, LENGTH + 1)
-    routes_ = repeated.materialize("routed_experts")
+    routes_ = materialized(repeated, "routed_experts")
     assert positions_of(routes_)[-3:] == [14, 14, 14]
     assert repeated.valid.tolist()[-3:] == [True, False, False]
-    distinct = stitch(builder, LENGTH + 1, placeholder="distinct").materialize("routed_experts")
+    distinct = materialized(stitch(builder, LENGTH + 1, placeholder="distinct"), "routed_experts")
     np.testing.assert_array_equal(distinct[15:], [[[0, 1], [0, 1]]] * 2)
     np.testing.assert_array_equal(distinct[:15], routes_[:15])
 
@@ -116,7 +117,7 @@ def test_a_row_for_the_last_token_is_refused_unless_admitted(payload):
     admitted, _ = vllm_trace(extra=(0, 0, 1), last_token_row=True)
     sample = stitch(admitted, LENGTH)
     assert sample.valid.all()
-    assert positions_of(sample.materialize("routed_experts")) == list(range(16))
+    assert positions_of(materialized(sample, "routed_experts")) == list(range(16))
     with pytest.raises(TraceError, match=r"\[10, 17\), past the 16 tokens"):
         admitted.add_request(13, 3, [routes(4, 10, 17)])
 
@@ -126,7 +127,7 @@ def test_engine_returning_the_full_prefix_each_turn():
     trace = builder.build()
     assert len(trace.pieces["routed_experts"]) == 1  # earlier turns fully replaced
     sample = stitch(trace, LENGTH)
-    assert turns_of(sample.materialize("routed_experts")) == [3] * 16
+    assert turns_of(materialized(sample, "routed_experts")) == [3] * 16
     assert np.shares_memory(sample["routed_experts"].pieces[0].array, arrays[-1])
 
 
@@ -138,7 +139,7 @@ def test_engine_one_row_short_is_a_gap_for_each_on_gap():
     dropped = stitch(builder, LENGTH, on_gap="drop_routes")
     assert not dropped.valid.any()
     np.testing.assert_array_equal(
-        dropped.materialize("routed_experts"), np.broadcast_to([[0, 1], [0, 1]], (16, 2, 2))
+        materialized(dropped, "routed_experts"), np.broadcast_to([[0, 1], [0, 1]], (16, 2, 2))
     )
     assert any("'chat-1'" in w and "[14, 15)" in w for w in dropped.warnings)
     assert dropped.stats == StitchStats(samples=1, placeholders=16, gaps=1, rows_dropped=14)
@@ -182,19 +183,20 @@ def test_prime_rl_end_anchored_by_handle(payload):
         covered += rows
     sample = stitch(builder, LENGTH + 1)
     pieces = sample["routed_experts"].pieces
-    assert all(isinstance(p, PayloadSegment) for p in pieces)
+    assert all(isinstance(p, PayloadSegment) for p in pieces[:-1])
     last = segments[-1]
     row_14 = last.offset + (14 - last.pos) * last.row_bytes
-    assert [(p.pos, p.rows, p.offset, p.file) for p in pieces[-2:]] == [
-        (15, 1, row_14, last.file),
-        (16, 1, row_14, last.file),
-    ]
-    routes_ = sample.materialize("routed_experts", reader)
+    placeholder = pieces[-1]
+    assert isinstance(placeholder, PlaceholderRows)
+    assert (placeholder.pos, placeholder.rows, placeholder.kind) == (15, 2, "repeat_previous")
+    source = placeholder.source  # the one row it repeats, re-pointed, not read here
+    assert (source.pos, source.rows, source.offset, source.file) == (14, 1, row_14, last.file)
+    routes_ = materialized(sample, "routed_experts", reader)
     np.testing.assert_array_equal(routes_[15], engine_rows(3, 14, 15)[0])
     np.testing.assert_array_equal(routes_[16], engine_rows(3, 14, 15)[0])
     assert turns_of(routes_) == [1] * 6 + [2] * 4 + [3] * 7
-    with pytest.raises(TraceError, match="reader"):
-        sample.materialize("routed_experts")
+    with pytest.raises(SegmentError, match="reader"):
+        materialized(sample, "routed_experts")
 
 
 def test_handles_and_inline_mix_and_clip(payload):
@@ -210,7 +212,7 @@ def test_handles_and_inline_mix_and_clip(payload):
         ("InlineRows", 4, 8),
         ("PayloadSegment", 8, 14),
     ]
-    routes_ = sample.materialize("routed_experts", reader)
+    routes_ = materialized(sample, "routed_experts", reader)
     assert turns_of(routes_) == [1] * 4 + [2] * 4 + [3] * 6
     assert positions_of(routes_) == list(range(14))
 
@@ -239,7 +241,7 @@ def test_sampling_masks_are_anchored_on_completion_tokens():
     completion = [4, 5, 6, 9, 10, 13, 14, 15]
     assert np.flatnonzero(mask.valid).tolist() == completion
     assert sample.valid.tolist() == [True] * 15 + [False, False]  # the routes' mask
-    dense = sample.materialize("sampling_mask")
+    dense = materialized(sample, "sampling_mask")
     assert dense.shape == (17, 3)
     assert dense[5].tolist() == [500, -1, -1]
     assert dense[9].tolist() == [900, 901, 902]
@@ -264,7 +266,7 @@ def test_ragged_masks_by_handle_equal_inline(payload, tmp_path):
     assert b["sampling_mask"].ragged
     np.testing.assert_array_equal(a["sampling_mask"].valid, b["sampling_mask"].valid)
     np.testing.assert_array_equal(
-        a.materialize("sampling_mask"), b.materialize("sampling_mask", reader)
+        materialized(a, "sampling_mask"), materialized(b, "sampling_mask", reader)
     )
 
 
@@ -280,7 +282,7 @@ def test_missing_masks_of_one_turn_drop_only_that_field():
     sample = stitch(trace, LENGTH, fields=("routed_experts", "sampling_mask"))
     assert sample.valid[:15].all()
     assert not sample["sampling_mask"].valid.any()
-    assert (sample.materialize("sampling_mask") == -1).all()
+    assert (materialized(sample, "sampling_mask") == -1).all()
 
 
 def test_logprobs_fill_prompt_positions_with_zero():
@@ -289,7 +291,7 @@ def test_logprobs_fill_prompt_positions_with_zero():
         logprobs = -np.arange(1, c + 1, dtype=np.float32) * turn
         trace.add_request(p, c, [InlineRows("logprobs", logprobs, p)])
     sample = stitch(trace, LENGTH, fields=("logprobs",))
-    values = sample.materialize("logprobs")
+    values = materialized(sample, "logprobs")
     assert values.dtype == np.float32
     np.testing.assert_array_equal(values[13:16], [-3, -6, -9])
     assert values[[0, 1, 2, 3, 7, 8, 11, 12]].tolist() == [0.0] * 8

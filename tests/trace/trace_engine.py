@@ -17,3 +17,13 @@ def engine_rows(turn: int, lo: int, hi: int, dtype: str = "uint8") -> np.ndarray
 
 def routes(turn: int, lo: int, hi: int, dtype: str = "uint8") -> InlineRows:
     return InlineRows("routed_experts", engine_rows(turn, lo, hi, dtype), lo)
+
+
+def materialized(sample, field: str, reader=None, **options) -> np.ndarray:
+    """A stitched sample's field as one array through the loader's own fill (ragged fields
+    padded with -1, as a trainer asks for them)."""
+    from r3data.nodes import materialize
+    from r3data.ragged import RaggedRows
+
+    rows = materialize(sample[field], reader, **options)
+    return rows.padded() if isinstance(rows, RaggedRows) else rows

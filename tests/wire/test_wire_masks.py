@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from r3data.errors import ConfigError, WireFormatError
+from r3data.errors import ConfigError, PackedError, WireFormatError
 from r3data.wire import (
     MASK_FILL,
     NEG_INF_SENTINEL,
@@ -104,7 +104,8 @@ def _skewed(tokens: int, widest: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def test_a_small_body_cannot_claim_a_huge_padded_mask():
-    """~175 KB of base64 claiming [16384, 16384] int32 padded: 1 GiB, at DEFAULT_MAX_ELEMENTS."""
+    """~175 KB of base64 whose padded form would be [16384, 16384] int32: 1 GiB. Decoded it
+    stays ragged (CSR), and padding it is refused unless asked for and bounded."""
     ids, counts = _skewed(1 << 14, 1 << 14)
     assert counts.size * int(counts.max()) == DEFAULT_MAX_ELEMENTS
     raw = orjson.dumps(
@@ -113,28 +114,31 @@ def test_a_small_body_cannot_claim_a_huge_padded_mask():
     assert len(raw) < 200_000
     tracemalloc.start()
     try:
+        (mask,) = primerl_sampling_mask(raw)
         with pytest.raises(
             WireFormatError,
             match=r"expected a padded form of at most 1024 x the 32768 ids and counts present, "
             r"found \[16384, 16384\] = 268435456 cells",
         ):
-            primerl_sampling_mask(raw)
+            csr_to_padded(*mask.array.compact()[:1], mask.array.lengths)
+        with pytest.raises(PackedError, match="more than max_cells 1000000"):
+            mask.array.padded(max_cells=10**6)
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
     assert peak < 10 * len(raw)
-    # the caller who wants it anyway says so
-    padded = primerl_sampling_mask(
+    assert (mask.rows, mask.array.widest) == (1 << 14, 1 << 14)
+    # the caller who wants it padded anyway says so
+    (small,) = primerl_sampling_mask(
         orjson.dumps(
             {
                 "choices": [
                     {"prompt_token_ids": [1], "sampling_mask": pack_csr(*_skewed(3000, 1000))}
                 ]
             }
-        ),
-        max_padding=None,
-    )[0].array
-    assert padded.shape == (3000, 1000)
+        )
+    )
+    assert small.array.padded().shape == (3000, 1000)
 
 
 @settings(max_examples=25, deadline=None)

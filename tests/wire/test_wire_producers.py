@@ -6,7 +6,6 @@ import base64
 import contextlib
 import io
 import json
-import logging
 import struct
 from typing import ClassVar
 
@@ -17,8 +16,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from r3data.errors import ConfigError, EngineRoutesError, R3DataError, WireFormatError
+from r3data.nodes.screen import dense_layers
 from r3data.wire import (
-    dense_layers,
+    EncodedRows,
     load_packed_body,
     pack_csr,
     pack_ndarray,
@@ -190,28 +190,25 @@ def test_fuzz_read_npy_only_raises_r3data_errors(data):
 # --- all-zero routes and dense layers --------------------------------------------------------
 
 
-def test_dense_layers_are_reported():
+def test_dense_layers_are_found_in_decoded_routes():
     routes = _routes(6, layers=5)
     routes[:, [0, 3]] = 0
     routes[0, 1] = 0  # zero in the first row only: not dense
     assert dense_layers(routes) == (0, 3)
     (rows,) = vllm_routes({"choices": [{"routed_experts": _npy_b64(routes)}]})
-    assert rows.meta["dense_layers"] == (0, 3)
     np.testing.assert_array_equal(rows.array, routes)
 
 
-def test_all_zero_routes_raise_warn_or_drop(caplog):
+def test_decoders_report_all_zero_routes_as_they_came():
+    """No policy at the wire: the loader's one screen decides (tests/nodes/test_fill.py)."""
     body = {"choices": [{"routed_experts": _npy_b64(np.zeros((4, 3, 2), np.uint8))}]}
-    with pytest.raises(EngineRoutesError, match="all 4 route rows are zero in all 3 layers"):
-        vllm_routes(body)
-    with pytest.warns(RuntimeWarning, match="known engine bug"):
-        (kept,) = vllm_routes(body, on_zero="warn")
+    (kept,) = vllm_routes(body)
     assert kept.rows == 4
-    with caplog.at_level(logging.WARNING, logger="r3data.wire"):
-        assert vllm_routes(body, on_zero="drop") == []
-    assert "dropped" in caplog.text
-    with pytest.raises(ConfigError, match="on_zero"):
-        vllm_routes(body, on_zero="ignore")
+    assert not kept.array.any()
+    raw = orjson.dumps(body)
+    (encoded,) = vllm_routes(raw)
+    assert isinstance(encoded, EncodedRows)  # left encoded: the loader decodes it in place
+    np.testing.assert_array_equal(encoded.array, kept.array)
 
 
 def test_empty_routes_are_not_zero_routes():
@@ -321,13 +318,13 @@ def test_primerl_sampling_mask_rows_start_at_the_first_completion_token():
     parsed = load_packed_body(_http(body), ("routed_experts", "sampling_mask"))
     (mask,) = primerl_sampling_mask(parsed)
     assert (mask.pos, mask.end, mask.meta["widest"]) == (4, 8, 3)
-    np.testing.assert_array_equal(mask.array, [[3, 9, -1], [-1, -1, -1], [4, 4, 1], [7, -1, -1]])
+    np.testing.assert_array_equal(
+        mask.array.padded(), [[3, 9, -1], [-1, -1, -1], [4, 4, 1], [7, -1, -1]]
+    )
     (routes,) = primerl_routes(parsed)
     assert routes.end == mask.pos + 4 - 1
     with pytest.raises(WireFormatError, match=r"one kept-set size per completion token \(5\)"):
         primerl_sampling_mask(parsed, completion_len=5)
-    with pytest.raises(WireFormatError, match="exceeds 4 elements"):
-        primerl_sampling_mask(parsed, max_elements=4)
     no_prompt = {"choices": [{"sampling_mask": pack_csr(ids, counts)}]}
     with pytest.raises(WireFormatError, match="without the prompt length"):
         primerl_sampling_mask(no_prompt)

@@ -1,47 +1,47 @@
-"""What every producer decoder shares: reading a response, choices, lengths, zero routes."""
+"""What every producer decoder shares: reading a response, choices, lengths, blobs as rows.
+
+Decoders report what they saw and place it: rows with positions and the producer's metadata.
+They decode nothing they can leave encoded (the loader decodes each blob once, straight into
+the batch buffer) and apply no policy to the ids; the loader's one screen does that
+(:mod:`r3data.nodes.screen`).
+"""
 
 from __future__ import annotations
 
-import logging
+import math
 import mmap
-import warnings
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 
-from r3data.errors import ConfigError, EngineRoutesError, R3DataError, WireFormatError
-from r3data.wire.anchors import nonnegative_int
-from r3data.wire.envelope import decode_base64
-from r3data.wire.rows import InlineRows
+from r3data.errors import ConfigError, R3DataError, WireFormatError
+from r3data.validate import nonnegative_int
+from r3data.wire.blob import Blob, decode_base64, decoded_length
+from r3data.wire.envelope import array_from_buffer, check_nbytes
+from r3data.wire.rows import EncodedRows, InlineRows, RowSource
 from r3data.wire.splice import load_packed_body
 
 __all__ = [
-    "OnZero",
+    "blob_nbytes",
     "check_route_shape",
     "choice_token_lengths",
-    "decoded_blob",
-    "dense_layers",
+    "envelope_rows",
+    "flat_rows",
     "optional_position",
     "parse_response",
-    "screen_routes",
-    "screened_rows",
+    "raw_blob",
     "select_choices",
 ]
-
-logger = logging.getLogger("r3data.wire")
-
-#: What to do with a route array that is zero in every layer (a known engine bug):
-#: "drop" it (logged), "warn" and keep it, or "raise" :class:`EngineRoutesError`.
-OnZero = Literal["drop", "warn", "raise"]
 
 _RAW_BODIES = (bytes, bytearray, memoryview, mmap.mmap)
 
 
 def parse_response(response: Any, fields: tuple[str, ...]) -> Any:
-    """A raw body is parsed with :func:`load_packed_body`; a parsed one is used as is."""
+    """A raw body is spliced with :func:`load_packed_body` (blobs left encoded); a parsed one
+    is used as is."""
     if isinstance(response, _RAW_BODIES):
-        return load_packed_body(response, fields)
+        return load_packed_body(response, fields, decode=False)
     if isinstance(response, Mapping | list):
         return response
     raise WireFormatError(
@@ -93,12 +93,10 @@ def optional_position(value: object, what: str, error: type[R3DataError]) -> int
     return None if value is None else nonnegative_int(what, value, error)
 
 
-def decoded_blob(value: object, what: str) -> bytes | bytearray | memoryview:
-    """The bytes of a bare base64 field: decoded here from a parsed ``str``, or as
-    :func:`load_packed_body` already decoded them."""
-    if isinstance(value, str):
-        return decode_base64(value, what=what)
-    if isinstance(value, bytes | bytearray | memoryview):
+def raw_blob(value: object, what: str) -> bytes | bytearray | memoryview | Blob | str:
+    """A bare base64 field as it arrived: encoded (a :class:`Blob` of a spliced body, a parsed
+    ``str``) or already decoded bytes."""
+    if isinstance(value, Blob | str | bytes | bytearray | memoryview):
         return value
     if value is None:
         raise WireFormatError(
@@ -107,50 +105,106 @@ def decoded_blob(value: object, what: str) -> bytes | bytearray | memoryview:
     raise WireFormatError(f"{what}: expected a base64 string, found {type(value).__name__}")
 
 
-def check_route_shape(routes: np.ndarray, what: str) -> None:
-    if routes.ndim != 3 or routes.shape[1] == 0 or routes.shape[2] == 0:
+def _encoded(value: object) -> memoryview | str | None:
+    """The base64 characters of a value still encoded, else None."""
+    if isinstance(value, Blob):
+        return value.chars
+    return value if isinstance(value, str) else None
+
+
+def blob_nbytes(value: object, what: str) -> int:
+    """Bytes a bare blob holds (or decodes to), known without decoding it."""
+    blob = raw_blob(value, what)
+    chars = _encoded(blob)
+    return len(blob) if chars is None else decoded_length(chars, what)
+
+
+def flat_rows(
+    field: str,
+    value: object,
+    *,
+    dtype: np.dtype,
+    row_shape: tuple[int, ...],
+    pos: int,
+    skip: int = 0,
+    meta: Mapping[str, Any] | None = None,
+    what: str,
+) -> RowSource:
+    """Rows of ``row_shape`` back to back after ``skip`` bytes of a bare blob, as many as it
+    holds exactly (a partial row is refused): encoded, or a view of decoded bytes."""
+    blob = raw_blob(value, what)
+    chars = _encoded(blob)
+    per_row = dtype.itemsize * math.prod(row_shape)
+    nbytes = blob_nbytes(blob, what) - skip
+    if nbytes < 0 or nbytes % per_row:
         raise WireFormatError(
-            f"{what}: expected routes [rows, layers > 0, topk > 0], found shape {routes.shape}"
+            f"{what}: expected whole rows of {list(row_shape)} {dtype.name} ({per_row} bytes "
+            f"each) after byte {skip}, found {max(nbytes, 0)} bytes"
         )
-
-
-def dense_layers(routes: np.ndarray) -> tuple[int, ...]:
-    """Layers whose every entry is 0, as engines report dense (non-MoE) layers.
-
-    A real MoE row holds ``topk`` distinct experts, so with ``topk >= 2`` it is never all
-    zero; with top-1 routing a MoE layer whose every token picked expert 0 looks dense too.
-    """
-    if routes.shape[0] == 0:
-        return ()
-    candidates = np.flatnonzero(~routes[0].any(axis=-1))
-    return tuple(int(layer) for layer in candidates if not routes[:, layer].any())
-
-
-def screened_rows(
-    field: str, routes: np.ndarray, pos: int, on_zero: OnZero, what: str, **meta: Any
-) -> list[InlineRows]:
-    """``routes`` as one :class:`InlineRows` (with ``meta`` and ``dense_layers``), or none when
-    they are zero in every layer and ``on_zero`` drops them."""
-    keep, dense = screen_routes(routes, on_zero, what)
-    return [InlineRows(field, routes, pos, {**meta, "dense_layers": dense})] if keep else []
-
-
-def screen_routes(routes: np.ndarray, on_zero: OnZero, what: str) -> tuple[bool, tuple[int, ...]]:
-    """``(keep, dense_layers)``; routes zero in every layer are handled as ``on_zero`` says."""
-    if on_zero not in ("drop", "warn", "raise"):
-        raise ConfigError(f"on_zero: expected 'drop', 'warn' or 'raise', found {on_zero!r}")
-    check_route_shape(routes, what)
-    dense = dense_layers(routes)
-    if routes.shape[0] == 0 or len(dense) < routes.shape[1]:
-        return True, dense
-    message = (
-        f"{what}: all {routes.shape[0]} route rows are zero in all {routes.shape[1]} layers "
-        f"(a known engine bug); they must not be replayed"
+    rows = nbytes // per_row
+    if chars is not None:
+        return EncodedRows(
+            field,
+            chars,
+            dtype=dtype,
+            row_shape=row_shape,
+            rows=rows,
+            pos=pos,
+            skip=skip,
+            meta=meta,
+            what=what,
+        )
+    view = memoryview(blob).cast("B")[skip:]
+    return InlineRows(
+        field, array_from_buffer(view, dtype, (rows, *row_shape), what=what), pos, meta
     )
-    if on_zero == "raise":
-        raise EngineRoutesError(message)
-    if on_zero == "warn":
-        warnings.warn(message, RuntimeWarning, stacklevel=3)
-        return True, dense
-    logger.warning("%s; dropped", message)
-    return False, dense
+
+
+def envelope_rows(
+    envelope: Mapping[str, Any],
+    field: str,
+    dtype: np.dtype,
+    shape: tuple[int, ...],
+    *,
+    pos: int,
+    meta: Mapping[str, Any] | None = None,
+    what: str,
+) -> RowSource:
+    """The rows of an envelope whose ``dtype`` and ``shape`` :func:`envelope_spec` checked:
+    encoded when its data still is, else the decoded array."""
+    data = envelope["data"]
+    where = f"{what}.data (shape {list(shape)}, {dtype.name})"
+    chars = _encoded(data)
+    if chars is not None:
+        check_nbytes(decoded_length(chars, where), dtype, shape, what=where)
+        return EncodedRows(
+            field,
+            chars,
+            dtype=dtype,
+            row_shape=shape[1:],
+            rows=shape[0],
+            pos=pos,
+            meta=meta,
+            what=what,
+        )
+    if isinstance(data, bytes | bytearray | memoryview):
+        data = array_from_buffer(decode_base64(data, what=where), dtype, shape, what=where)
+    if not isinstance(data, np.ndarray) or data.dtype != dtype or data.shape != shape:
+        found = (
+            f"{list(data.shape)} and {data.dtype}"
+            if isinstance(data, np.ndarray)
+            else type(data).__name__
+        )
+        raise WireFormatError(
+            f"{where}: expected base64 or an array of shape {list(shape)} and {dtype.name}, "
+            f"found {found}"
+        )
+    return InlineRows(field, data, pos, meta)
+
+
+def check_route_shape(routes: RowSource, what: str) -> None:
+    if len(routes.row_shape) != 2 or 0 in routes.row_shape:
+        raise WireFormatError(
+            f"{what}: expected routes [rows, layers > 0, topk > 0], found rows of "
+            f"{list(routes.row_shape)}"
+        )

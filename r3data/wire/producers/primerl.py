@@ -8,7 +8,7 @@ The format (DESIGN.md, "Facts the formats must honour"):
   ``start`` names the first of those positions.
 - sampling masks: ``choices[i].sampling_mask = {"ids": <int32 envelope>, "counts": <int32
   envelope>}``; ``counts[i]`` is the kept-set size of completion token i, whose position is
-  ``prompt_len + i``.
+  ``prompt_len + i``; they stay ragged (:class:`~r3data.ragged.RaggedRows`).
 - by handle, a choice carries ``payload: [segment, ...]`` instead; those are read by
   :mod:`r3data.payload`, not here.
 
@@ -22,24 +22,20 @@ from collections.abc import Mapping
 from typing import Any
 
 from r3data.errors import ConfigError, WireFormatError
+from r3data.ragged import RaggedRows
 from r3data.wire.anchors import anchored_pos
 from r3data.wire.dtypes import ROUTE_DTYPES
-from r3data.wire.envelope import unpack_ndarray
-from r3data.wire.masks import (
-    DEFAULT_MAX_ELEMENTS,
-    DEFAULT_MAX_PADDING,
-    csr_to_padded,
-    unpack_csr,
-)
+from r3data.wire.envelope import envelope_spec
+from r3data.wire.masks import unpack_csr
 from r3data.wire.producers.common import (
-    OnZero,
+    check_route_shape,
     choice_token_lengths,
+    envelope_rows,
     optional_position,
     parse_response,
-    screened_rows,
     select_choices,
 )
-from r3data.wire.rows import InlineRows
+from r3data.wire.rows import InlineRows, RowSource
 
 __all__ = ["primerl_routes", "primerl_sampling_mask"]
 
@@ -74,9 +70,8 @@ def primerl_routes(
     choice: int | None = None,
     prompt_len: int | None = None,
     completion_len: int | None = None,
-    on_zero: OnZero = "raise",
     field: str = "routed_experts",
-) -> list[InlineRows]:
+) -> list[RowSource]:
     """Inline routes of each choice (or of ``choice``) of a prime-rl response.
 
     Positions come from the end anchor when the prompt and completion lengths are known
@@ -89,27 +84,26 @@ def primerl_routes(
     out = []
     for index, entry in select_choices(parsed, choice, "prime-rl response"):
         what = f"prime-rl choices[{index}].{field}"
-        routes, sidecar = unpack_ndarray(
-            _field_value(entry, field, what), allowed_dtypes=ROUTE_DTYPES, ndim=3, what=what
+        envelope = _field_value(entry, field, what)
+        dtype, shape, sidecar = envelope_spec(
+            envelope, allowed_dtypes=ROUTE_DTYPES, ndim=3, what=what
         )
         start = optional_position(sidecar.get("start"), f"{what}.start", WireFormatError)
         prompt, completion = _lengths(parsed, entry, prompt_arg, completion_arg)
-        pos = anchored_pos(routes.shape[0], prompt, completion, start, what=what)
+        pos = anchored_pos(shape[0], prompt, completion, start, what=what)
         if pos is None:
             raise WireFormatError(
                 f"{what}: cannot place the rows: no 'start' and no prompt/completion lengths"
             )
-        out += screened_rows(
-            field,
-            routes,
-            pos,
-            on_zero,
-            what,
-            producer="prime-rl",
-            choice=index,
-            prompt_len=prompt,
-            completion_len=completion,
-        )
+        meta = {
+            "producer": "prime-rl",
+            "choice": index,
+            "prompt_len": prompt,
+            "completion_len": completion,
+        }
+        rows = envelope_rows(envelope, field, dtype, shape, pos=pos, meta=meta, what=what)
+        check_route_shape(rows, what)
+        out.append(rows)
     return out
 
 
@@ -119,16 +113,12 @@ def primerl_sampling_mask(
     choice: int | None = None,
     prompt_len: int | None = None,
     completion_len: int | None = None,
-    max_elements: int = DEFAULT_MAX_ELEMENTS,
     field: str = "sampling_mask",
-    max_padding: float | None = DEFAULT_MAX_PADDING,
 ) -> list[InlineRows]:
-    """Sampling masks of each choice (or of ``choice``), padded ``[completion, widest]``.
+    """Sampling masks of each choice (or of ``choice``) as ragged rows (CSR).
 
     Row i is completion token i at position ``prompt_len + i``; the prompt length is
     required (argument, else the token id lists). ``meta["widest"]`` is the largest set.
-    ``max_elements`` and ``max_padding`` bound the padded array (see
-    :func:`~r3data.wire.csr_to_padded`).
     """
     prompt_arg = optional_position(prompt_len, "prompt_len", ConfigError)
     completion_arg = optional_position(completion_len, "completion_len", ConfigError)
@@ -145,15 +135,13 @@ def primerl_sampling_mask(
                 f"{what}: expected one kept-set size per completion token ({completion}), "
                 f"found {counts.size}"
             )
-        padded = csr_to_padded(
-            ids, counts, max_elements=max_elements, max_padding=max_padding, what=what
-        )
+        mask = RaggedRows.from_lengths(ids, counts, what=what)
         meta = {
             "producer": "prime-rl",
             "choice": index,
             "prompt_len": prompt,
             "completion_len": counts.size,
-            "widest": padded.shape[1],
+            "widest": mask.widest,
         }
-        out.append(InlineRows(field, padded, prompt, meta))
+        out.append(InlineRows(field, mask, prompt, meta))
     return out

@@ -20,25 +20,19 @@ from typing import Any
 import numpy as np
 
 from r3data.errors import ConfigError, WireFormatError
+from r3data.validate import checked_int
 from r3data.wire.anchors import anchored_pos
 from r3data.wire.producers.common import (
-    OnZero,
-    decoded_blob,
+    blob_nbytes,
+    flat_rows,
     optional_position,
     parse_response,
-    screened_rows,
 )
-from r3data.wire.rows import InlineRows
+from r3data.wire.rows import RowSource
 
 __all__ = ["sglang_routes"]
 
 _INT32 = np.dtype("<i4")
-
-
-def _positive(value: object, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value <= 0:
-        raise ConfigError(f"sglang_routes: expected {name} to be an int > 0, found {value!r}")
-    return int(value)
 
 
 def sglang_routes(
@@ -47,17 +41,17 @@ def sglang_routes(
     num_layers: int,
     topk: int,
     start: int | None = None,
-    on_zero: OnZero = "raise",
     field: str = "routed_experts",
-) -> list[InlineRows]:
+) -> list[RowSource]:
     """Routes of an SGLang ``/generate`` response (one object or a batch list), one per item.
 
     ``num_layers`` and ``topk`` shape the flat ids; the int32 count must divide exactly.
     ``start`` overrides ``meta_info.routed_experts_start_len`` (default 0). ``meta`` holds
     ``producer``, ``choice`` (the item's index in a batch list), ``prompt_len``,
-    ``completion_len`` and ``dense_layers``.
+    ``completion_len``.
     """
-    layers, k = _positive(num_layers, "num_layers"), _positive(topk, "topk")
+    layers = checked_int("sglang_routes num_layers", num_layers, minimum=1)
+    k = checked_int("sglang_routes topk", topk, minimum=1)
     start_arg = optional_position(start, "start", ConfigError)
     parsed = parse_response(response, (field,))
     items = parsed if isinstance(parsed, list) else [parsed]
@@ -67,14 +61,6 @@ def sglang_routes(
         meta_info = item.get("meta_info") if isinstance(item, Mapping) else None
         if not isinstance(meta_info, Mapping):
             raise WireFormatError(f"sglang [{index}]: expected an object with 'meta_info'")
-        blob = decoded_blob(meta_info.get(field), what)
-        per_row = layers * k
-        if len(blob) % (per_row * _INT32.itemsize):
-            raise WireFormatError(
-                f"{what}: expected a multiple of {per_row} int32 ids (layers {layers} x "
-                f"topk {k}), found {len(blob)} bytes"
-            )
-        routes = np.frombuffer(blob, dtype=_INT32).reshape(-1, layers, k)
         first = start_arg
         if first is None:
             first = optional_position(
@@ -88,16 +74,27 @@ def sglang_routes(
         completion_len = optional_position(
             meta_info.get("completion_tokens"), f"{what}: completion_tokens", WireFormatError
         )
-        pos = anchored_pos(routes.shape[0], prompt_len, completion_len, first or 0, what=what)
-        out += screened_rows(
+        meta = {
+            "producer": "sglang",
+            "choice": index,
+            "prompt_len": prompt_len,
+            "completion_len": completion_len,
+        }
+        per_row = layers * k
+        if blob_nbytes(meta_info.get(field), what) % (per_row * _INT32.itemsize):
+            raise WireFormatError(
+                f"{what}: expected a multiple of {per_row} int32 ids (layers {layers} x "
+                f"topk {k}), found {blob_nbytes(meta_info.get(field), what)} bytes"
+            )
+        rows = flat_rows(
             field,
-            routes,
-            pos,
-            on_zero,
-            what,
-            producer="sglang",
-            choice=index,
-            prompt_len=prompt_len,
-            completion_len=completion_len,
+            meta_info.get(field),
+            dtype=_INT32,
+            row_shape=(layers, k),
+            pos=first or 0,
+            meta=meta,
+            what=what,
         )
+        anchored_pos(rows.rows, prompt_len, completion_len, first or 0, what=what)
+        out.append(rows)
     return out

@@ -13,9 +13,14 @@ from typing import Any
 
 from r3data.errors import ConfigError, WireFormatError
 from r3data.wire.dtypes import ROUTE_DTYPES
-from r3data.wire.envelope import unpack_ndarray
-from r3data.wire.producers.common import OnZero, optional_position, parse_response, screened_rows
-from r3data.wire.rows import InlineRows
+from r3data.wire.envelope import envelope_spec
+from r3data.wire.producers.common import (
+    check_route_shape,
+    envelope_rows,
+    optional_position,
+    parse_response,
+)
+from r3data.wire.rows import RowSource
 
 __all__ = ["skyrl_routes"]
 
@@ -44,26 +49,27 @@ def skyrl_routes(
     response: Any,
     *,
     pos: int | None = None,
-    on_zero: OnZero = "raise",
     field: str = "routed_experts",
-) -> list[InlineRows]:
+) -> list[RowSource]:
     """Routes from SkyRL envelopes, one :class:`InlineRows` per envelope found.
 
     The first position is ``pos`` when given, else the sidecar's ``start`` or ``pos``, else 0
-    (routes for the whole sequence). ``meta`` holds ``producer``, ``where``, the sidecar and
-    ``dense_layers``.
+    (routes for the whole sequence). ``meta`` holds ``producer``, ``where`` and the sidecar.
     """
     pos_arg = optional_position(pos, "pos", ConfigError)
     parsed = parse_response(response, (field,))
     out = []
     for where, envelope in _envelopes(parsed, field):
         what = f"skyrl response{where}"
-        routes, sidecar = unpack_ndarray(envelope, allowed_dtypes=ROUTE_DTYPES, ndim=3, what=what)
+        dtype, shape, sidecar = envelope_spec(
+            envelope, allowed_dtypes=ROUTE_DTYPES, ndim=3, what=what
+        )
         first = pos_arg
         for key in ("start", "pos"):
             if first is None:
                 first = optional_position(sidecar.get(key), f"{what}.{key}", WireFormatError)
-        out += screened_rows(
-            field, routes, first or 0, on_zero, what, producer="skyrl", where=where, sidecar=sidecar
-        )
+        meta = {"producer": "skyrl", "where": where, "sidecar": sidecar}
+        rows = envelope_rows(envelope, field, dtype, shape, pos=first or 0, meta=meta, what=what)
+        check_route_shape(rows, what)
+        out.append(rows)
     return out

@@ -18,60 +18,67 @@ field on chat choices), with ``--enable-return-routed-experts``:
 
 from __future__ import annotations
 
-import io
-import tokenize
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
-from numpy.lib import format as npy_format
 
 from r3data.errors import ConfigError, WireFormatError
 from r3data.wire.anchors import anchored_pos
-from r3data.wire.dtypes import ROUTE_DTYPES, parse_dtype
-from r3data.wire.envelope import array_from_buffer
+from r3data.wire.blob import Blob, decode_base64
+from r3data.wire.dtypes import ROUTE_DTYPES
+from r3data.wire.envelope import check_nbytes
+from r3data.wire.npy import NPY_PREFIX_BYTES, npy_header_length, parse_npy_header
 from r3data.wire.producers.common import (
-    OnZero,
+    blob_nbytes,
+    check_route_shape,
     choice_token_lengths,
-    decoded_blob,
+    flat_rows,
     optional_position,
     parse_response,
-    screened_rows,
+    raw_blob,
     select_choices,
 )
-from r3data.wire.rows import InlineRows
+from r3data.wire.rows import RowSource
 
 __all__ = ["read_npy", "vllm_routes"]
 
-_NPY_HEADER_MAX = 10_000  # numpy's own limit on a header it will parse
-_NPY_PREFIX_MAX = _NPY_HEADER_MAX + 16  # magic, version and header length come first
+
+def _header_of(blob: bytes | bytearray | memoryview | Blob | str, what: str) -> bytes:
+    """The ``.npy`` header bytes of a blob, decoding only the first characters if encoded."""
+    if not isinstance(blob, Blob | str):
+        view = memoryview(blob).cast("B")
+        return bytes(view[: npy_header_length(view[:NPY_PREFIX_BYTES].tobytes(), what)])
+    chars = blob.chars if isinstance(blob, Blob) else blob
+    prefix = bytes(decode_base64(chars[:16], what=what))  # 12 bytes: magic, version, length
+    length = npy_header_length(prefix, what)
+    return bytes(decode_base64(chars[: 4 * -(-length // 3)], what=what))[:length]
+
+
+def npy_routes(
+    field: str, value: object, *, pos: int, meta: Mapping[str, Any] | None, what: str
+) -> RowSource:
+    """The route rows of a ``.npy`` blob (encoded or decoded): C-ordered ``[rows, layers,
+    topk]`` of a route dtype, exactly as many bytes as the header claims."""
+    blob = raw_blob(value, what)
+    dtype, shape, fortran, offset = parse_npy_header(_header_of(blob, what), what, ROUTE_DTYPES)
+    if fortran or len(shape) != 3:
+        raise WireFormatError(
+            f"{what}: expected a C-ordered [rows, layers, topk] array, found shape {shape}"
+            f"{' in Fortran order' if fortran else ''}"
+        )
+    check_nbytes(blob_nbytes(blob, what) - offset, dtype, shape, what=what)
+    rows = flat_rows(
+        field, blob, dtype=dtype, row_shape=shape[1:], pos=pos, skip=offset, meta=meta, what=what
+    )
+    check_route_shape(rows, what)
+    return rows
 
 
 def read_npy(buffer: bytes | bytearray | memoryview, *, what: str = "npy") -> np.ndarray:
-    """A view of the 3-D route array in ``.npy`` bytes; only the header is copied.
-
-    The header is parsed with :mod:`numpy.lib.format` (a literal, never a pickle); the dtype
-    must be a route dtype and the data C-ordered, exactly as long as the header claims.
-    """
-    view = memoryview(buffer).cast("B")
-    head = io.BytesIO(view[:_NPY_PREFIX_MAX].tobytes())
-    try:
-        version = npy_format.read_magic(head)
-        if version == (1, 0):
-            header = npy_format.read_array_header_1_0(head, max_header_size=_NPY_HEADER_MAX)
-        elif version == (2, 0):
-            header = npy_format.read_array_header_2_0(head, max_header_size=_NPY_HEADER_MAX)
-        else:
-            raise ValueError(f"unsupported .npy version {version}")
-    except (ValueError, TypeError, SyntaxError, EOFError, tokenize.TokenError) as err:
-        raise WireFormatError(f"{what}: expected a .npy file ({err})") from None
-    shape, fortran_order, dtype = header
-    dtype = parse_dtype(dtype, ROUTE_DTYPES)
-    if fortran_order or len(shape) != 3:
-        raise WireFormatError(
-            f"{what}: expected a C-ordered [rows, layers, topk] array, found shape {shape}"
-            f"{' in Fortran order' if fortran_order else ''}"
-        )
-    return array_from_buffer(view[head.tell() :], dtype, tuple(shape), what=what)
+    """A view of the 3-D route array in decoded ``.npy`` bytes; only the header is copied."""
+    rows = npy_routes("routes", buffer, pos=0, meta=None, what=what)
+    return rows.array
 
 
 def vllm_routes(
@@ -79,16 +86,15 @@ def vllm_routes(
     *,
     choice: int | None = None,
     prompt_start: int | None = None,
-    on_zero: OnZero = "raise",
     field: str = "routed_experts",
-) -> list[InlineRows]:
+) -> list[RowSource]:
     """Routes of each choice (or of ``choice``) of a vLLM completion or chat response.
 
-    ``response`` is the raw body (spliced with :func:`~r3data.wire.load_packed_body`) or a
-    parsed one. Rows start at ``prompt_start`` (the request's ``routed_experts_prompt_start``,
-    default 0). When the choice carries token ids, the row count is checked against
-    ``prompt + completion - 1 - start``. ``meta`` holds ``producer``, ``choice``,
-    ``prompt_len``, ``completion_len`` and ``dense_layers``.
+    ``response`` is the raw body (spliced with :func:`~r3data.wire.load_packed_body`, blobs
+    left encoded) or a parsed one. Rows start at ``prompt_start`` (the request's
+    ``routed_experts_prompt_start``, default 0). When the choice carries token ids, the row
+    count is checked against ``prompt + completion - 1 - start``. ``meta`` holds
+    ``producer``, ``choice``, ``prompt_len`` and ``completion_len``.
     """
     start_arg = optional_position(prompt_start, "prompt_start", ConfigError)
     parsed = parse_response(response, (field,))
@@ -103,18 +109,14 @@ def vllm_routes(
                     f"{what}: routed_experts_prompt_start",
                     WireFormatError,
                 )
-        routes = read_npy(decoded_blob(entry.get(field), what), what=what)
         prompt_len, completion_len = choice_token_lengths(parsed, entry)
-        pos = anchored_pos(routes.shape[0], prompt_len, completion_len, start or 0, what=what)
-        out += screened_rows(
-            field,
-            routes,
-            pos,
-            on_zero,
-            what,
-            producer="vllm",
-            choice=index,
-            prompt_len=prompt_len,
-            completion_len=completion_len,
-        )
+        meta = {
+            "producer": "vllm",
+            "choice": index,
+            "prompt_len": prompt_len,
+            "completion_len": completion_len,
+        }
+        rows = npy_routes(field, entry.get(field), pos=start or 0, meta=meta, what=what)
+        anchored_pos(rows.rows, prompt_len, completion_len, start or 0, what=what)
+        out.append(rows)
     return out

@@ -1,0 +1,176 @@
+"""``PackedRagged``: the ragged rows (CSR) of a batch's B samples, back to back.
+
+It is a :class:`~r3data.packed.PackedTensor` whose segments are the rows (values: every id;
+``cu_seqlens``: the row offsets) plus the samples' offsets in rows, so every batch operation
+(gather, cat, to, pin_memory, pickling) is the packed tensor's own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from r3data.errors import PackedError
+from r3data.packed import PackedTensor, aranges, pick_indices
+from r3data.ragged import DEFAULT_MAX_CELLS, MASK_FILL, RaggedRows, check_cells, row_offsets
+from r3data.tensor_buffer import as_tensor
+
+__all__ = ["PackedRagged"]
+
+
+class PackedRagged:
+    """Ragged rows of B samples back to back: ``rows`` (a :class:`PackedTensor` whose segment j
+    is row j's values) and ``offsets`` (host int64, B + 1: sample i holds rows
+    ``offsets[i]:offsets[i + 1]``)."""
+
+    __slots__ = ("_offsets", "rows")
+
+    def __init__(self, rows: PackedTensor, offsets: Any) -> None:
+        if not isinstance(rows, PackedTensor) or rows.values.dim() != 1:
+            raise PackedError(
+                "PackedRagged rows: expected a PackedTensor of 1-D values, found "
+                f"{type(rows).__name__}"
+            )
+        offsets = row_offsets(offsets, "PackedRagged offsets")
+        if offsets[0] != 0 or offsets[-1] != len(rows) or (np.diff(offsets) < 0).any():
+            raise PackedError(
+                f"PackedRagged offsets: expected non-decreasing offsets from 0 to the "
+                f"{len(rows)} rows, found {offsets[:8].tolist()}"
+            )
+        offsets.flags.writeable = False
+        self.rows = rows
+        self._offsets = offsets
+
+    @classmethod
+    def from_samples(cls, samples: Sequence[RaggedRows], dtype: Any = None) -> PackedRagged:
+        """Concatenate per-sample rows (one copy of the values)."""
+        compact = [s.compact() for s in samples]
+        dtype = np.result_type(*[v.dtype for v, _ in compact]) if dtype is None else dtype
+        values = np.concatenate([v for v, _ in compact]) if compact else np.empty(0, dtype)
+        lengths = np.concatenate([np.diff(o) for _, o in compact]) if compact else np.zeros(0)
+        rows = PackedTensor.from_lengths(as_tensor(values.astype(dtype, copy=False)), lengths)
+        return cls(
+            rows, np.concatenate(([0], np.cumsum([s.rows for s in samples], dtype=np.int64)))
+        )
+
+    @property
+    def values(self) -> torch.Tensor:
+        """Every value of every row, back to back."""
+        return self.rows.values
+
+    @property
+    def row_offsets(self) -> np.ndarray:
+        """Host offsets of each row's values (int64, total_rows + 1)."""
+        return self.rows.offsets
+
+    @property
+    def row_lengths(self) -> np.ndarray:
+        return self.rows.lengths
+
+    @property
+    def offsets(self) -> np.ndarray:
+        """Host offsets of each sample's rows (int64, B + 1)."""
+        return self._offsets
+
+    @property
+    def lengths(self) -> np.ndarray:
+        """Rows per sample."""
+        return np.diff(self._offsets)
+
+    @property
+    def total_rows(self) -> int:
+        return int(self._offsets[-1])
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.rows.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.rows.device
+
+    def __len__(self) -> int:
+        return self._offsets.size - 1
+
+    def segment(self, i: int) -> RaggedRows:
+        """Sample ``i``'s rows (host values are shared; device values are copied to the host)."""
+        batch = len(self)
+        if not -batch <= i < batch:
+            raise PackedError(f"sample index must be in [-{batch}, {batch}), found {i}")
+        i %= batch
+        values = self.values.detach().cpu().numpy()
+        return RaggedRows(values, self.row_offsets[self._offsets[i] : self._offsets[i + 1] + 1])
+
+    def __getitem__(self, index: Any) -> RaggedRows | PackedRagged:
+        if isinstance(index, (int, np.integer)) and not isinstance(index, bool):
+            return self.segment(int(index))
+        if isinstance(index, slice):
+            start, stop, step = index.indices(len(self))
+            if step == 1:  # a view
+                stop = max(start, stop)
+                lo, hi = int(self._offsets[start]), int(self._offsets[stop])
+                return PackedRagged(self.rows[lo:hi], self._offsets[start : stop + 1] - lo)
+            return self.gather(np.arange(start, stop, step))
+        return self.gather(index)
+
+    def gather(self, index: Any) -> PackedRagged:
+        """Copy the samples picked by an index list or a boolean mask."""
+        picks = pick_indices(index, len(self))
+        starts = self._offsets[picks]
+        counts = self._offsets[picks + 1] - starts
+        rows = self.rows.gather(aranges(starts, counts))
+        return PackedRagged(rows, np.concatenate(([0], np.cumsum(counts))))
+
+    @staticmethod
+    def cat(parts: Sequence[PackedRagged]) -> PackedRagged:
+        if not parts:
+            raise PackedError("cat needs at least one PackedRagged, found none")
+        rows = PackedTensor.cat([p.rows for p in parts])
+        lengths = np.concatenate([p.lengths for p in parts])
+        return PackedRagged(rows, np.concatenate(([0], np.cumsum(lengths))))
+
+    def repeat(self, n: int) -> PackedRagged:
+        return self.gather(np.tile(np.arange(len(self)), n))
+
+    def repeat_interleave(self, n: int) -> PackedRagged:
+        return self.gather(np.repeat(np.arange(len(self)), n))
+
+    def to(
+        self,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+        non_blocking: bool = False,
+    ) -> PackedRagged:
+        return PackedRagged(self.rows.to(device, dtype, non_blocking), self._offsets)
+
+    def pin_memory(self) -> PackedRagged:
+        return PackedRagged(self.rows.pin_memory(), self._offsets)
+
+    def padded(
+        self, width: int | None = None, *, fill: int = MASK_FILL, max_cells: int = DEFAULT_MAX_CELLS
+    ) -> PackedTensor:
+        """The rows as ``[total_rows, width]`` (default: the widest row), values then ``fill``,
+        packed by sample; refused above ``max_cells`` cells."""
+        widest = self.rows.max_length()
+        width = widest if width is None else width
+        check_cells(self.total_rows, width, widest, max_cells)
+        return PackedTensor(self.rows.padded(fill, max_len=width), self._offsets)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, PackedRagged):
+            return NotImplemented
+        return np.array_equal(self._offsets, other._offsets) and self.rows == other.rows
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return (
+            f"PackedRagged(B={len(self)}, rows={self.total_rows}, values={self.values.shape[0]}, "
+            f"dtype={self.dtype}, device={self.device})"
+        )
+
+    def __reduce_ex__(self, protocol: int):
+        return (PackedRagged, (self.rows, self._offsets.tolist()))

@@ -1,0 +1,169 @@
+"""Rows of varying width (sampling masks, sampled support) as CSR: values plus row offsets.
+
+One form from the wire and the payload file to the batch, so ragged rows are copied once:
+:class:`RaggedRows` is one run of rows on the host, row ``i`` being
+``values[offsets[i]:offsets[i + 1]]`` (a slice of rows is a view: its offsets need not start
+at 0); a batch holds them as :class:`~r3data.packed_ragged.PackedRagged`. A padded
+``[rows, widest]`` view is made only on request, and bounded.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from r3data.errors import PackedError
+
+__all__ = ["DEFAULT_MAX_CELLS", "MASK_FILL", "RaggedRows", "check_cells", "row_offsets"]
+
+MASK_FILL = -1
+"""What a padded view puts after each row's values."""
+
+DEFAULT_MAX_CELLS = 1 << 28
+"""Largest padded view made unless the caller raises it (1 GiB of int32)."""
+
+
+def row_offsets(offsets: Any, what: str) -> np.ndarray:
+    array = np.asarray(offsets)
+    if array.ndim != 1 or array.size == 0 or (array.dtype.kind not in "iu"):
+        raise PackedError(
+            f"{what}: expected 1-D integer row offsets (rows + 1 of them), found shape "
+            f"{array.shape} of {array.dtype}"
+        )
+    return array.astype(np.int64, copy=False)
+
+
+class RaggedRows:
+    """CSR rows on the host: ``values`` (1-D numpy) and ``offsets`` (int64, rows + 1)."""
+
+    __slots__ = ("offsets", "values")
+
+    def __init__(self, values: np.ndarray, offsets: Any, *, what: str = "ragged rows") -> None:
+        values = np.asarray(values)
+        if values.ndim != 1:
+            raise PackedError(f"{what}: expected 1-D values, found shape {values.shape}")
+        offsets = row_offsets(offsets, what)
+        if offsets[0] < 0 or offsets[-1] > values.size or (np.diff(offsets) < 0).any():
+            raise PackedError(
+                f"{what}: expected non-decreasing offsets within [0, {values.size}], found "
+                f"{offsets[:8].tolist()}{'...' if offsets.size > 8 else ''}"
+            )
+        self.values = values
+        self.offsets = offsets
+
+    @classmethod
+    def from_lengths(cls, values: np.ndarray, lengths: Any, *, what: str = "ragged rows"):
+        """Rows of ``lengths`` values each, back to back."""
+        lengths = np.asarray(lengths)
+        if lengths.ndim != 1 or (lengths.size and lengths.dtype.kind not in "iu"):
+            raise PackedError(f"{what}: expected 1-D integer row lengths, found {lengths.dtype}")
+        if lengths.size and int(lengths.min()) < 0:
+            raise PackedError(f"{what}: expected row lengths >= 0, found {int(lengths.min())}")
+        offsets = np.zeros(lengths.size + 1, np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        if offsets[-1] != np.asarray(values).size:
+            raise PackedError(
+                f"{what}: expected row lengths summing to the {np.asarray(values).size} values, "
+                f"found {int(offsets[-1])}"
+            )
+        return cls(values, offsets, what=what)
+
+    @classmethod
+    def from_rows(cls, rows: Sequence[Any], dtype: Any = np.int32) -> RaggedRows:
+        """One row per 1-D array in ``rows``."""
+        arrays = [np.asarray(row, dtype=dtype).reshape(-1) for row in rows]
+        values = np.concatenate(arrays) if arrays else np.empty(0, dtype)
+        return cls.from_lengths(values, [a.size for a in arrays])
+
+    @classmethod
+    def from_padded(cls, padded: Any, *, fill: int = MASK_FILL, what: str = "padded rows"):
+        """``[rows, width]`` rows, each its values first and ``fill`` after them."""
+        array = np.asarray(padded)
+        if array.ndim != 2 or (array.size and array.dtype.kind not in "iu"):
+            raise PackedError(
+                f"{what}: expected a [rows, width] integer array, found shape {array.shape} of "
+                f"{array.dtype}"
+            )
+        kept = array != fill
+        lengths = kept.sum(axis=1, dtype=np.int64)
+        holes = kept != (np.arange(array.shape[1]) < lengths[:, None])
+        if holes.any():
+            row = int(holes.any(axis=1).argmax())
+            raise PackedError(
+                f"{what}: row {row} has {fill} before a kept id; padding must come last"
+            )
+        return cls.from_lengths(array[kept], lengths, what=what)
+
+    @property
+    def rows(self) -> int:
+        return self.offsets.size - 1
+
+    def __len__(self) -> int:
+        return self.rows
+
+    @property
+    def lengths(self) -> np.ndarray:
+        """Values per row (int64)."""
+        return np.diff(self.offsets)
+
+    @property
+    def widest(self) -> int:
+        return int(self.lengths.max()) if self.rows else 0
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self.values.dtype
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the values the rows hold."""
+        return int(self.offsets[-1] - self.offsets[0]) * self.values.itemsize
+
+    def __getitem__(self, rows: slice) -> RaggedRows:
+        """Rows ``rows`` (a step-1 slice), sharing memory."""
+        start, stop, step = rows.indices(self.rows)
+        if step != 1:
+            raise PackedError(f"ragged rows take step-1 slices, found step {step}")
+        view = object.__new__(RaggedRows)
+        view.values = self.values
+        view.offsets = self.offsets[start : max(start, stop) + 1]
+        return view
+
+    def compact(self) -> tuple[np.ndarray, np.ndarray]:
+        """``(values, offsets)`` of exactly these rows, offsets from 0 (views, no copy)."""
+        first = int(self.offsets[0])
+        return self.values[first : int(self.offsets[-1])], self.offsets - first
+
+    def padded(
+        self, width: int | None = None, *, fill: int = MASK_FILL, max_cells: int = DEFAULT_MAX_CELLS
+    ) -> np.ndarray:
+        """``[rows, width]`` (default: the widest row), each row's values then ``fill``."""
+        width = self.widest if width is None else width
+        check_cells(self.rows, width, self.widest, max_cells)
+        values, offsets = self.compact()
+        out = np.full((self.rows, width), fill, dtype=values.dtype)
+        out[np.arange(width) < np.diff(offsets)[:, None]] = values
+        return out
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, RaggedRows):
+            return NotImplemented
+        mine, theirs = self.compact(), other.compact()
+        return np.array_equal(mine[1], theirs[1]) and np.array_equal(mine[0], theirs[0])
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"RaggedRows(rows={self.rows}, values={int(self.offsets[-1] - self.offsets[0])}, dtype={self.dtype})"
+
+
+def check_cells(rows: int, width: int, widest: int, max_cells: int) -> None:
+    if width < widest:
+        raise PackedError(f"padded width must be >= the widest row {widest}, found {width}")
+    if rows * width > max_cells:
+        raise PackedError(
+            f"a padded view [{rows}, {width}] has {rows * width} cells, more than max_cells "
+            f"{max_cells}; keep the rows ragged or pass a larger max_cells"
+        )

@@ -1,0 +1,140 @@
+"""Base64 blobs: strict decoding, whole or a byte range straight into a caller's buffer.
+
+Every producer sends its bulk rows as padded base64 (RFC 4648, no line breaks). The decoded
+size is known from the length alone, so every claim is checked before anything is allocated,
+and :func:`decode_base64_into` writes a byte range of the decoded blob into its final place
+through a cache-sized bounce buffer: no temporary of the blob's size, the bytes still in cache
+when the caller screens them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+import numpy as np
+import pybase64
+
+from r3data.errors import WireFormatError
+
+__all__ = ["Base64Data", "Blob", "decode_base64", "decode_base64_into", "decoded_length"]
+
+Base64Data = str | bytes | bytearray | memoryview
+
+_PAD = ord("=")
+_CHUNK_GROUPS = (1 << 20) // 3
+"""Base64 groups (3 decoded bytes each) per bounce: about 1 MiB, L2-sized."""
+
+
+class Blob(NamedTuple):
+    """A base64 blob not yet decoded: ``chars``, a view of its characters in the raw body, and
+    ``what`` names it in messages (field and byte offset)."""
+
+    chars: memoryview
+    what: str
+
+
+def as_base64_buffer(data: object, what: str) -> Base64Data:
+    """``data`` as something pybase64 decodes: str, bytes, bytearray or a byte memoryview."""
+    if isinstance(data, str | bytes | bytearray):
+        return data
+    if isinstance(data, memoryview):
+        try:
+            return data.cast("B")
+        except TypeError as err:
+            raise WireFormatError(f"{what}: base64 buffer is not contiguous ({err})") from None
+    raise WireFormatError(
+        f"{what}: expected base64 as str, bytes, bytearray or memoryview, "
+        f"found {type(data).__name__}"
+    )
+
+
+def decoded_length(data: Base64Data, what: str = "data") -> int:
+    """Bytes that padded base64 ``data`` decodes to, computed from its length alone."""
+    size = len(data)
+    if size % 4:
+        raise WireFormatError(
+            f"{what}: base64 must be padded to a multiple of 4 characters, found {size}"
+        )
+    if size == 0:
+        return 0
+    last, before = data[-1], data[-2]
+    if isinstance(data, str):
+        pad = (last == "=") + (last == "=" and before == "=")
+    else:
+        pad = (last == _PAD) + (last == _PAD and before == _PAD)
+    return size // 4 * 3 - pad
+
+
+def _decode(chunk: Base64Data, what: str, at: int) -> bytes:
+    try:
+        return pybase64.b64decode(chunk, validate=True)
+    except (ValueError, TypeError) as err:
+        raise WireFormatError(
+            f"{what}: invalid base64 in characters [{at}, {at + len(chunk)}) ({err})"
+        ) from None
+
+
+def decode_base64(
+    data: object, *, expected_nbytes: int | None = None, what: str = "data"
+) -> bytearray:
+    """Strictly decode padded base64 into a new (writable) ``bytearray``.
+
+    When ``expected_nbytes`` is given, the decoded size (known from the length) must match it
+    before anything is decoded. A ``str`` is decoded in place, never copied to another string.
+    """
+    buffer = as_base64_buffer(data, what)
+    nbytes = decoded_length(buffer, what)
+    if expected_nbytes is not None and nbytes != expected_nbytes:
+        raise WireFormatError(
+            f"{what}: expected {expected_nbytes} bytes, found base64 of {len(buffer)} "
+            f"characters that decodes to {nbytes} bytes"
+        )
+    try:
+        decoded = pybase64.b64decode_as_bytearray(buffer, validate=True)
+    except (ValueError, TypeError) as err:
+        raise WireFormatError(
+            f"{what}: invalid base64 in {len(buffer)} characters ({err})"
+        ) from None
+    if len(decoded) != nbytes:
+        raise WireFormatError(
+            f"{what}: expected base64 decoding to {nbytes} bytes, found {len(decoded)}"
+        )
+    return decoded
+
+
+def decode_base64_into(
+    data: Base64Data,
+    dest: np.ndarray,
+    *,
+    skip: int = 0,
+    what: str = "data",
+    on_bytes: Callable[[int], None] | None = None,
+) -> None:
+    """Decode bytes ``[skip, skip + dest.nbytes)`` of base64 ``data`` into ``dest`` (a
+    writable C-contiguous array), chunk by chunk; the range must lie inside the blob.
+    ``on_bytes(done)`` is told after each chunk how many leading bytes of ``dest`` are in."""
+    out = dest.reshape(-1).view(np.uint8)
+    nbytes = out.size
+    if not isinstance(data, str):
+        data = memoryview(data).cast("B")  # slices below are views, not copies
+    total = decoded_length(data, what)
+    if skip < 0 or skip + nbytes > total:
+        raise WireFormatError(
+            f"{what}: expected bytes [{skip}, {skip + nbytes}) inside the {total} the base64 "
+            f"decodes to"
+        )
+    group = skip // 3
+    drop = skip - 3 * group  # decoded bytes of the first group before the range
+    written = 0
+    while written < nbytes:
+        groups = min(_CHUNK_GROUPS, -(-(nbytes - written + drop) // 3))
+        at = 4 * group
+        piece = _decode(data[at : at + 4 * groups], what, at)
+        take = min(len(piece) - drop, nbytes - written)
+        np.copyto(out[written : written + take], np.frombuffer(piece, np.uint8, take, drop))
+        written += take
+        group += groups
+        drop = 0
+        if on_bytes is not None:
+            on_bytes(written)
