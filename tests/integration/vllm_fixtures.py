@@ -41,10 +41,6 @@ def _say(config: pytest.Config, text: str) -> None:
 @pytest.fixture(scope="session", name="tiny_moe_checkpoint")
 def tiny_moe_checkpoint_fixture() -> Path:
     """The tiny Qwen3-MoE checkpoint, built on first use and cached by its recipe."""
-    try:
-        import transformers  # noqa: F401
-    except ImportError:
-        unavailable("transformers is not installed in the test environment (extra 'hf')")
     return tiny_moe.cached_checkpoint(cache_root())
 
 

