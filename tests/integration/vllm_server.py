@@ -90,7 +90,6 @@ class VllmServer:
     process: subprocess.Popen[bytes]
     base_url: str
     log_path: Path
-    checkpoint: Path
     started_s: float
     """Seconds from launch until the server answered."""
 
@@ -192,7 +191,7 @@ def start(checkpoint: Path, log_path: Path) -> VllmServer:
             cwd=log_path.parent,
             start_new_session=True,  # its own process group, so a stuck stop can kill it all
         )
-    server = VllmServer(process, f"http://127.0.0.1:{port}", log_path, checkpoint, 0.0)
+    server = VllmServer(process, f"http://127.0.0.1:{port}", log_path, 0.0)
     deadline = launched + READY_TIMEOUT_S
     while time.monotonic() < deadline:
         if process.poll() is not None:
