@@ -14,7 +14,7 @@ import sys
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 from fsspec import AbstractFileSystem
@@ -30,7 +30,7 @@ from r3data.errors import (
 )
 from r3data.parallel import fill_rows, io_workers
 from r3data.payload.fileformat import checksum
-from r3data.payload.fs import PayloadRoot
+from r3data.payload.fs import PayloadFile, PayloadRoot
 from r3data.payload.ragged import RaggedRows
 from r3data.payload.segment import INDEX_DTYPE, PayloadSegment
 
@@ -61,49 +61,15 @@ class _Request:
         return np.frombuffer(self.dest, np.uint8)
 
 
-class _OpenFile(Protocol):
-    size: int
-    chunk: int | None
-    """Bytes per read when checksumming, or None for one read per range."""
-
-    def read_at(self, offset: int, dest: memoryview) -> int:
-        """Read into ``dest`` from ``offset``; fewer bytes than asked, 0 at end of file."""
-
-    def close(self) -> None: ...
+_CHECKSUM_CHUNK = 1 << 20
+"""Bytes per local read when checksumming: each piece is checksummed while in the CPU cache
+(a read on any other filesystem may cost a round trip: one read per range there)."""
 
 
-class _LocalFile:
-    chunk = 1 << 20  # cache-sized: each piece is checksummed before it leaves the CPU cache
-
-    def __init__(self, path: str) -> None:
-        self.fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        self.size = os.fstat(self.fd).st_size
-
-    def read_at(self, offset: int, dest: memoryview) -> int:
-        return os.preadv(self.fd, [dest], offset)
-
-    def close(self) -> None:
-        os.close(self.fd)
-
-
-class _FsspecFile:
-    chunk = None  # every read may cost a round trip
-
-    def __init__(self, fs: AbstractFileSystem, path: str) -> None:
-        self.f = fs.open(path, "rb")
-        self.size = self.f.seek(0, 2)
-
-    def read_at(self, offset: int, dest: memoryview) -> int:
-        self.f.seek(offset)
-        return self.f.readinto(dest) or 0
-
-    def close(self) -> None:
-        self.f.close()
-
-
-def _fill(handle: _OpenFile, r: _Request, got: int) -> int:
+def _fill(handle: PayloadFile, r: _Request, got: int) -> int:
     """Read ``r`` from byte ``got`` on until it is full or the file ends; returns bytes held."""
-    step = (handle.chunk if r.crc is not None else None) or r.nbytes
+    local = r.crc is not None and handle.fd is not None
+    step = _CHECKSUM_CHUNK if local else r.nbytes
     while got < r.nbytes:
         n = handle.read_at(r.offset + got, r.dest[got : min(got + step, r.nbytes)])
         if not n:
@@ -209,7 +175,7 @@ class PayloadReader:
 
     def _read_file(self, file: str, requests: list[_Request]) -> None:
         path = self.root.full(file)
-        handle: _OpenFile | None = None
+        handle: PayloadFile | None = None
         try:
             for r in sorted(requests, key=lambda r: r.offset):
                 handle = self._read_request(path, handle, r)
@@ -218,10 +184,10 @@ class PayloadReader:
             if handle is not None:
                 handle.close()
 
-    def _open(self, path: str) -> _OpenFile:
-        return _LocalFile(path) if self.root.local else _FsspecFile(self.root.fs, path)
+    def _open(self, path: str) -> PayloadFile:
+        return self.root.open_read(path)
 
-    def _read_request(self, path: str, handle: _OpenFile | None, r: _Request) -> _OpenFile:
+    def _read_request(self, path: str, handle: PayloadFile | None, r: _Request) -> PayloadFile:
         """Read ``r`` completely, reopening and backing off on a short read or I/O error."""
         got, size, failure, delay = 0, None, None, self.backoff
         for attempt in range(1, self.retries + 2):
@@ -263,7 +229,7 @@ class PayloadReader:
         )
 
     def _url(self, path: str) -> str:
-        return path if self.root.local else self.root.fs.unstrip_protocol(path)
+        return path if self.root.local_backed else self.root.fs.unstrip_protocol(path)
 
 
 def _check_crc(r: _Request, url: str) -> None:
