@@ -154,12 +154,11 @@ def _inside(path: str, root: str) -> bool:
     return path == root or path.startswith(root.rstrip("/") + "/")
 
 
-def _regular_or_refuse(fd: int, url: str, what: str) -> None:
+def _regular_or_refuse(fd: int, what: str) -> None:
     kind = stat.S_IFMT(os.fstat(fd).st_mode)
     if kind != stat.S_IFREG:
-        raise PayloadHandleError(
-            f"{what} names a {_FILE_KINDS.get(kind, 'special file')} ({url}), not a regular file"
-        )
+        kind_name = _FILE_KINDS.get(kind, "special file")
+        raise PayloadHandleError(f"{what} is a {kind_name}, not a regular file")
 
 
 def _reopen_to_read(path_fd: int) -> int:
@@ -169,6 +168,7 @@ def _reopen_to_read(path_fd: int) -> int:
 
 @contextlib.contextmanager
 def _local_errors(url: str, what: str) -> Iterator[None]:
+    """OS errors of an open as payload errors; ``what`` names the file (and the handle)."""
     try:
         yield
     except FileNotFoundError as exc:
@@ -179,7 +179,7 @@ def _local_errors(url: str, what: str) -> Iterator[None]:
         raise PayloadPermissionError(f"payload file {url} may not be read: {exc}") from exc
     except OSError as exc:
         if exc.errno == errno.ELOOP:
-            raise PayloadHandleError(f"{what} loops through symlinks ({url})") from exc
+            raise PayloadHandleError(f"{what} loops through symlinks") from exc
         raise PayloadReadError(f"opening payload file {url}: {exc}") from exc
 
 
@@ -196,23 +196,24 @@ def open_file(path: str | os.PathLike[str], fs: AbstractFileSystem | None = None
         inner = fs._strip_protocol(shown)
     os_path = local_path(fs, inner)
     if os_path is None:
-        return _open_fsspec(fs, inner, f"file {shown!r}")
-    with _local_errors(shown, f"file {shown!r}"):
+        return _open_fsspec(fs, inner, shown)
+    with _local_errors(shown, shown):
         path_fd = os.open(os_path, os.O_PATH | os.O_CLOEXEC)
         try:
-            _regular_or_refuse(path_fd, shown, f"file {shown!r}")
+            _regular_or_refuse(path_fd, shown)
             return LocalPayloadFile(_reopen_to_read(path_fd), shown)
         finally:
             os.close(path_fd)
 
 
 def _open_fsspec(fs: AbstractFileSystem, path: str, what: str) -> FsspecPayloadFile:
+    """``what`` names the file (and the handle) in messages."""
     url = fs.unstrip_protocol(path)
     fs.invalidate_cache(path)  # a listing cached before the file was published must not hide it
     with _fsspec_errors(url, f"opening {url}"):
         info = fs.info(path)
     if info.get("type") != "file":
-        raise PayloadHandleError(f"{what} names a {info.get('type')} ({url}), not a regular file")
+        raise PayloadHandleError(f"{what} is a {info.get('type')}, not a regular file")
     return FsspecPayloadFile(fs, path, info)
 
 
@@ -318,12 +319,12 @@ class PayloadRoot:
         :class:`PayloadReadError` (other I/O).
         """
         rel = self.relative(handle)
-        what = f"payload handle {handle!r}"
+        url = self.url_of(rel)
+        what = f"payload handle {handle!r} ({url})"
         if self._os_path is None:
             return _open_fsspec(self.fs, posixpath.join(self.path, rel), what)
-        url = self.url_of(rel)
         with _local_errors(url, what), self._beneath(rel, os.O_PATH | os.O_CLOEXEC, what) as fd:
-            _regular_or_refuse(fd, url, what)
+            _regular_or_refuse(fd, what)
             return LocalPayloadFile(_reopen_to_read(fd), url)
 
     @contextlib.contextmanager
