@@ -201,11 +201,8 @@ def verify(
     payload_root = PayloadRoot(root, fs)
     payload_root.require()
     payload_root.fs.invalidate_cache(payload_root.path)
-    listed = payload_root.fs.find(payload_root.path, detail=True)
     files = sorted(
-        (payload_root.name_of(p), int(info.get("size") or 0))
-        for p, info in listed.items()
-        if info.get("type") != "directory"
+        payload_root.files(payload_root.fs.find(payload_root.path, detail=True).values())
     )
     versions: set[int] = set()
     checked: list[tuple[str, int]] = []

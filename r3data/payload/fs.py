@@ -18,7 +18,7 @@ import errno
 import os
 import posixpath
 import stat
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import fsspec
@@ -301,6 +301,23 @@ class PayloadRoot:
         if not path.startswith(prefix):
             raise PayloadHandleError(f"listed path {listed!r} is outside the root {self.url}")
         return path[len(prefix) :]
+
+    def files(self, entries: Iterable[dict[str, Any]]) -> list[tuple[str, int]]:
+        """``(root-relative name, size)`` of the files among fsspec listing ``entries``.
+
+        Directories, directory markers (``key/``: an object store may list an emptied directory
+        so for a while, as SeaweedFS does) and the root itself are not files.
+        """
+        found = []
+        root = self.path.rstrip("/")
+        for entry in entries:
+            listed = entry["name"]
+            if entry.get("type") == "directory" or listed.endswith("/"):
+                continue
+            if self.fs._strip_protocol(listed).rstrip("/") == root:
+                continue
+            found.append((self.name_of(listed), int(entry.get("size") or 0)))
+        return found
 
     def full(self, handle: str) -> str:
         """The path of ``handle`` in ``fs``, lexically inside the root.

@@ -74,11 +74,8 @@ def list_versions(root: PayloadRoot) -> dict[int, list[tuple[str, int]]]:
         match = VERSION_DIR.fullmatch(posixpath.basename(entry["name"].rstrip("/")))
         if entry["type"] != "directory" or match is None:
             continue
-        versions[int(match.group(1))] = [
-            (root.name_of(f["name"]), int(f.get("size") or 0))
-            for f in fs.ls(entry["name"], detail=True)
-            if f["type"] == "file"
-        ]
+        listed = fs.ls(entry["name"], detail=True)
+        versions[int(match.group(1))] = root.files(f for f in listed if f["type"] == "file")
     return versions
 
 

@@ -92,9 +92,9 @@ def free_ports(count: int) -> list[int]:
 def admin_port(taken: set[int]) -> int:
     """A free port whose +10000 twin is free too (see :data:`PORT_FLAGS`)."""
     for port in range(20000, 55000 - GRPC_OFFSET, 7):
-        if port not in taken and port + GRPC_OFFSET not in taken:
-            if _free(port) and _free(port + GRPC_OFFSET):
-                return port
+        pair = (port, port + GRPC_OFFSET)
+        if taken.isdisjoint(pair) and all(_free(p) for p in pair):
+            return port
     raise ServerError("no free port pair for the SeaweedFS admin server")
 
 

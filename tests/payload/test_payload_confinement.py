@@ -14,8 +14,8 @@ import fsspec
 import numpy as np
 import pytest
 from fsspec.implementations.dirfs import DirFileSystem
-from fsspec.implementations.local import LocalFileSystem
 from fsspec.implementations.memory import MemoryFileSystem
+from payload_campaigns import LOCAL_CLASSES, local_classes, moved
 
 from r3data.cli import main
 from r3data.errors import (
@@ -28,7 +28,6 @@ from r3data.payload import (
     PayloadReader,
     PayloadRetention,
     PayloadRoot,
-    PayloadSegment,
     PayloadWriter,
     inspect,
     verify,
@@ -37,39 +36,10 @@ from r3data.payload import (
 ROUTES = np.arange(64 * 48 * 8, dtype=np.uint32).astype(np.uint8).reshape(64, 48, 8)
 
 
-class SubclassedLocal(LocalFileSystem):
-    """A LocalFileSystem subclass, as a library or a test harness would make one."""
-
-    cachable = False
-
-
-def local_classes(base: Path) -> dict[str, Callable[[], tuple[str, fsspec.AbstractFileSystem]]]:
-    """Every local-backed filesystem class, each giving (root inside it, filesystem) for the
-    payload root at ``base / 'payloads'``."""
-    root = str(base / "payloads")
-    return {
-        "LocalFileSystem": lambda: (root, LocalFileSystem()),
-        "subclass": lambda: (root, SubclassedLocal()),
-        "DirFileSystem": lambda: ("payloads", DirFileSystem(str(base), LocalFileSystem())),
-        "DirFileSystem(subclass)": lambda: ("payloads", DirFileSystem(str(base), SubclassedLocal())),
-        "DirFileSystem(DirFileSystem)": lambda: (
-            "payloads",
-            DirFileSystem(base.name, DirFileSystem(str(base.parent), LocalFileSystem())),
-        ),
-    }
-
-
-LOCAL_CLASSES = list(local_classes(Path("/")))
-
-
 def make_root(tmp_path: Path, kind: str) -> tuple[str, fsspec.AbstractFileSystem]:
     base = tmp_path / "base"
     base.mkdir(parents=True)
     return local_classes(base)[kind]()
-
-
-def moved(segment: PayloadSegment, file: str) -> PayloadSegment:
-    return PayloadSegment(**{**segment.to_dict(), "file": file})
 
 
 def finishes(fn: Callable[[], object], seconds: float = 10.0) -> object:
@@ -113,11 +83,11 @@ def test_symlinks_out_of_the_root_are_refused_on_every_local_backed_class(tmp_pa
     (base / "v1" / "in.bin").symlink_to(base / s.file)
     reader = PayloadReader(root, fs=fs, retries=0)
     for handle in ("v1/out.bin", f"v1/etc/{s.file}"):
-        with pytest.raises(PayloadHandleError, match="symlink .* outside the root"):
+        with pytest.raises(PayloadHandleError, match=r"symlink .* outside the root"):
             reader.read([moved(s, handle)])
     np.testing.assert_array_equal(reader.read([moved(s, "v1/in.bin")])["routes"], ROUTES)
+    (base / "v7").symlink_to(secret)
     with pytest.raises(PayloadWriteError, match="outside the root"):  # writers are confined too
-        (base / "v7").symlink_to(secret)
         PayloadWriter(root, fs=fs).write(7, {"routes": ROUTES})
     assert sorted(p.name for p in secret.iterdir()) == ["v1"]
 
@@ -184,8 +154,8 @@ def test_devices_and_directories_are_refused_too(tmp_path):
         pytest.skip("creating a device node needs privileges")
     with pytest.raises(PayloadHandleError, match="is a character device"):
         reader.read([moved(s, "v1/zero.bin")])
+    (root / "v1" / "loop.bin").symlink_to("loop.bin")
     with pytest.raises(PayloadHandleError, match="loops through symlinks"):
-        (root / "v1" / "loop.bin").symlink_to("loop.bin")
         reader.read([moved(s, "v1/loop.bin")])
 
 
