@@ -5,9 +5,11 @@ from __future__ import annotations
 import argparse
 import json
 
+from fsspec import AbstractFileSystem
+
 from r3data.cli.common import EXIT_PROBLEMS, count, format_bytes, int_at_least, resolve
-from r3data.errors import ConfigError
-from r3data.payload import gc, verify
+from r3data.errors import ConfigError, PayloadNotFoundError
+from r3data.payload import PayloadRoot, gc, verify
 
 
 def register(commands: argparse._SubParsersAction) -> None:
@@ -64,10 +66,20 @@ def _retention_arguments(parser: argparse.ArgumentParser, *, required: bool) -> 
     )
 
 
+def _root(text: str) -> tuple[AbstractFileSystem, str]:
+    """The payload root ``text`` names; on an object store an empty prefix is an empty root."""
+    try:
+        return resolve(text, want="dir")
+    except PayloadNotFoundError:
+        root = PayloadRoot(text)
+        root.require()
+        return root.fs, root.path
+
+
 def run_verify(args: argparse.Namespace) -> int:
     if (args.step is None) != (args.max_off_policy_steps is None):
         raise ConfigError("verify: give both --step and --max-off-policy-steps, or neither")
-    fs, path = resolve(args.root, want="dir")
+    fs, path = _root(args.root)
     report = verify(
         path,
         fs=fs,
@@ -117,7 +129,7 @@ def run_verify(args: argparse.Namespace) -> int:
 
 
 def run_gc(args: argparse.Namespace) -> int:
-    fs, path = resolve(args.root, want="dir")
+    fs, path = _root(args.root)
     report = gc(path, args.step, args.max_off_policy_steps, fs=fs, dry_run=args.dry_run)
     if args.json:
         print(json.dumps(report.as_dict(), indent=2))

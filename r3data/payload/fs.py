@@ -251,9 +251,18 @@ class PayloadRoot:
         return self.fs.unstrip_protocol(posixpath.join(self.path, name))
 
     def require(self) -> None:
-        """Raise :class:`PayloadNotFoundError` when the root does not exist."""
-        if not self.fs.exists(self.path):
-            raise PayloadNotFoundError(f"payload root {self.url} does not exist")
+        """Raise :class:`PayloadNotFoundError` when the root does not exist.
+
+        On an object store a prefix holding no object is an empty root, provided its bucket
+        exists: stores differ in whether they still list an emptied prefix.
+        """
+        self.fs.invalidate_cache(self.path)
+        if self.fs.exists(self.path):
+            return
+        bucket = self.path.split("/", 1)[0]
+        if not self.local_backed and not self.fs.root_marker and self.fs.exists(bucket):
+            return
+        raise PayloadNotFoundError(f"payload root {self.url} does not exist")
 
     def relative(self, handle: str) -> str:
         """``handle`` as a normalised path relative to the root; refuses one that escapes it.

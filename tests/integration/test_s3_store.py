@@ -191,6 +191,22 @@ def test_cli_verify_gc_and_inspect_on_the_url_with_credentials_from_the_environm
     assert PayloadReader(s3_root).read(written)["routes"].sum() == 7 * 3 * 48 * 8
 
 
+def test_an_empty_prefix_is_an_empty_root(s3, s3_root, s3_fs, monkeypatch, capsys):
+    """AWS drops an emptied prefix at once, SeaweedFS lists it for a while: neither matters."""
+    import s3fs
+
+    never_written = s3_root + "-empty"
+    assert verify(never_written, fs=s3_fs).files_checked == 0
+    assert gc(never_written, 3, 0, fs=s3_fs).files == []
+    for name, value in s3.environment().items():
+        monkeypatch.setenv(name, value)
+    s3fs.S3FileSystem.clear_instance_cache()
+    assert main(["verify", never_written]) == 0
+    assert "0 payload files checked" in capsys.readouterr().out
+    with pytest.raises(PayloadNotFoundError, match="no-such-bucket"):
+        verify("s3://r3-no-such-bucket/run", fs=s3_fs)
+
+
 def test_credentials_through_storage_options(s3, s3_root):
     fs, _ = fsspec.core.url_to_fs(s3_root, **s3.storage_options())
     (segment,) = PayloadWriter(s3_root, fs=fs).write(0, {"routes": np.ones((3, 48, 8), np.uint8)})

@@ -392,8 +392,9 @@ def killed_writer_campaign(
     max_rows: int,
     max_delay: float,
 ) -> dict[str, int]:
-    """Kill ``kills`` writers at random points; then every file under a final name is complete
-    (verify finds nothing corrupt or headerless) and every file a writer reported exists."""
+    """Kill ``kills`` writers at random points (after 0 to 2 files they published, then a random
+    delay into the next); then every file under a final name is complete (verify finds nothing
+    corrupt or headerless) and every file a writer reported exists."""
     context = forkserver()
     published: list[str] = []
     for _ in range(kills):
@@ -405,6 +406,9 @@ def killed_writer_campaign(
         child.close()
         assert parent.poll(60), "the writer never started"
         assert parent.recv() == "ready"
+        for _ in range(rng.randint(0, 2)):
+            assert parent.poll(60), "the writer published nothing in a minute"
+            published.append(parent.recv())
         time.sleep(rng.uniform(0, max_delay))
         os.kill(process.pid, signal.SIGKILL)
         process.join(30)
