@@ -7,8 +7,8 @@ over one) every open, directory and deletion then goes through the kernel: the p
 relative to a fresh descriptor of the root, and the descriptor's own path (symlinks resolved,
 as the kernel holds it) must lie inside the root's, so nothing is remembered that a rename or a
 swapped symlink could invalidate. A file is opened ``O_PATH`` first and must be a regular file
-before it is opened to read: a FIFO or device never blocks or stirs an open. This needs Linux's
-``/proc/self/fd``.
+before it is opened to read, so a FIFO cannot block a read and a device is never opened. This
+needs Linux's ``/proc/self/fd``.
 """
 
 from __future__ import annotations
@@ -46,12 +46,12 @@ _FILE_KINDS = {
 }
 
 
-def local_path(fs: AbstractFileSystem, path: str) -> str | None:
+def _local_path(fs: AbstractFileSystem, path: str) -> str | None:
     """The OS path that ``path`` names in ``fs`` when ``fs`` is local-backed, else None."""
     if isinstance(fs, LocalFileSystem):
         return os.path.normpath(fs._strip_protocol(path))
     if isinstance(fs, DirFileSystem):
-        return local_path(fs.fs, fs._join(path))
+        return _local_path(fs.fs, fs._join(path))
     return None
 
 
@@ -194,7 +194,7 @@ def open_file(path: str | os.PathLike[str], fs: AbstractFileSystem | None = None
         fs, inner = fsspec.core.url_to_fs(shown)
     else:
         inner = fs._strip_protocol(shown)
-    os_path = local_path(fs, inner)
+    os_path = _local_path(fs, inner)
     if os_path is None:
         return _open_fsspec(fs, inner, shown)
     with _local_errors(shown, shown):
@@ -233,7 +233,7 @@ class PayloadRoot:
             path = fs._strip_protocol(os.fspath(root))
         self.fs: AbstractFileSystem = fs
         self.path: str = path.rstrip("/") or fs.root_marker or "/"
-        self._os_path = local_path(fs, self.path)
+        self._os_path = _local_path(fs, self.path)
         self.local_backed: bool = self._os_path is not None
 
     def __repr__(self) -> str:
