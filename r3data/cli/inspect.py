@@ -18,6 +18,7 @@ from r3data.nodes.screen import ScreenOptions, dense_layers, screen_rows
 from r3data.parallel import fill_rows, io_workers
 from r3data.payload import MAGIC, PayloadReader, PayloadSegment
 from r3data.payload import inspect as inspect_file
+from r3data.payload.fs import open_file
 from r3data.synth import MODEL_SHAPES
 from r3data.wire import (
     RowSource,
@@ -69,8 +70,9 @@ def run(args: argparse.Namespace) -> int:
     if fs.isdir(path):
         report = _directory(fs, path, args)
     else:
-        with fs.open(path, "rb") as f:
-            head = f.read(len(MAGIC))
+        with open_file(path, fs) as f:  # refuses a FIFO or device before opening it
+            head = bytearray(len(MAGIC))
+            head = bytes(head[: f.read_at(0, memoryview(head))])
         if head == MAGIC:
             report = _payload_file(fs, path, args.path)
         elif head.lstrip()[:1] in (b"{", b"["):

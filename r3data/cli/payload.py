@@ -5,9 +5,11 @@ from __future__ import annotations
 import argparse
 import json
 
+from fsspec import AbstractFileSystem
+
 from r3data.cli.common import EXIT_PROBLEMS, count, format_bytes, int_at_least, resolve
-from r3data.errors import ConfigError
-from r3data.payload import gc, verify
+from r3data.errors import ConfigError, PayloadNotFoundError
+from r3data.payload import PayloadRoot, gc, verify
 
 
 def register(commands: argparse._SubParsersAction) -> None:
@@ -15,11 +17,12 @@ def register(commands: argparse._SubParsersAction) -> None:
         "verify",
         help="check every payload file and checksum under a root",
         description="Walk a payload root (a path or fsspec URL): check every payload file's "
-        "header and CRC-32C checksums, and report files outside any v<k> directory (orphans), "
-        "files left half-written by a writer that died (temporary), headerless files (not "
-        "checkable without their segments) and, with --step and --max-off-policy-steps, "
-        "versions past the retention bound. Exit code 1 when a file is corrupt, an orphan "
-        "exists or a version is stale.",
+        "header and CRC-32C checksums, and report files that cannot be read safely (a symlink "
+        "out of the root, a FIFO or device, no permission: never followed or opened), files "
+        "outside any v<k> directory (orphans), files left half-written by a writer that died "
+        "(temporary), headerless files (not checkable without their segments) and, with --step "
+        "and --max-off-policy-steps, versions past the retention bound. Exit code 1 when a file "
+        "is corrupt or unreadable, an orphan exists or a version is stale.",
     )
     check.add_argument("root", metavar="ROOT", help="payload root: a directory or fsspec URL")
     _retention_arguments(check, required=False)
@@ -63,10 +66,20 @@ def _retention_arguments(parser: argparse.ArgumentParser, *, required: bool) -> 
     )
 
 
+def _root(text: str) -> tuple[AbstractFileSystem, str]:
+    """The payload root ``text`` names; on an object store an empty prefix is an empty root."""
+    try:
+        return resolve(text, want="dir")
+    except PayloadNotFoundError:
+        root = PayloadRoot(text)
+        root.require()
+        return root.fs, root.path
+
+
 def run_verify(args: argparse.Namespace) -> int:
     if (args.step is None) != (args.max_off_policy_steps is None):
         raise ConfigError("verify: give both --step and --max-off-policy-steps, or neither")
-    fs, path = resolve(args.root, want="dir")
+    fs, path = _root(args.root)
     report = verify(
         path,
         fs=fs,
@@ -74,7 +87,12 @@ def run_verify(args: argparse.Namespace) -> int:
         max_off_policy_steps=args.max_off_policy_steps,
         workers=args.workers,
     )
-    problems = len(report.corrupt) + len(report.orphans) + len(report.stale_versions)
+    problems = (
+        len(report.corrupt)
+        + len(report.unreadable)
+        + len(report.orphans)
+        + len(report.stale_versions)
+    )
     if args.json:
         print(json.dumps(report.as_dict(), indent=2))
         return EXIT_PROBLEMS if problems else 0
@@ -82,8 +100,9 @@ def run_verify(args: argparse.Namespace) -> int:
         f"{args.root}: {count(report.files_checked, 'payload file')} checked "
         f"({format_bytes(report.bytes_checked)}), versions {report.versions or 'none'}"
     )
-    for name, message in report.corrupt.items():
-        print(f"  corrupt    {name}: {message}")
+    for title, problems_of in (("corrupt", report.corrupt), ("unreadable", report.unreadable)):
+        for name, message in problems_of.items():
+            print(f"  {title:<10} {name}: {message}")
     for title, names in (
         ("orphan", report.orphans),
         ("temporary", report.temporary),
@@ -102,6 +121,7 @@ def run_verify(args: argparse.Namespace) -> int:
         return 0
     print(
         f"problems: {count(len(report.corrupt), 'corrupt file')}, "
+        f"{count(len(report.unreadable), 'unreadable file')}, "
         f"{count(len(report.orphans), 'orphan')}, "
         f"{count(len(report.stale_versions), 'stale version')}"
     )
@@ -109,7 +129,7 @@ def run_verify(args: argparse.Namespace) -> int:
 
 
 def run_gc(args: argparse.Namespace) -> int:
-    fs, path = resolve(args.root, want="dir")
+    fs, path = _root(args.root)
     report = gc(path, args.step, args.max_off_policy_steps, fs=fs, dry_run=args.dry_run)
     if args.json:
         print(json.dumps(report.as_dict(), indent=2))

@@ -7,7 +7,7 @@ them with :class:`PayloadRetention` once the batch that used them is trained on.
 
 from r3data.payload.audit import PayloadFileInfo, VerifyReport, inspect, verify
 from r3data.payload.fileformat import FORMAT_VERSION, MAGIC, FieldEntry, PayloadHeader, read_header
-from r3data.payload.fs import PayloadRoot
+from r3data.payload.fs import PayloadFile, PayloadRoot
 from r3data.payload.reader import PayloadReader, RangeRead, ReadJob
 from r3data.payload.retention import (
     GcReport,
@@ -26,6 +26,7 @@ __all__ = [
     "FieldData",
     "FieldEntry",
     "GcReport",
+    "PayloadFile",
     "PayloadFileInfo",
     "PayloadHeader",
     "PayloadReader",

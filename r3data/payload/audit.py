@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+import io
 import os
 from dataclasses import asdict, dataclass
 from typing import Any, BinaryIO
 
-import fsspec
 import numpy as np
 from fsspec import AbstractFileSystem
 
@@ -14,13 +14,14 @@ from r3data.errors import (
     PayloadChecksumError,
     PayloadError,
     PayloadFormatError,
+    PayloadHandleError,
     PayloadNotFoundError,
     PayloadPermissionError,
     PayloadReadError,
 )
 from r3data.parallel import fill_rows, io_workers
 from r3data.payload.fileformat import MAGIC, FieldEntry, PayloadHeader, checksum, read_header
-from r3data.payload.fs import PayloadRoot
+from r3data.payload.fs import PayloadFile, PayloadRoot, open_file
 from r3data.payload.retention import VERSION_DIR, min_fresh_version
 from r3data.payload.segment import INDEX_DTYPE
 from r3data.payload.writer import TEMP_SUFFIX
@@ -29,6 +30,9 @@ __all__ = ["PayloadFileInfo", "VerifyReport", "inspect", "verify"]
 
 CHUNK_BYTES = 8 << 20
 """Checksums stream through buffers of this size, whatever the field size."""
+
+HEADER_READ_BYTES = 64 << 10
+"""Reads below this size are served from one read of this size (a header takes one request)."""
 
 
 @dataclass(frozen=True)
@@ -49,15 +53,34 @@ class PayloadFileInfo:
         }
 
 
-def _open(fs: AbstractFileSystem, path: str, shown: str) -> BinaryIO:
-    try:
-        return fs.open(path, "rb")
-    except FileNotFoundError as exc:
-        raise PayloadNotFoundError(f"payload file {shown} does not exist") from exc
-    except PermissionError as exc:
-        raise PayloadPermissionError(f"payload file {shown} may not be read: {exc}") from exc
-    except OSError as exc:
-        raise PayloadReadError(f"opening payload file {shown}: {exc}") from exc
+class _Stream(io.RawIOBase):
+    """An open :class:`PayloadFile` as a seekable binary stream, for the header parser."""
+
+    def __init__(self, file: PayloadFile) -> None:
+        self.file, self.at = file, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.at
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.at, io.SEEK_END: self.file.size}[whence]
+        self.at = base + offset
+        return self.at
+
+    def readinto(self, buffer: Any) -> int:
+        n = self.file.read_at(self.at, memoryview(buffer).cast("B"))
+        self.at += n
+        return n
+
+
+def _stream(file: PayloadFile) -> BinaryIO:
+    return io.BufferedReader(_Stream(file), HEADER_READ_BYTES)  # type: ignore[return-value]
 
 
 def inspect(
@@ -65,16 +88,13 @@ def inspect(
 ) -> PayloadFileInfo:
     """Read the header of one payload file (a path or fsspec URL) without reading its data.
 
-    Raises :class:`PayloadFormatError` for a headerless or malformed file.
+    Raises :class:`PayloadFormatError` for a headerless or malformed file, and
+    :class:`~r3data.errors.PayloadHandleError` for a FIFO, device or directory (refused before
+    it is opened: reading one would block).
     """
     shown = os.fspath(path)
-    if fs is None:
-        fs, inner = fsspec.core.url_to_fs(shown)
-    else:
-        inner = fs._strip_protocol(shown)
-    with _open(fs, inner, shown) as f:
-        header = read_header(f, shown)
-        return PayloadFileInfo(shown, f.seek(0, 2), header)
+    with open_file(shown, fs) as file:
+        return PayloadFileInfo(shown, file.size, read_header(_stream(file), shown))
 
 
 def _check_field(f: BinaryIO, entry: FieldEntry, file: str) -> None:
@@ -110,11 +130,16 @@ def _check_field(f: BinaryIO, entry: FieldEntry, file: str) -> None:
 
 @dataclass(frozen=True)
 class VerifyReport:
-    """What ``verify`` found under a root. ``ok`` means no corrupt file.
+    """What ``verify`` found under a root. ``ok`` means no corrupt and no unreadable file.
 
+    ``files_checked`` counts every file whose header and checksums were checked, corrupt ones
+    included. ``corrupt`` and ``unreadable`` map a file to what is wrong with it (``unreadable``:
+    refused before reading, e.g. a symlink out of the root or a FIFO, or not permitted).
     ``headerless`` files (prime-rl's raw layout) cannot be checked without their segments;
     ``temporary`` files are left by writers that died before publishing; ``orphans`` lie outside
     any ``v<k>`` directory; ``stale_versions`` are older than the off-policy bound, when given.
+    Each file is named in one list at most. A file deleted while ``verify`` ran (retention at
+    work) is not reported.
     """
 
     root: str
@@ -122,6 +147,7 @@ class VerifyReport:
     bytes_checked: int
     versions: list[int]
     corrupt: dict[str, str]
+    unreadable: dict[str, str]
     headerless: list[str]
     temporary: list[str]
     orphans: list[str]
@@ -129,24 +155,31 @@ class VerifyReport:
 
     @property
     def ok(self) -> bool:
-        return not self.corrupt
+        return not self.corrupt and not self.unreadable
 
     def as_dict(self) -> dict[str, Any]:
         return {**asdict(self), "ok": self.ok}
 
 
-def _check_file(fs: AbstractFileSystem, path: str, name: str) -> str | None:
-    """``"headerless"``, an error message, or None for a file whose header and data check out."""
+_OK, _HEADERLESS, _CORRUPT, _UNREADABLE, _GONE = "ok", "headerless", "corrupt", "unreadable", "gone"
+
+
+def _check_file(root: PayloadRoot, name: str) -> tuple[str, str]:
+    """``(outcome, what is wrong)`` for the root-relative file ``name``."""
     try:
-        with _open(fs, path, name) as f:
+        with root.open_read(name) as file:
+            f = _stream(file)
             if f.read(len(MAGIC)) != MAGIC:
-                return "headerless"
-            header = read_header(f, name)
-            for entry in header.fields:
+                return _HEADERLESS, ""
+            for entry in read_header(f, name).fields:
                 _check_field(f, entry, name)
+    except PayloadNotFoundError:
+        return _GONE, ""
+    except (PayloadHandleError, PayloadPermissionError) as exc:
+        return _UNREADABLE, str(exc)
     except PayloadError as exc:
-        return str(exc)
-    return None
+        return _CORRUPT, str(exc).removeprefix(f"{name}: ")  # the report names the file
+    return _OK, ""
 
 
 def verify(
@@ -159,14 +192,17 @@ def verify(
 ) -> VerifyReport:
     """Walk ``root``, checking every payload file's header and checksums (files in parallel).
 
-    With ``step`` and ``max_off_policy_steps``, versions below
-    ``min_fresh_version(step + 1, max_off_policy_steps)`` are reported as stale.
+    Files are opened through the root's confinement: a symlink out of the root, a FIFO or a
+    device is listed as unreadable, never followed or opened. With ``step`` and
+    ``max_off_policy_steps``, versions below ``min_fresh_version(step + 1,
+    max_off_policy_steps)`` are reported as stale. Only files are looked at: whether a store
+    still lists an emptied directory (SeaweedFS does for a while, AWS does not) changes nothing.
     """
     payload_root = PayloadRoot(root, fs)
     payload_root.require()
-    listed = payload_root.fs.find(payload_root.path, detail=True)
+    payload_root.fs.invalidate_cache(payload_root.path)
     files = sorted(
-        (payload_root.name_of(p), int(info.get("size") or 0)) for p, info in listed.items()
+        payload_root.files(payload_root.fs.find(payload_root.path, detail=True).values())
     )
     versions: set[int] = set()
     checked: list[tuple[str, int]] = []
@@ -174,34 +210,35 @@ def verify(
     for name, size in files:
         folder, _, base = name.partition("/")
         match = VERSION_DIR.fullmatch(folder)
-        if match is None or "/" in base:
+        if match is None or not base or "/" in base:
             orphans.append(name)
         else:
             versions.add(int(match.group(1)))
             is_temp = base.startswith(".") and base.endswith(TEMP_SUFFIX)
             (temporary.append(name) if is_temp else checked.append((name, size)))
     results = fill_rows(
-        lambda i: _check_file(payload_root.fs, payload_root.full(checked[i][0]), checked[i][0]),
+        lambda i: _check_file(payload_root, checked[i][0]),
         len(checked),
         io_workers() if workers is None else workers,
     )
-    corrupt = {
-        name: r
-        for (name, _), r in zip(checked, results, strict=True)
-        if r not in (None, "headerless")
-    }
-    headerless = [name for (name, _), r in zip(checked, results, strict=True) if r == "headerless"]
+    outcomes: dict[str, dict[str, str]] = {}
+    checked_bytes = 0
+    for (name, size), (outcome, message) in zip(checked, results, strict=True):
+        outcomes.setdefault(outcome, {})[name] = message
+        if outcome in (_OK, _CORRUPT):
+            checked_bytes += size
     stale: list[int] = []
     if step is not None and max_off_policy_steps is not None:
         bound = min_fresh_version(step + 1, max_off_policy_steps)
         stale = sorted(v for v in versions if v < bound)
     return VerifyReport(
         root=payload_root.url,
-        files_checked=sum(1 for r in results if r is None),
-        bytes_checked=sum(size for (_, size), r in zip(checked, results, strict=True) if r is None),
+        files_checked=len(outcomes.get(_OK, {})) + len(outcomes.get(_CORRUPT, {})),
+        bytes_checked=checked_bytes,
         versions=sorted(versions),
-        corrupt=corrupt,
-        headerless=headerless,
+        corrupt=outcomes.get(_CORRUPT, {}),
+        unreadable=outcomes.get(_UNREADABLE, {}),
+        headerless=list(outcomes.get(_HEADERLESS, {})),
         temporary=temporary,
         orphans=orphans,
         stale_versions=stale,

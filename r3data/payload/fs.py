@@ -1,32 +1,229 @@
 """A payload root on any fsspec filesystem, and the rule that no handle resolves outside it.
 
-Handles come from inference servers over the network, so each one is resolved lexically (no
-``..`` above the root, no absolute path or URL elsewhere) and, on a local filesystem, again
-after following symlinks (directories are resolved once per root object and remembered; a
-file that is itself a symlink is resolved on every use).
+Handles come from inference servers over the network. Each one is first resolved lexically (no
+``..`` above the root, no absolute path or URL elsewhere). On a *local-backed* root (any
+filesystem whose paths are OS paths: ``LocalFileSystem``, its subclasses, a ``DirFileSystem``
+over one) every open, directory and deletion then goes through the kernel: the path is opened
+relative to a fresh descriptor of the root, and the descriptor's own path (symlinks resolved,
+as the kernel holds it) must lie inside the root's, so nothing is remembered that a rename or a
+swapped symlink could invalidate. A file is opened ``O_PATH`` first and must be a regular file
+before it is opened to read, so a FIFO cannot block a read and a device is never opened. This
+needs Linux's ``/proc/self/fd``.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
 import posixpath
+import stat
+from collections.abc import Iterable, Iterator
+from typing import Any
 
 import fsspec
 from fsspec import AbstractFileSystem
+from fsspec.implementations.dirfs import DirFileSystem
 from fsspec.implementations.local import LocalFileSystem
+from fsspec.spec import AbstractBufferedFile
 
-from r3data.errors import PayloadHandleError, PayloadNotFoundError
+from r3data.errors import (
+    PayloadHandleError,
+    PayloadNotFoundError,
+    PayloadPermissionError,
+    PayloadReadError,
+)
 
-__all__ = ["PayloadRoot"]
+__all__ = ["PayloadFile", "PayloadRoot", "open_file"]
 
-_MAX_REMEMBERED_DIRS = 4096
+_DIRECTORY = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
+_FILE_KINDS = {
+    stat.S_IFDIR: "directory",
+    stat.S_IFIFO: "FIFO",
+    stat.S_IFCHR: "character device",
+    stat.S_IFBLK: "block device",
+    stat.S_IFSOCK: "socket",
+}
+
+
+def _local_path(fs: AbstractFileSystem, path: str) -> str | None:
+    """The OS path that ``path`` names in ``fs`` when ``fs`` is local-backed, else None."""
+    if isinstance(fs, LocalFileSystem):
+        return os.path.normpath(fs._strip_protocol(path))
+    if isinstance(fs, DirFileSystem):
+        return _local_path(fs.fs, fs._join(path))
+    return None
+
+
+class PayloadFile:
+    """A payload file open for reading: ``url`` (for messages), ``size`` at open time, and
+    ``fd``, an OS descriptor to ``os.preadv`` on when the file is local-backed (else None)."""
+
+    url: str
+    size: int
+    fd: int | None = None
+
+    def read_at(self, offset: int, dest: memoryview) -> int:
+        """Read up to ``len(dest)`` bytes at ``offset`` into ``dest``; fewer only at the end of
+        the file, 0 at or past it."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Release the file; a second call does nothing."""
+
+    def __enter__(self) -> PayloadFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.url!r}, size={self.size})"
+
+
+class LocalPayloadFile(PayloadFile):
+    """A local-backed payload file, read with ``os.preadv`` on its descriptor."""
+
+    def __init__(self, fd: int, url: str) -> None:
+        self.fd, self.url = fd, url
+        self.size = os.fstat(fd).st_size
+
+    def read_at(self, offset: int, dest: memoryview) -> int:
+        if self.fd is None:
+            raise PayloadReadError(f"reading {self.url}: the file was closed")
+        try:
+            return os.preadv(self.fd, [dest], offset)
+        except OSError as exc:
+            raise PayloadReadError(f"reading {self.url} at offset {offset}: {exc}") from exc
+
+    def close(self) -> None:
+        fd, self.fd = self.fd, None
+        if fd is not None:
+            os.close(fd)
+
+
+class FsspecPayloadFile(PayloadFile):
+    """A payload file on any other fsspec filesystem, opened without a read cache: each read is
+    one ranged request (one ranged GET on an object store), and a small read never fetches the
+    block around it."""
+
+    def __init__(self, fs: AbstractFileSystem, path: str, info: dict[str, Any]) -> None:
+        self.url = fs.unstrip_protocol(path)
+        self.size = int(info.get("size") or 0)
+        with _fsspec_errors(self.url, f"opening {self.url}"):
+            self.f = fs.open(path, "rb", cache_type="none", size=self.size)
+        if isinstance(self.f, AbstractBufferedFile):
+            self.f.details = info  # what open would look up again (one more HEAD on S3)
+
+    def read_at(self, offset: int, dest: memoryview) -> int:
+        if self.f.closed:
+            raise PayloadReadError(f"reading {self.url}: the file was closed")
+        with _fsspec_errors(self.url, f"reading {self.url} at offset {offset}"):
+            self.f.seek(offset)
+            return self.f.readinto(dest) or 0
+
+    def close(self) -> None:
+        if not self.f.closed:
+            self.f.close()
+
+
+@contextlib.contextmanager
+def _fsspec_errors(url: str, doing: str) -> Iterator[None]:
+    """Map what a filesystem raises (an ``OSError``, or a client library's own exception such as
+    botocore's connection errors) onto the payload error classes."""
+    try:
+        yield
+    except FileNotFoundError as exc:
+        raise PayloadNotFoundError(f"payload file {url} does not exist") from exc
+    except PermissionError as exc:
+        raise PayloadPermissionError(
+            f"payload file {url} may not be read (check the credentials or permissions): {exc}"
+        ) from exc
+    except PayloadReadError:
+        raise
+    except Exception as exc:  # a client library's own errors are I/O failures here
+        raise PayloadReadError(f"{doing}: {type(exc).__name__}: {exc}") from exc
+
+
+def _fd_path(fd: int) -> str:
+    """Where the open descriptor ``fd`` lives now, symlinks resolved, as the kernel holds it."""
+    return os.readlink(f"/proc/self/fd/{fd}")
+
+
+def _inside(path: str, root: str) -> bool:
+    return path == root or path.startswith(root.rstrip("/") + "/")
+
+
+def _regular_or_refuse(fd: int, what: str) -> None:
+    kind = stat.S_IFMT(os.fstat(fd).st_mode)
+    if kind != stat.S_IFREG:
+        kind_name = _FILE_KINDS.get(kind, "special file")
+        raise PayloadHandleError(f"{what} is a {kind_name}, not a regular file")
+
+
+def _reopen_to_read(path_fd: int) -> int:
+    """A readable descriptor of the very inode ``path_fd`` (an ``O_PATH`` descriptor) holds."""
+    return os.open(f"/proc/self/fd/{path_fd}", os.O_RDONLY | os.O_CLOEXEC)
+
+
+@contextlib.contextmanager
+def _local_errors(url: str, what: str) -> Iterator[None]:
+    """OS errors of an open as payload errors; ``what`` names the file (and the handle)."""
+    try:
+        yield
+    except FileNotFoundError as exc:
+        raise PayloadNotFoundError(f"payload file {url} does not exist") from exc
+    except NotADirectoryError as exc:
+        raise PayloadNotFoundError(f"payload file {url} does not exist: {exc}") from exc
+    except PermissionError as exc:
+        raise PayloadPermissionError(f"payload file {url} may not be read: {exc}") from exc
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise PayloadHandleError(f"{what} loops through symlinks") from exc
+        raise PayloadReadError(f"opening payload file {url}: {exc}") from exc
+
+
+def open_file(path: str | os.PathLike[str], fs: AbstractFileSystem | None = None) -> PayloadFile:
+    """Open one file a user named (a path or fsspec URL; no root confines it) for reading.
+
+    A FIFO, device or directory is refused (:class:`PayloadHandleError`) before any open that
+    could block on it; a missing file raises :class:`PayloadNotFoundError`.
+    """
+    shown = os.fspath(path)
+    if fs is None:
+        fs, inner = fsspec.core.url_to_fs(shown)
+    else:
+        inner = fs._strip_protocol(shown)
+    os_path = _local_path(fs, inner)
+    if os_path is None:
+        return _open_fsspec(fs, inner, shown)
+    with _local_errors(shown, shown):
+        path_fd = os.open(os_path, os.O_PATH | os.O_CLOEXEC)
+        try:
+            _regular_or_refuse(path_fd, shown)
+            return LocalPayloadFile(_reopen_to_read(path_fd), shown)
+        finally:
+            os.close(path_fd)
+
+
+def _open_fsspec(fs: AbstractFileSystem, path: str, what: str) -> FsspecPayloadFile:
+    """``what`` names the file (and the handle) in messages."""
+    url = fs.unstrip_protocol(path)
+    fs.invalidate_cache(path)  # a listing cached before the file was published must not hide it
+    with _fsspec_errors(url, f"opening {url}"):
+        info = fs.info(path)
+    if info.get("type") != "file":
+        raise PayloadHandleError(f"{what} is a {info.get('type')}, not a regular file")
+    return FsspecPayloadFile(fs, path, info)
 
 
 class PayloadRoot:
     """Where payload files live: ``fs`` and the ``path`` of the root inside it.
 
     ``root`` is a local path or any fsspec URL (``memory://r3``, ``s3://bucket/run``); pass
-    ``fs`` to use an already configured filesystem, ``root`` then being a path inside it.
+    ``fs`` to use an already configured filesystem (credentials, endpoint), ``root`` then being
+    a path inside it. ``local_backed`` tells whether its paths are OS paths (then reads use
+    ``os.preadv``, writes are renamed into place, and symlinks are confined by the kernel).
     """
 
     def __init__(self, root: str | os.PathLike[str], fs: AbstractFileSystem | None = None) -> None:
@@ -35,28 +232,44 @@ class PayloadRoot:
         else:
             path = fs._strip_protocol(os.fspath(root))
         self.fs: AbstractFileSystem = fs
-        self.local = type(fs) is LocalFileSystem
-        if self.local:
-            path = os.path.abspath(path)
-            self._real = os.path.realpath(path)
-            self._real_dirs: dict[str, str] = {}
-        self.path: str = path.rstrip("/") or "/"
+        self.path: str = path.rstrip("/") or fs.root_marker or "/"
+        self._os_path = _local_path(fs, self.path)
+        self.local_backed: bool = self._os_path is not None
 
     def __repr__(self) -> str:
         return f"PayloadRoot({self.url!r})"
 
     @property
     def url(self) -> str:
-        """The root as a user would write it: a local path, or a URL on any other filesystem."""
-        return self.path if self.local else self.fs.unstrip_protocol(self.path)
+        """The root as a user would write it: an OS path, or a URL on any other filesystem."""
+        return self._os_path if self._os_path is not None else self.fs.unstrip_protocol(self.path)
+
+    def url_of(self, name: str) -> str:
+        """The root-relative ``name`` as a user would write it (for messages)."""
+        if self._os_path is not None:
+            return posixpath.join(self._os_path, name)
+        return self.fs.unstrip_protocol(posixpath.join(self.path, name))
 
     def require(self) -> None:
-        """Raise :class:`PayloadNotFoundError` when the root does not exist."""
-        if not self.fs.exists(self.path):
-            raise PayloadNotFoundError(f"payload root {self.url} does not exist")
+        """Raise :class:`PayloadNotFoundError` when the root does not exist.
+
+        On an object store a prefix holding no object is an empty root, provided its bucket
+        exists: stores differ in whether they still list an emptied prefix.
+        """
+        self.fs.invalidate_cache(self.path)
+        if self.fs.exists(self.path):
+            return
+        bucket = self.path.split("/", 1)[0]
+        if not self.local_backed and not self.fs.root_marker and self.fs.exists(bucket):
+            return
+        raise PayloadNotFoundError(f"payload root {self.url} does not exist")
 
     def relative(self, handle: str) -> str:
-        """``handle`` as a normalised path relative to the root; refuses one that escapes it."""
+        """``handle`` as a normalised path relative to the root; refuses one that escapes it.
+
+        A handle may be relative to the root, or name the root's own path: ``/data/run/v1/x.bin``
+        and, on an object store, ``bucket/run/v1/x.bin`` or ``s3://bucket/run/v1/x.bin``.
+        """
         if not isinstance(handle, str) or not handle or "\x00" in handle:
             raise PayloadHandleError(f"payload handle must be a non-empty path, found {handle!r}")
         path = handle
@@ -71,9 +284,11 @@ class PayloadRoot:
                     f"is on {list(protocols)}"
                 )
             path = self.fs._strip_protocol(path)
+            if not path.startswith("/"):
+                path = "/" + path  # a URL names a whole path: never one relative to the root
+        prefix = "/" + self.path.strip("/") + "/" if self.path.strip("/") else "/"
         if path.startswith("/"):
             path = posixpath.normpath(path)
-            prefix = self.path.rstrip("/") + "/"
             if not path.startswith(prefix):
                 raise PayloadHandleError(
                     f"payload handle {handle!r} is outside the root {self.url}"
@@ -84,6 +299,8 @@ class PayloadRoot:
             raise PayloadHandleError(
                 f"payload handle {handle!r} must name a file inside the root {self.url}"
             )
+        if not self.fs.root_marker and ("/" + rel).startswith(prefix):
+            return ("/" + rel)[len(prefix) :]  # object stores: `bucket/key` is a whole path
         return rel
 
     def name_of(self, listed: str) -> str:
@@ -94,29 +311,96 @@ class PayloadRoot:
             raise PayloadHandleError(f"listed path {listed!r} is outside the root {self.url}")
         return path[len(prefix) :]
 
+    def files(self, entries: Iterable[dict[str, Any]]) -> list[tuple[str, int]]:
+        """``(root-relative name, size)`` of the files among fsspec listing ``entries``.
+
+        Directories, directory markers (``key/``: an object store may list an emptied directory
+        so for a while, as SeaweedFS does) and the root itself are not files.
+        """
+        found = []
+        root = self.path.rstrip("/")
+        for entry in entries:
+            listed = entry["name"]
+            if entry.get("type") == "directory" or listed.endswith("/"):
+                continue
+            if self.fs._strip_protocol(listed).rstrip("/") == root:
+                continue
+            found.append((self.name_of(listed), int(entry.get("size") or 0)))
+        return found
+
     def full(self, handle: str) -> str:
-        """The path of ``handle`` on the filesystem, checked to stay inside the root."""
-        path = posixpath.join(self.path, self.relative(handle))
-        if self.local:
-            folder, name = posixpath.split(path)
-            real = posixpath.join(self._real_dir(folder), name)
-            if os.path.islink(real):
-                real = os.path.realpath(real)
-            if not self._inside(real):
-                raise PayloadHandleError(
-                    f"payload handle {handle!r} resolves through a symlink to {real!r}, outside "
-                    f"the root {self.url}"
-                )
-        return path
+        """The path of ``handle`` in ``fs``, lexically inside the root.
 
-    def _inside(self, real: str) -> bool:
-        return real == self._real or real.startswith(self._real.rstrip(os.sep) + os.sep)
+        On a local-backed root a symlink may still lead out of it: open, create and delete
+        through :meth:`open_read`, :meth:`open_directory` and :meth:`remove`, which confine.
+        """
+        return posixpath.join(self.path, self.relative(handle))
 
-    def _real_dir(self, folder: str) -> str:
-        """``realpath(folder)``, remembered: a version directory holds many files."""
-        real = self._real_dirs.get(folder)
-        if real is None:
-            if len(self._real_dirs) >= _MAX_REMEMBERED_DIRS:
-                self._real_dirs.clear()
-            real = self._real_dirs[folder] = os.path.realpath(folder)
-        return real
+    def open_read(self, handle: str) -> PayloadFile:
+        """Open the file ``handle`` names, for reading, confined to the root even while the tree
+        changes; a FIFO, device or directory is refused before it is opened.
+
+        Raises :class:`PayloadNotFoundError` (missing), :class:`PayloadPermissionError`,
+        :class:`PayloadHandleError` (escape, symlink out of the root, not a regular file) or
+        :class:`PayloadReadError` (other I/O).
+        """
+        rel = self.relative(handle)
+        url = self.url_of(rel)
+        what = f"payload handle {handle!r} ({url})"
+        if self._os_path is None:
+            return _open_fsspec(self.fs, posixpath.join(self.path, rel), what)
+        with _local_errors(url, what), self._beneath(rel, os.O_PATH | os.O_CLOEXEC, what) as fd:
+            _regular_or_refuse(fd, what)
+            return LocalPayloadFile(_reopen_to_read(fd), url)
+
+    @contextlib.contextmanager
+    def open_directory(self, folder: str, *, create: bool = False) -> Iterator[int]:
+        """A descriptor of the root-relative ``folder`` (local-backed roots), confined to the
+        root; with ``create``, the root and ``folder`` (one name) are made when missing, and
+        durably so. For writers: create, rename and fsync relative to it."""
+        if self._os_path is None:
+            raise PayloadHandleError(f"payload root {self.url} is not local-backed")
+        if create:
+            if "/" in folder:
+                raise PayloadHandleError(f"can only create a folder of one name, not {folder!r}")
+            os.makedirs(self._os_path, exist_ok=True)
+            root_fd = os.open(self._os_path, _DIRECTORY)
+            try:
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir(folder, dir_fd=root_fd)
+                    os.fsync(root_fd)
+            finally:
+                os.close(root_fd)
+        with self._beneath(folder, _DIRECTORY, f"folder {folder!r}") as fd:
+            yield fd
+
+    def remove(self, name: str) -> None:
+        """Delete the root-relative file ``name`` (a symlink itself, never its target); raises
+        ``FileNotFoundError`` when it is gone, ``OSError`` when it cannot be deleted."""
+        rel = self.relative(name)
+        if self._os_path is None:
+            self.fs.rm_file(posixpath.join(self.path, rel))
+            return
+        folder, base = posixpath.split(rel)
+        with self.open_directory(folder or ".") as fd:
+            os.unlink(base, dir_fd=fd)
+
+    @contextlib.contextmanager
+    def _beneath(self, rel: str, flags: int, what: str) -> Iterator[int]:
+        """``rel`` opened with ``flags`` relative to a fresh descriptor of the root, refused
+        unless the kernel's own path of what was opened lies inside the root's."""
+        root_fd = os.open(self._os_path, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            fd = os.open(rel, flags, dir_fd=root_fd)
+            try:
+                real, root_real = _fd_path(fd), _fd_path(root_fd)
+                if not _inside(real, root_real):
+                    raise PayloadHandleError(
+                        f"{what} resolves through a symlink to {real!r}, outside the root "
+                        f"{self.url}"
+                    )
+                yield fd
+            finally:
+                os.close(fd)
+        finally:
+            os.close(root_fd)

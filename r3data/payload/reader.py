@@ -7,13 +7,13 @@ destination in one system call), ``readinto`` on any other fsspec filesystem. Ea
 checksummed and handed to the caller's ``on_bytes`` while it is still in cache. Files are read
 concurrently on the shared pool. A read that comes up short (a file not yet fully visible on a
 network filesystem, a flaky backend) closes the file, reopens it and resumes, with doubling
-backoff, before giving up; every file is closed exactly once.
+backoff, before giving up; every file is closed exactly once. Files are opened through
+:meth:`PayloadRoot.open_read`, confined to the root on every filesystem class.
 """
 
 from __future__ import annotations
 
 import os
-import posixpath
 import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -34,7 +34,7 @@ from r3data.errors import (
 )
 from r3data.parallel import fill_rows, io_workers, pool_workers
 from r3data.payload.fileformat import checksum
-from r3data.payload.fs import PayloadRoot
+from r3data.payload.fs import PayloadFile, PayloadRoot
 from r3data.payload.segment import INDEX_DTYPE, PayloadSegment
 from r3data.ragged import RaggedRows
 from r3data.validate import checked_int
@@ -69,43 +69,6 @@ class RangeRead:
 
     def array(self) -> np.ndarray:
         return np.frombuffer(self.dest, np.uint8)
-
-
-class _LocalFile:
-    """A local file opened for ``os.preadv`` (``fd``)."""
-
-    def __init__(self, path: str) -> None:
-        self.url = path
-        self.fd: int | None = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        self.size = os.fstat(self.fd).st_size
-
-    def read_at(self, offset: int, dest: memoryview) -> int:
-        return os.preadv(self.fd, [dest], offset)
-
-    def close(self) -> None:
-        fd, self.fd = self.fd, None
-        if fd is not None:
-            os.close(fd)
-
-
-class _FsspecFile:
-    """A file of any fsspec filesystem, read with ``seek`` and ``readinto``."""
-
-    fd = None
-
-    def __init__(self, fs: AbstractFileSystem, path: str) -> None:
-        self.url = fs.unstrip_protocol(path)
-        self.f: Any = fs.open(path, "rb")
-        self.size = self.f.seek(0, 2)
-
-    def read_at(self, offset: int, dest: memoryview) -> int:
-        self.f.seek(offset)
-        return self.f.readinto(dest) or 0
-
-    def close(self) -> None:
-        f, self.f = self.f, None
-        if f is not None:
-            f.close()
 
 
 def _runs(ranges: list[RangeRead]) -> list[list[RangeRead]]:
@@ -182,7 +145,7 @@ class PayloadReader:
         max_backoff: float = 0.8,
     ) -> None:
         self.root = PayloadRoot(root, fs)
-        default = pool_workers() if self.root.local else io_workers()
+        default = pool_workers() if self.root.local_backed else io_workers()
         self.workers = checked_int("workers", default if workers is None else workers, minimum=1)
         self.retries = checked_int("retries", retries)
         if not 0 <= backoff <= max_backoff:
@@ -262,9 +225,8 @@ class PayloadReader:
 
     # --- reading files --------------------------------------------------------------------------
 
-    def _open(self, name: str) -> Any:
-        path = self.root.full(name)
-        return _LocalFile(path) if self.root.local else _FsspecFile(self.root.fs, path)
+    def _open(self, name: str) -> PayloadFile:
+        return self.root.open_read(name)
 
     def _open_retrying(self, name: str, s: PayloadSegment) -> Any:
         """Open ``name``; a missing file or an I/O error is retried like a short read."""
@@ -362,10 +324,11 @@ class PayloadReader:
         return done
 
     def _url(self, name: str) -> str:
-        path = posixpath.join(self.root.path, name)
-        return path if self.root.local else self.root.fs.unstrip_protocol(path)
+        return self.root.url_of(name)
 
     def _denied(self, name: str, exc: OSError) -> PayloadPermissionError:
+        if isinstance(exc, PayloadPermissionError):
+            return exc
         return PayloadPermissionError(f"payload file {self._url(name)} may not be read: {exc}")
 
     def _failed(

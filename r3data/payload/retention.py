@@ -9,6 +9,7 @@ step ``s`` uses versions ``>= s - M``.
 from __future__ import annotations
 
 import logging
+import os
 import posixpath
 import re
 import threading
@@ -20,7 +21,12 @@ from typing import Any
 
 from fsspec import AbstractFileSystem
 
-from r3data.errors import ConfigError, PayloadHandleError
+from r3data.errors import (
+    ConfigError,
+    PayloadHandleError,
+    PayloadPermissionError,
+    PayloadWriteError,
+)
 from r3data.parallel import shared_pool
 from r3data.payload.fs import PayloadRoot
 
@@ -36,6 +42,11 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 VERSION_DIR = re.compile(r"v(\d+)")
+
+CLOCK_MARGIN_S = 2.0
+"""A fresh run keeps files modified less than this before it started: object stores keep
+modification times to the second, and a shared filesystem's clock may drift a little from the
+trainer's. What it keeps, the backstop removes later."""
 
 
 def _check_count(name: str, value: Any) -> int:
@@ -53,6 +64,7 @@ def min_fresh_version(step: int, max_off_policy_steps: int) -> int:
 def list_versions(root: PayloadRoot) -> dict[int, list[tuple[str, int]]]:
     """Every ``v<k>`` directory under ``root``: version -> [(root-relative file, size in bytes)]."""
     fs = root.fs
+    fs.invalidate_cache(root.path)  # other processes write and delete: never trust a listing cache
     try:
         entries = fs.ls(root.path, detail=True)
     except FileNotFoundError:
@@ -62,11 +74,8 @@ def list_versions(root: PayloadRoot) -> dict[int, list[tuple[str, int]]]:
         match = VERSION_DIR.fullmatch(posixpath.basename(entry["name"].rstrip("/")))
         if entry["type"] != "directory" or match is None:
             continue
-        versions[int(match.group(1))] = [
-            (root.name_of(f["name"]), int(f.get("size") or 0))
-            for f in fs.ls(entry["name"], detail=True)
-            if f["type"] == "file"
-        ]
+        listed = fs.ls(entry["name"], detail=True)
+        versions[int(match.group(1))] = root.files(f for f in listed if f["type"] == "file")
     return versions
 
 
@@ -78,6 +87,43 @@ def _remove_dir(root: PayloadRoot, version: int) -> None:
             root.fs.rmdir(path)
     except OSError as exc:
         logger.debug("keeping %s: %s", path, exc)
+
+
+def _process_started() -> float:
+    """When this process started, in seconds since the epoch (Linux's ``/proc``)."""
+    with open("/proc/self/stat") as f:
+        ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22: start after boot
+    with open("/proc/stat") as f:
+        boot = next(int(line.split()[1]) for line in f if line.startswith("btime "))
+    return boot + ticks / os.sysconf("SC_CLK_TCK")
+
+
+def _wipe_before(root: PayloadRoot, started: float) -> None:
+    """Delete the files of every ``v<k>`` last modified before ``started`` (a fresh run)."""
+    denied, failed = [], []
+    for version, files in list_versions(root).items():
+        for name, _ in files:
+            try:
+                modified = root.fs.modified(posixpath.join(root.path, name)).timestamp()
+                if modified < started - CLOCK_MARGIN_S:
+                    root.remove(name)
+            except FileNotFoundError:
+                continue
+            except PermissionError as exc:
+                denied.append(f"{name} ({exc})")
+            except OSError as exc:
+                failed.append(f"{name} ({exc})")
+        _remove_dir(root, version)
+    if denied:
+        raise PayloadPermissionError(
+            f"fresh run: {len(denied)} payload files of an earlier run under {root.url} may not "
+            f"be deleted, e.g. {denied[0]}"
+        )
+    if failed:
+        raise PayloadWriteError(
+            f"fresh run: {len(failed)} payload files of an earlier run under {root.url} could "
+            f"not be deleted, e.g. {failed[0]}"
+        )
 
 
 @dataclass(frozen=True)
@@ -140,8 +186,11 @@ class PayloadRetention:
     and retried on the next call.
 
     ``fresh`` has no default, so that forgetting it cannot wipe a resumed run: ``fresh=True``
-    (a new run) removes every ``v<k>`` directory under the root first; ``fresh=False`` (a
-    resumed run) keeps them and lets the backstop clear what the old run left.
+    (a new run) first deletes the files in ``v<k>`` directories that were last modified before
+    ``run_started`` (seconds since the epoch; default: when this process started), so that what
+    a writer of this run published before retention was set up stays; ``fresh=False`` (a
+    resumed run) keeps everything and lets the backstop clear what the old run left. A file the
+    wipe may not delete raises :class:`~r3data.errors.PayloadPermissionError`.
     """
 
     def __init__(
@@ -151,6 +200,7 @@ class PayloadRetention:
         *,
         fresh: bool,
         fs: AbstractFileSystem | None = None,
+        run_started: float | None = None,
     ) -> None:
         if not isinstance(fresh, bool):
             raise ConfigError(
@@ -172,10 +222,14 @@ class PayloadRetention:
         self._deleted = (0, 0)
         self._errors = 0
         self._latency = _Latency()
+        try:
+            self.root.fs.makedirs(self.root.path, exist_ok=True)
+        except PermissionError as exc:
+            raise PayloadPermissionError(
+                f"payload root {self.root.url} may not be created: {exc}"
+            ) from exc
         if fresh:
-            for version in list_versions(self.root):
-                self.root.fs.rm(posixpath.join(self.root.path, f"v{version}"), recursive=True)
-        self.root.fs.makedirs(self.root.path, exist_ok=True)
+            _wipe_before(self.root, _process_started() if run_started is None else run_started)
 
     def __repr__(self) -> str:
         return f"PayloadRetention({self.root}, max_off_policy_steps={self.max_off_policy_steps})"
@@ -303,7 +357,7 @@ class PayloadRetention:
             self._deleting.add(name)
         removed, failed = False, True
         try:
-            self.root.fs.rm_file(self.root.full(name))
+            self.root.remove(name)
             removed, failed = True, False
         except FileNotFoundError:
             failed = False
@@ -363,7 +417,7 @@ def gc(
         for name, size in listed:
             if not dry_run:
                 try:
-                    payload_root.fs.rm_file(payload_root.full(name))
+                    payload_root.remove(name)
                 except FileNotFoundError:
                     continue
                 except OSError as exc:

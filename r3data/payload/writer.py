@@ -13,7 +13,7 @@ import numpy as np
 from fsspec import AbstractFileSystem
 from fsspec.implementations.memory import MemoryFileSystem
 
-from r3data.errors import PayloadWriteError, SegmentError
+from r3data.errors import PayloadHandleError, PayloadWriteError, SegmentError
 from r3data.payload.fileformat import FieldEntry, checksum, place_fields
 from r3data.payload.fs import PayloadRoot
 from r3data.payload.ragged import as_ragged, host_array
@@ -36,10 +36,12 @@ _STREAM_CHUNK = 8 << 20
 class PayloadWriter:
     """Writes files ``<root>/v<version>/<id>.bin`` and returns segments that name them.
 
-    A file is never visible under its final name until it is complete: on a local or network
-    (POSIX) filesystem it is written to a temporary name in the same directory, fsynced and
-    renamed, then the directory is fsynced; on an object store it is streamed into one upload
-    that the store publishes when the file closes (``memory://`` takes a single put).
+    A file is never visible under its final name until it is complete: on a local-backed root
+    (any filesystem whose paths are OS paths, NFS and other mounts included) it is written to a
+    temporary name in its version folder, fsynced and renamed, then the folder is fsynced, all
+    relative to the folder's confined descriptor; on an object store it is streamed into one
+    upload that the store publishes when the file closes (``memory://`` takes a single put).
+    Whatever a failed write left is deleted, on every filesystem.
     """
 
     def __init__(self, root: str | os.PathLike[str], *, fs: AbstractFileSystem | None = None):
@@ -80,39 +82,41 @@ class PayloadWriter:
                 parts.append(bytes(start - cursor))
                 parts.append(buffer)
                 cursor = stop
-        if self.root.local:
+        if self.root.local_backed:
             self._publish_local(file, parts)
         else:
             self._publish_put(file, parts)
         return [entry.segment for entry in placed]
 
     def _publish_local(self, file: str, parts: list[Any]) -> None:
-        final = self.root.full(file)
-        directory, name = posixpath.split(final)
-        temp = posixpath.join(directory, f".{name}{TEMP_SUFFIX}")
+        """Write to a temporary name in the version folder, fsync, rename, fsync the folder: all
+        relative to the folder's descriptor, which the root confines."""
+        folder, name = posixpath.split(file)
+        temp = f".{name}{TEMP_SUFFIX}"
         try:
-            created = not os.path.isdir(directory)
-            os.makedirs(directory, exist_ok=True)
-            if created:
-                _fsync_dir(posixpath.dirname(directory))
-            fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
-            try:
+            with self.root.open_directory(folder, create=True) as directory:
+                flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+                fd = os.open(temp, flags, 0o666, dir_fd=directory)
                 try:
-                    for part in parts:
-                        _write_all(fd, part)
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
-                os.rename(temp, final)
-            except BaseException:
-                with contextlib.suppress(OSError):
-                    os.unlink(temp)
-                raise
-            _fsync_dir(directory)
-        except OSError as exc:
-            raise PayloadWriteError(f"writing payload file {final}: {exc}") from exc
+                    try:
+                        for part in parts:
+                            _write_all(fd, part)
+                        os.fsync(fd)
+                    finally:
+                        os.close(fd)
+                    os.rename(temp, name, src_dir_fd=directory, dst_dir_fd=directory)
+                except BaseException:
+                    with contextlib.suppress(OSError):
+                        os.unlink(temp, dir_fd=directory)
+                    raise
+                os.fsync(directory)
+        except (OSError, PayloadHandleError) as exc:
+            raise PayloadWriteError(
+                f"writing payload file {self.root.url_of(file)}: {exc}"
+            ) from exc
 
     def _publish_put(self, file: str, parts: list[Any]) -> None:
+        """One put or one streamed upload; whatever a failed write left is deleted."""
         final = self.root.full(file)
         fs = self.root.fs
         try:
@@ -123,10 +127,21 @@ class PayloadWriter:
                 fs.pipe_file(final, b"".join(map(_byte_view, parts)))
             else:
                 _upload(fs, final, parts)
-        except OSError as exc:
-            raise PayloadWriteError(
-                f"writing payload file {fs.unstrip_protocol(final)}: {exc}"
-            ) from exc
+        except BaseException as exc:
+            _remove_quietly(fs, final)
+            if isinstance(exc, OSError):
+                raise PayloadWriteError(
+                    f"writing payload file {fs.unstrip_protocol(final)}: {exc}"
+                ) from exc
+            raise
+
+
+def _remove_quietly(fs: AbstractFileSystem, path: str) -> None:
+    """Delete ``path`` if a failed write left it (a filesystem that shows files while they are
+    written); a failure to look or delete is not the error to report."""
+    with contextlib.suppress(Exception):
+        if fs.exists(path):
+            fs.rm_file(path)
 
 
 def _first_pos(pos: int | Mapping[str, int], name: str) -> int:
@@ -208,12 +223,3 @@ def _write_all(fd: int, buffer: np.ndarray | bytes) -> None:
     view = _byte_view(buffer)
     while view:
         view = view[os.write(fd, view) :]
-
-
-def _fsync_dir(directory: str) -> None:
-    """Make a rename or a new entry in ``directory`` durable (where directories can be opened)."""
-    fd = os.open(directory, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

