@@ -19,7 +19,8 @@ from vllm_fixtures import hf_tiny_moe_fixture, tiny_moe_checkpoint_fixture, vllm
 
 import r3data
 from r3data.errors import EngineRoutesError
-from r3data.wire import InlineRows, vllm_routes
+from r3data.nodes.screen import dense_layers
+from r3data.wire import RowSource, vllm_routes
 
 # Sampled, seeded, short: a request takes a few hundred ms on a 2-core machine.
 SAMPLING = {"max_tokens": 4, "temperature": 1.0, "seed": 11, "ignore_eos": True}
@@ -28,14 +29,14 @@ WORD_IDS = [i for i, token in enumerate(RECIPE["vocab"]) if token not in SPECIAL
 PROMPT = "tell me about the red fox and the blue river"
 
 
-def check_rows(rows: InlineRows, tokens: list[int], model: Any) -> None:
+def check_rows(rows: RowSource, tokens: list[int], model: Any) -> None:
     """``rows`` are the routes of ``tokens`` from ``rows.pos`` to the last forwarded token,
     exactly (order included) as transformers' routers pick them; the dense layer is zeros."""
     assert rows.field == "routed_experts"
     assert rows.array.dtype == np.uint8  # 8 experts <= 256
     assert rows.array.shape == (len(tokens) - 1 - rows.pos, NUM_LAYERS, TOPK)
     assert rows.end == len(tokens) - 1  # the last sampled token is never forwarded
-    assert rows.meta["dense_layers"] == DENSE_LAYERS
+    assert dense_layers(rows.array) == DENSE_LAYERS
     expected = transformers_topk(model, tokens)[rows.pos : rows.end]
     np.testing.assert_array_equal(rows.array, expected)
     moe = rows.array[:, list(MOE_LAYERS)]

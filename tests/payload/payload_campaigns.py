@@ -613,7 +613,7 @@ def flaky_reads_campaign(
                 fs.corrupting = True
                 got = reader.read([ragged])["mask"]
                 np.testing.assert_array_equal(got.values, np.concatenate(mask))
-                assert got.row_lengths.tolist() == [len(m) for m in mask]
+                assert got.lengths.tolist() == [len(m) for m in mask]
             counts["ok"] += 1
         except R3DataError:
             counts["typed error"] += 1
