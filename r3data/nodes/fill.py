@@ -32,7 +32,7 @@ from r3data.nodes.screen import ScreenOptions, screen_rows
 from r3data.packed import PackedTensor, aranges
 from r3data.packed_ragged import PackedRagged
 from r3data.parallel import fill_rows, pool_workers
-from r3data.payload.reader import PayloadReader, RangeRead, values_range
+from r3data.payload.reader import OpenFiles, PayloadReader, RangeRead, values_range
 from r3data.payload.segment import PayloadSegment
 from r3data.ragged import RaggedRows
 from r3data.spans import format_spans, merge
@@ -134,6 +134,8 @@ class _FixedFill:
             "distinct": [],
             "fill": [],
         }
+        self.repeat_before: list[tuple[int, int]] = []
+        """Placeholders repeating the batch row just before them (their source's row)."""
         self.small: list[_Placed] = []
         self.staged: list[tuple[_Placed, np.ndarray]] = []
 
@@ -145,13 +147,17 @@ class _FixedFill:
         handles: dict[int, int] = {}
         for sample, stitched in enumerate(self.fields):
             lo = int(self.offsets[sample])
+            previous = None
             for piece in stitched.pieces:
                 self.rows.append(piece.rows)
                 self.real.append(type(piece) is not PlaceholderRows)
                 if type(piece) is PlaceholderRows:
-                    self.placeholders[piece.kind].append((lo, piece.rows))
-                    if piece.source is not None:  # the one row it repeats comes first
-                        self.placed.append(_Placed(piece.source, lo, sample, real=False))
+                    if piece.source is not None and _repeats_previous(piece, previous):
+                        self.repeat_before.append((lo, piece.rows))  # already in the buffer
+                    else:
+                        self.placeholders[piece.kind].append((lo, piece.rows))
+                        if piece.source is not None:  # the one row it repeats comes first
+                            self.placed.append(_Placed(piece.source, lo, sample, real=False))
                 else:
                     if piece.row_shape != self.row_shape:
                         raise _at(
@@ -163,6 +169,7 @@ class _FixedFill:
                         )
                     self.placed.append(_Placed(piece, lo, sample, real=True))
                 lo += piece.rows
+                previous = piece
         for placed in self.placed:
             if type(placed.piece) is PayloadSegment:
                 if self.reader is None:
@@ -175,8 +182,9 @@ class _FixedFill:
                 handles.setdefault(id(placed.piece), placed.sample)
         return handles
 
-    def jobs(self) -> list[Callable[[], None]]:
-        """The fill's work, bound to the allocated buffer :attr:`out`: file reads first."""
+    def jobs(self, opened: OpenFiles) -> list[Callable[[], None]]:
+        """The fill's work, bound to the allocated buffer :attr:`out`: file reads first (the
+        files ``opened`` to check their sizes are read without opening them again)."""
         ranges: list[RangeRead] = []
         jobs: list[Callable[[], None]] = []
         for placed in self.placed:
@@ -217,7 +225,7 @@ class _FixedFill:
                     )
                 )
         if ranges:
-            jobs = self.reader.file_jobs(ranges) + jobs
+            jobs = self.reader.file_jobs(ranges, opened) + jobs
         return jobs
 
     # --- execution ----------------------------------------------------------------------------
@@ -382,6 +390,9 @@ class _FixedFill:
         return np.array(firsts, np.int64)[index] + rows - np.array(starts, np.int64)[index]
 
     def _placeholders(self, topk: int | None) -> None:
+        if self.repeat_before:
+            los, counts = np.array(self.repeat_before, np.int64).T
+            self.out[aranges(los, counts)] = self.out[np.repeat(los - 1, counts)]
         repeat = self.placeholders["repeat_previous"]
         if repeat:
             los, counts = np.array(repeat, np.int64).T
@@ -416,6 +427,18 @@ class _Sink:
             self.screened = rows
 
 
+def _repeats_previous(placeholder: PlaceholderRows, previous: object) -> bool:
+    """Whether the row ``placeholder`` repeats is the last of the piece just before it (so it
+    is in the buffer already, screened): true unless a rank-local cut took that piece away."""
+    return (
+        previous is not None
+        and type(previous) is not PlaceholderRows
+        and previous.end == placeholder.pos
+        and placeholder.source.pos == previous.end - 1
+        and placeholder.source.field == previous.field
+    )
+
+
 def _spans(positions: np.ndarray) -> list[tuple[int, int]]:
     return merge((int(p), int(p) + 1) for p in positions)
 
@@ -427,11 +450,14 @@ def _at(exc: Exception, sample: int) -> Exception:
 
 
 def _check_sizes(
-    reader: PayloadReader, segments: list[PayloadSegment], samples: dict[int, int]
+    reader: PayloadReader,
+    segments: list[PayloadSegment],
+    samples: dict[int, int],
+    keep: OpenFiles | None = None,
 ) -> None:
     """``reader.check_sizes``; a failure names the sample of the segment that failed."""
     try:
-        reader.check_sizes(segments)
+        reader.check_sizes(segments, keep)
     except Exception as exc:
         failed = getattr(exc, "r3data_segment", None)
         if failed is not None and id(failed) in samples:
@@ -487,13 +513,18 @@ def fill_field(
         )
     fill = _FixedFill(name, fields, row_shapes.pop() if row_shapes else (), dtype, reader, screen)
     handles = fill.plan()
-    if handles:  # claims are checked against the files before anything is allocated
-        _check_sizes(reader, [p.piece for p in fill.placed if id(p.piece) in handles], handles)
-    shape = (int(fill.offsets[-1]), *fill.row_shape)
-    values = _allocate(shape, dtype, name=name, pin_memory=pin_memory, pool=pool)
-    fill.out = values.numpy()
-    jobs = fill.jobs()
-    fill_rows(lambda i: jobs[i](), len(jobs), workers)
+    opened = OpenFiles()
+    try:
+        if handles:  # claims are checked against the files before anything is allocated
+            segments = [p.piece for p in fill.placed if id(p.piece) in handles]
+            _check_sizes(reader, segments, handles, opened)
+        shape = (int(fill.offsets[-1]), *fill.row_shape)
+        values = _allocate(shape, dtype, name=name, pin_memory=pin_memory, pool=pool)
+        fill.out = values.numpy()
+        jobs = fill.jobs(opened)
+        fill_rows(lambda i: jobs[i](), len(jobs), workers)
+    finally:
+        opened.close()
     fill.convert_staged()
     fill.screen_small()
     filled = fill.finish(fields[0].topk if fields else None, on_gap, ids)

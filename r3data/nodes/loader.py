@@ -1,21 +1,23 @@
 """``loader``: the whole pipeline from training samples to ``TensorBatch``es.
 
-``SampleSource -> Batcher -> ParallelMapper(stitch every sample, then fill the batch) ->
-Prefetcher``, wrapped in a ``torchdata.nodes.Loader`` whose ``state_dict()`` resumes exactly
-after the last batch the trainer received. Work is per batch, not per sample: the fill of one
-batch (copies, decodes and reads that release the GIL) overlaps the stitching of the next.
+``SampleSource -> Batcher -> Mapper(stitch every sample) -> Prefetcher -> Mapper(fill the
+batch) -> Prefetcher``, wrapped in a ``torchdata.nodes.Loader`` whose ``state_dict()`` resumes
+exactly after the last batch the trainer received. Work is per batch, not per sample, and in
+two stages on their own threads: while one batch fills (copies, decodes and reads that release
+the GIL and are bound by memory bandwidth), the next is stitched (Python, holding the GIL).
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from fsspec import AbstractFileSystem
-from torchdata.nodes import Batcher, Loader, Mapper, ParallelMapper, Prefetcher
+from torchdata.nodes import Batcher, Loader, Mapper, Prefetcher
 
 from r3data.batch import TensorBatch
+from r3data.buffers import BufferPool
 from r3data.errors import ConfigError
 from r3data.nodes.collate import CollateRollouts
 from r3data.nodes.screen import ScreenOptions
@@ -45,18 +47,20 @@ class _Failed:
         self.error = error
 
 
-class _PrepareBatch:
-    """One batch from its raw samples: stitch each (claiming its files), then fill. A failure
-    travels as a value, so the trainer gets the original exception (its class, its message,
+class _Stage:
+    """One stage of the pipeline, applied to a batch. A failure travels as a value through the
+    stages that follow, so the trainer gets the original exception (its class, its message,
     the worker's traceback), not a wrapper's, and a ``SystemExit`` in a sample cannot stop a
     worker thread that the pipeline then waits on forever."""
 
-    def __init__(self, stitch: StitchRollout, collate: CollateRollouts) -> None:
-        self.stitch, self.collate = stitch, collate
+    def __init__(self, work: Callable[[Any], Any]) -> None:
+        self.work = work
 
-    def __call__(self, items: list[tuple[int, Any]]) -> TensorBatch | _Failed:
+    def __call__(self, item: Any) -> Any:
+        if isinstance(item, _Failed):
+            return item
         try:
-            return self.collate([self.stitch(item) for item in items])
+            return self.work(item)
         except BaseException as exc:
             return _Failed(exc)
 
@@ -85,6 +89,7 @@ def loader(
     trace_options: Mapping[str, Any] | None = None,
     start_step: int = 0,
     layout: TokenLayout | None = None,
+    buffer_pool: BufferPool | None = None,
 ) -> Loader[TensorBatch]:
     """A resumable loader of :class:`TensorBatch`es (see :mod:`r3data.nodes.collate`).
 
@@ -99,6 +104,8 @@ def loader(
     reads). ``trace_options``: ``num_experts`` and ``zero_rows`` screen the routes
     (:class:`~r3data.nodes.screen.ScreenOptions`); ``routes_field``, ``ragged_fields`` and
     ``last_token_row`` shape each trace (:class:`~r3data.trace.TraceBuilder`).
+    ``buffer_pool`` recycles batch buffers across loaders (one loader per epoch, say); by
+    default each loader has its own.
     """
     checked_int("batch_size", batch_size, minimum=1)
     checked_int("prefetch", prefetch)
@@ -127,13 +134,13 @@ def loader(
         routes_field=options.get("routes_field", ROUTES_FIELD),
         layout=layout,
         steps=steps,
+        pool=BufferPool() if buffer_pool is None else buffer_pool,
     )
     node = Batcher(SampleSource(samples), batch_size, drop_last=drop_last)
-    prepare = _PrepareBatch(stitch, collate)
-    if prefetch and threads > 1:
-        node = ParallelMapper(node, prepare, num_workers=2, method="thread", in_order=True)
-    else:
-        node = Mapper(node, prepare)
+    node = Mapper(node, _Stage(lambda items: [stitch(item) for item in items]))
+    if prefetch:  # the next batch is stitched (Python) while this one fills (copies, reads)
+        node = Prefetcher(node, prefetch_factor=1)
+    node = Mapper(node, _Stage(collate))
     if prefetch:
         node = Prefetcher(node, prefetch_factor=prefetch)
     return Loader(Mapper(node, _delivered), restart_on_stop_iteration=False)

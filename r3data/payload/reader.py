@@ -14,7 +14,9 @@ backoff, before giving up; every file is closed exactly once. Files are opened t
 from __future__ import annotations
 
 import os
+import resource
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -39,7 +41,7 @@ from r3data.payload.segment import INDEX_DTYPE, PayloadSegment
 from r3data.ragged import RaggedRows
 from r3data.validate import checked_int
 
-__all__ = ["CHUNK_BYTES", "PayloadReader", "RangeRead", "ReadJob"]
+__all__ = ["CHUNK_BYTES", "OpenFiles", "PayloadReader", "RangeRead", "ReadJob"]
 
 ReadJob = tuple[Sequence[PayloadSegment], Any]
 """Segments of one fixed-width field and the buffer (numpy array or CPU tensor) their rows fill."""
@@ -48,6 +50,7 @@ CHUNK_BYTES = 1 << 20
 """Bytes per read call: each chunk is checksummed and screened before it leaves the cache."""
 
 _IOV_MAX = min(getattr(os, "IOV_MAX", 1024), 1024)
+_KEEP_OPEN = 256
 
 
 @dataclass(eq=False, slots=True)
@@ -124,6 +127,38 @@ def _landed(pieces: list[tuple[RangeRead, int, int]], got: int) -> None:
         got -= n
 
 
+class OpenFiles:
+    """Files opened to check their sizes, kept open for the reads of the same plan (at most
+    ``budget`` of them: a batch may name thousands of files). Whatever no read took is closed
+    by :meth:`close`."""
+
+    def __init__(self, budget: int | None = None) -> None:
+        if budget is None:
+            soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+            budget = _KEEP_OPEN if soft == resource.RLIM_INFINITY else min(_KEEP_OPEN, soft // 4)
+        self.budget = budget
+        self._handles: dict[str, PayloadFile] = {}
+        self._lock = threading.Lock()
+
+    def put(self, name: str, handle: PayloadFile) -> bool:
+        """Keep ``handle`` for ``name``; False (the caller closes it) when the budget is spent."""
+        with self._lock:
+            if len(self._handles) >= self.budget or name in self._handles:
+                return False
+            self._handles[name] = handle
+            return True
+
+    def take(self, name: str) -> PayloadFile | None:
+        with self._lock:
+            return self._handles.pop(name, None)
+
+    def close(self) -> None:
+        with self._lock:
+            handles, self._handles = list(self._handles.values()), {}
+        for handle in handles:
+            handle.close()
+
+
 class PayloadReader:
     """Reads segments' rows from files under ``root`` (a path or fsspec URL; or a path in ``fs``).
 
@@ -169,9 +204,12 @@ class PayloadReader:
         jobs = self.file_jobs(ranges)
         fill_rows(lambda i: jobs[i](), len(jobs), self.workers)
 
-    def file_jobs(self, ranges: Iterable[RangeRead]) -> list[Callable[[], None]]:
+    def file_jobs(
+        self, ranges: Iterable[RangeRead], opened: OpenFiles | None = None
+    ) -> list[Callable[[], None]]:
         """One job per file reading its ranges, for a caller that runs them on its own pool
-        alongside other work (empty ranges are done at once)."""
+        alongside other work (empty ranges are done at once); a file ``opened`` kept from
+        :meth:`check_sizes` is read without opening it again."""
         by_file: dict[str, list[RangeRead]] = {}
         for r in ranges:
             if r.nbytes == 0:
@@ -180,14 +218,19 @@ class PayloadReader:
                 continue
             by_file.setdefault(self.root.relative(r.segment.file), []).append(r)
         return [
-            lambda name=name, group=group: self._read_file(name, group)
+            lambda name=name, group=group: self._read_file(
+                name, group, None if opened is None else opened.take(name)
+            )
             for name, group in by_file.items()
         ]
 
-    def check_sizes(self, segments: Iterable[PayloadSegment]) -> None:
+    def check_sizes(
+        self, segments: Iterable[PayloadSegment], keep: OpenFiles | None = None
+    ) -> None:
         """Refuse, before anything is allocated for them, segments that claim bytes past the
         end of their file (:class:`SegmentError`); a file shorter than its claims is looked at
-        again, with the read's backoff, in case it is still growing."""
+        again, with the read's backoff, in case it is still growing. Files checked are kept
+        open in ``keep`` (up to its budget) for the reads that follow."""
         ends: dict[str, tuple[int, PayloadSegment]] = {}
         for s in segments:
             end = s.index + s.nbytes if s.ragged else s.offset + s.nbytes
@@ -195,24 +238,28 @@ class PayloadReader:
             if name not in ends or end > ends[name][0]:
                 ends[name] = (end, s)
         groups = list(ends.items())
-        fill_rows(lambda i: self._check_size(*groups[i]), len(groups), self.workers)
+        fill_rows(lambda i: self._check_size(*groups[i], keep), len(groups), self.workers)
 
-    def _check_size(self, name: str, claim: tuple[int, PayloadSegment]) -> None:
+    def _check_size(
+        self, name: str, claim: tuple[int, PayloadSegment], keep: OpenFiles | None
+    ) -> None:
         end, s = claim
         try:
-            self._check_size_retrying(name, end, s)
+            self._check_size_retrying(name, end, s, keep)
         except Exception as exc:
             exc.r3data_segment = s  # type: ignore[attr-defined]  # which claim failed
             raise
 
-    def _check_size_retrying(self, name: str, end: int, s: PayloadSegment) -> None:
+    def _check_size_retrying(
+        self, name: str, end: int, s: PayloadSegment, keep: OpenFiles | None
+    ) -> None:
         delay = self.backoff
         for attempt in range(1, self.retries + 2):
             handle = self._open_retrying(name, s)
-            try:
-                size, url = handle.size, handle.url
-            finally:
-                handle.close()
+            size, url = handle.size, handle.url
+            if end <= size and keep is not None and keep.put(name, handle):
+                return
+            handle.close()
             if end <= size:
                 return
             if attempt <= self.retries:
@@ -243,9 +290,8 @@ class PayloadReader:
                 delay = min(2 * delay, self.max_backoff)
         raise self._failed(name, s.offset, failure, attempt)
 
-    def _read_file(self, name: str, ranges: list[RangeRead]) -> None:
+    def _read_file(self, name: str, ranges: list[RangeRead], handle: Any = None) -> None:
         ranges.sort(key=lambda r: r.offset)
-        handle = None
         try:
             for run in _runs(ranges):
                 handle = self._read_run(name, handle, run)

@@ -271,19 +271,21 @@ def test_one_screen_for_every_source_kind(tmp_path, kind, rows):
         fill_field("r", [field], on_gap="raise", **options, screen=ScreenOptions())
 
 
-def test_a_repeated_row_that_is_missing_becomes_distinct_not_a_gap(tmp_path):
-    """The placeholder after a row the screen refuses never repeats it."""
+def test_a_repeated_row_that_is_missing_becomes_distinct_not_a_gap():
+    """On a rank whose share starts with a placeholder, the row it repeats is read from its
+    source; a row the screen refuses is never repeated, and is no gap of this rank's."""
     rows = engine(np.random.default_rng(6), 4)
-    last = InlineRows("r", rows, 0)
-    rows_zero = rows.copy()
-    rows_zero[-1] = 0
-    zeroed = InlineRows("r", rows_zero, 0)
-    holder = PlaceholderRows("r", 4, 3, "repeat_previous", zeroed.clipped(3, 4))
-    filled = fill_field(
-        "r", [field_of([last, holder])], dtype=np.dtype(np.uint8), screen=ScreenOptions()
-    )
-    assert filled.valid.tolist() == [True] * 4 + [False] * 3
-    assert (filled.values.values[4:].numpy() == distinct_row(ROW, np.dtype(np.uint8))).all()
+    rows[-1] = 0
+    source = InlineRows("r", rows, 0).clipped(3, 4)
+    local = [PlaceholderRows("r", 4, 3, "repeat_previous", source), InlineRows("r", rows[:1], 7)]
+    filled = fill_field("r", [field_of(local)], dtype=np.dtype(np.uint8), screen=ScreenOptions())
+    assert filled.valid.tolist() == [False] * 3 + [True]
+    assert (filled.values.values[:3].numpy() == distinct_row(ROW, np.dtype(np.uint8))).all()
+    assert filled.stats.gaps == 0
+    good = InlineRows("r", engine(np.random.default_rng(7), 4), 0)
+    local[0] = PlaceholderRows("r", 4, 3, "repeat_previous", good.clipped(3, 4))
+    filled = fill_field("r", [field_of(local)], dtype=np.dtype(np.uint8), screen=ScreenOptions())
+    assert (filled.values.values[:3].numpy() == good.array[3]).all()
 
 
 def test_claims_are_checked_before_anything_is_allocated(tmp_path):
