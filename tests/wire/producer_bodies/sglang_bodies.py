@@ -4,8 +4,8 @@ Inputs are the engine's rows: ``routes[p]`` the ``[num_hidden_layers, topk]`` ro
 ``p`` for ``p`` in ``[0, prompt_len + completion_len - 1)``. SGLang keeps them in an int32
 host cache indexed by KV slot, all decoder layers (dense layers are never written, so zero),
 fused shared-expert columns dropped (``[:topk]``). Sources: SGLang wheels from PyPI at the
-release tags; sglang/srt/state_capturer/base.py (0.5.23) or
-sglang/srt/layers/moe/routed_experts_capturer.py (0.5.7-0.5.22).
+release tags; sglang/srt/state_capturer/base.py (0.5.12+) or
+sglang/srt/layers/moe/routed_experts_capturer.py (0.5.7-0.5.11).
 
 - 0.5.7: ``/generate`` ``meta_info.routed_experts``, rows from 0.
 - 0.5.8-0.5.11: ``routed_experts_start_len`` accepted by the request but never used: rows
