@@ -1,10 +1,13 @@
 """``loader``: the whole pipeline from training samples to ``TensorBatch``es.
 
-``SampleSource -> Batcher -> Mapper(stitch every sample) -> Prefetcher -> Mapper(fill the
-batch) -> Prefetcher``, wrapped in a ``torchdata.nodes.Loader`` whose ``state_dict()`` resumes
-exactly after the last batch the trainer received. Work is per batch, not per sample, and in
-two stages on their own threads: while one batch fills (copies, decodes and reads that release
-the GIL and are bound by memory bandwidth), the next is stitched (Python, holding the GIL).
+``SampleSource -> Batcher -> Mapper(stitch every sample, then fill the batch) ->
+Prefetcher``, wrapped in a ``torchdata.nodes.Loader`` whose ``state_dict()`` resumes exactly
+after the last batch the trainer received. Work is per batch, not per sample, on one
+background thread while the trainer computes; the fill spreads its copies, decodes and reads
+over the shared pool. Stitching (Python, holding the GIL) and filling are not overlapped with
+each other: a fill thread waiting for the GIL behind a stitching thread loses more (every
+one of its many short handovers costs a switch interval) than the overlap would win on the
+memory bandwidth the fill is bound by.
 """
 
 from __future__ import annotations
@@ -137,10 +140,7 @@ def loader(
         pool=BufferPool() if buffer_pool is None else buffer_pool,
     )
     node = Batcher(SampleSource(samples), batch_size, drop_last=drop_last)
-    node = Mapper(node, _Stage(lambda items: [stitch(item) for item in items]))
-    if prefetch:  # the next batch is stitched (Python) while this one fills (copies, reads)
-        node = Prefetcher(node, prefetch_factor=1)
-    node = Mapper(node, _Stage(collate))
+    node = Mapper(node, _Stage(lambda items: collate([stitch(item) for item in items])))
     if prefetch:
         node = Prefetcher(node, prefetch_factor=prefetch)
     return Loader(Mapper(node, _delivered), restart_on_stop_iteration=False)
