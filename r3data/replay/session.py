@@ -45,7 +45,7 @@ def score_threshold(
     # the trainer's own experts, best first, those already kept moved to the end
     own = own.gather(-1, probs.gather(-1, own).argsort(-1, descending=True))
     taken = ((own.unsqueeze(-1) == replayed.unsqueeze(-2)) & kept.unsqueeze(-2)).any(-1)
-    fillers = own.gather(-1, taken.to(torch.int8).argsort(-1, stable=True))
+    fillers = own.gather(-1, taken.to(torch.int8).argsort(dim=-1, stable=True))
     slot = ((~kept).cumsum(-1) - 1).clamp(min=0)
     return torch.where(kept, replayed, fillers.gather(-1, slot)), ~kept
 

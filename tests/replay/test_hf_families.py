@@ -119,7 +119,7 @@ def test_family_replays_its_recorded_routes(family):
     with torch.no_grad():
         for router in routers_of(model):
             for parameter in router.parameters():
-                parameter.add_(torch.randn_like(parameter) * parameter.std().clamp(min=0.2) * 4)
+                parameter.add_(torch.randn_like(parameter))
         with record(model, inputs) as drifted:
             outputs(model, causal, inputs)
         assert compare_routes(drifted.routes, inline["routed_experts"]).mean_exact < 1.0
