@@ -10,7 +10,7 @@
 """
 
 from r3data.replay.agreement import RoutingAgreement, compare_routes
-from r3data.replay.hf import HFRecord, HFReplay, record, replay
+from r3data.replay.hf import record, replay
 from r3data.replay.hf_inputs import HFInputs, hf_inputs
 from r3data.replay.megatron import (
     ReplayStep,
@@ -22,13 +22,15 @@ from r3data.replay.megatron import (
     router_replays,
 )
 from r3data.replay.routes import replay_topk
+from r3data.replay.routing import Record, Replay, Routers
 
 __all__ = [
     "HFInputs",
-    "HFRecord",
-    "HFReplay",
+    "Record",
+    "Replay",
     "ReplayStep",
     "RoutingAgreement",
+    "Routers",
     "check_config",
     "compare_routes",
     "hf_inputs",

@@ -31,85 +31,28 @@ import torch
 
 from r3data.batch import TensorBatch
 from r3data.errors import ReplayError
-from r3data.layout import Fill, RoundRobin
 from r3data.packed import PackedTensor
-from r3data.replay.agreement import RoutingAgreement
 from r3data.replay.hf_inputs import HFInputs
-from r3data.replay.hf_routers import HFRouters, find_routers
-from r3data.replay.session import RecordSession, ReplaySession
-from r3data.replay.tap import tap_routers
+from r3data.replay.hf_routers import find_routers
+from r3data.replay.routing import FillOption, Record, Replay, recording, replaying
 
-__all__ = ["HFRecord", "HFReplay", "record", "replay"]
+__all__ = ["ROUTES_FIELD", "record", "replay"]
 
 ROUTES_FIELD = "routed_experts"
 
 
-class HFReplay:
-    """An open replay: its routers and the routing agreement of its forwards so far."""
-
-    def __init__(self, routers: HFRouters, session: ReplaySession) -> None:
-        self.routers = routers
-        self._session = session
-
-    @property
-    def agreement(self) -> RoutingAgreement:
-        """Per layer: the trainer's own top-k against the replayed one (one synchronisation)."""
-        return self._session.agreement
-
-
-class HFRecord:
-    """The experts every router used in the recorded forward."""
-
-    def __init__(self, routers: HFRouters, session: RecordSession, inputs: HFInputs | None):
-        self.routers = routers
-        self._session = session
-        self._inputs = inputs
-
-    def per_layer(self) -> list[torch.Tensor]:
-        """One ``[tokens, topk]`` int64 tensor per MoE layer, in the routers' token order."""
-        return self._session.per_layer()
-
-    @property
-    def routes(self) -> PackedTensor:
-        """``[rows, moe_layers, topk]`` per sample, the batch's packed form (padding left out),
-        in the narrowest integer dtype holding the expert ids."""
-        if self._inputs is None:
-            raise ReplayError("record(model) without inputs gives per_layer() only")
-        stacked = torch.stack(self.per_layer(), dim=1)
-        choices = max(site.choices for site in self.routers.sites)
-        dtype = torch.uint8 if choices <= 256 else torch.int16 if choices <= 32768 else torch.int32
-        return self._inputs.unpad(stacked.to(dtype).cpu())
-
-
 @contextlib.contextmanager
 def record(
-    model: torch.nn.Module,
-    inputs: HFInputs | None = None,
-    *,
-    fill: Fill | Literal["round_robin"] = "distinct",
-) -> Iterator[HFRecord]:
+    model: torch.nn.Module, inputs: HFInputs | None = None, *, fill: FillOption = "distinct"
+) -> Iterator[Record]:
     """Capture the experts every MoE router of ``model`` uses in one forward run inside.
 
     With ``inputs``, padding tokens are routed to ``fill`` (as :func:`replay` would route
     them), so replaying the recorded routes reproduces this forward bit for bit; the
-    routes come back packed (:attr:`HFRecord.routes`).
+    routes come back packed (:attr:`Record.routes`).
     """
-    routers = find_routers(model)
-    padding, real = None, None
-    if inputs is not None:
-        device = _device(model)
-        fill = _fill(routers, fill)
-        nothing = PackedTensor.from_lengths(
-            torch.zeros(int(inputs.lengths.sum()), len(routers.sites), routers.topk,
-                        dtype=torch.uint8),
-            inputs.lengths,
-        )  # fmt: skip
-        rows = inputs.routes(nothing, routers.model_layers, layer_axis="moe", fill=fill)
-        padding = {site.layer: t.to(device) for site, t in zip(routers.sites, rows, strict=True)}
-        real = inputs.token_mask(device)
-    session = RecordSession(routers.sites, padding, real)
-    with tap_routers(routers.sites, session, replays=False):
-        yield HFRecord(routers, session, inputs)
+    with recording(find_routers(model), inputs, model_device(model), fill) as handle:
+        yield handle
 
 
 @contextlib.contextmanager
@@ -119,9 +62,9 @@ def replay(
     inputs: HFInputs,
     *,
     layer_axis: Literal["all", "moe"] | None = None,
-    fill: Fill | Literal["round_robin"] = "distinct",
+    fill: FillOption = "distinct",
     threshold: float | None = None,
-) -> Iterator[HFReplay]:
+) -> Iterator[Replay]:
     """Route every token of ``inputs`` to ``routes`` (see the module doc).
 
     ``routes``: packed ``[rows, layers, topk]`` of the inputs' samples, or a batch holding
@@ -134,108 +77,32 @@ def replay(
     at least r times its weakest own top-k score, refilling from its own top-k (the replace
     rate is in the agreement).
     """
-    batch = routes if isinstance(routes, TensorBatch) else None
-    if batch is not None:
-        if ROUTES_FIELD not in batch:
-            raise ReplayError(f"the batch holds no {ROUTES_FIELD!r} field, found {list(batch)}")
-        routes = batch[ROUTES_FIELD]
-    if not isinstance(inputs, HFInputs):
-        raise ReplayError(f"inputs must come from hf_inputs(batch), found {type(inputs).__name__}")
-    routers = find_routers(model)
-    axis = _layer_axis(routers, routes, layer_axis)
-    _check_ids(routers, routes, axis)
-    if threshold is not None:
-        unprobed = [s.name for s in routers.sites if not s.probed]
-        if unprobed:
-            raise ReplayError(
-                f"threshold needs routers whose score kind was probed; {unprobed[0]} could not "
-                "be probed before the forward"
-            )
-    fill = _fill(routers, fill)
-    device = _device(model)
-    per_layer = inputs.routes(routes, routers.model_layers, layer_axis=axis, fill=fill)
-    session = ReplaySession(
-        routers.sites,
-        {site.layer: t.to(device) for site, t in zip(routers.sites, per_layer, strict=True)},
-        inputs.token_mask(device),
+    routes, batch = routes_of(routes)
+    with replaying(
+        find_routers(model),
+        routes,
+        inputs,
+        model_device(model),
+        layer_axis=layer_axis,
+        fill=fill,
         threshold=threshold,
-    )
-    with tap_routers(routers.sites, session, replays=True):
-        yield HFReplay(routers, session)
-    session.check_recomputed(_checkpointed(model))
+    ) as handle:
+        yield handle
+    handle.session.check_recomputed(_checkpointed(model))
     if batch is not None:
-        batch.metadata["agreement"] = session.agreement
+        batch.metadata["agreement"] = handle.agreement
 
 
-def _fill(routers: HFRouters, fill: Fill | Literal["round_robin"]) -> Fill:
-    if isinstance(fill, str) and fill == "round_robin":
-        return RoundRobin(min(site.choices for site in routers.sites))
-    return fill
+def routes_of(routes: PackedTensor | TensorBatch) -> tuple[PackedTensor, TensorBatch | None]:
+    """The routes, and the batch they came in (None for bare routes)."""
+    if not isinstance(routes, TensorBatch):
+        return routes, None
+    if ROUTES_FIELD not in routes:
+        raise ReplayError(f"the batch holds no {ROUTES_FIELD!r} field, found {list(routes)}")
+    return routes[ROUTES_FIELD], routes
 
 
-def _layer_axis(
-    routers: HFRouters, routes: PackedTensor, layer_axis: str | None
-) -> Literal["all", "moe"]:
-    if not isinstance(routes, PackedTensor) or len(routes.row_shape) != 2:
-        found = getattr(routes, "row_shape", type(routes).__name__)
-        raise ReplayError(f"routes must be packed [rows, layers, topk], found rows {found}")
-    layers, topk = routes.row_shape
-    if topk != routers.topk:
-        raise ReplayError(
-            f"the model's routers pick top-{routers.topk}, the routes hold top-{topk} rows"
-        )
-    counts = {"all": routers.num_layers, "moe": len(routers.sites)}
-    if layer_axis is not None:
-        if layer_axis not in counts:
-            raise ReplayError(f"layer_axis must be 'all' or 'moe', found {layer_axis!r}")
-        if layers != counts[layer_axis]:
-            raise ReplayError(
-                f"routes hold {layers} layers; layer_axis={layer_axis!r} of this model "
-                f"({counts['all']} layers, {counts['moe']} MoE) expects {counts[layer_axis]}"
-            )
-        return layer_axis  # type: ignore[return-value]
-    for axis, count in counts.items():
-        if layers == count:
-            return axis  # type: ignore[return-value]
-    raise ReplayError(
-        f"routes hold {layers} layers; this model has {counts['all']} decoder layers, "
-        f"{counts['moe']} of them MoE"
-    )
-
-
-def _check_ids(routers: HFRouters, routes: PackedTensor, axis: str) -> None:
-    """Ids in range at MoE layers; dense layers hold no routes (zeros, or the distinct
-    placeholder rows r3data writes where the engine sent none)."""
-    values = routes.values
-    if not values.numel():
-        return
-    moe = list(routers.moe_layers) if axis == "all" else list(range(len(routers.sites)))
-    columns = values[:, moe].long()
-    low, high = int(columns.min()), int(columns.max())
-    choices = min(site.choices for site in routers.sites)
-    if low < 0 or high >= choices:
-        raise ReplayError(
-            f"routes hold expert id {low if low < 0 else high}; this model's routers pick "
-            f"from {choices} experts (ids 0..{choices - 1})"
-        )
-    if axis != "all":
-        return
-    dense = sorted(set(range(routers.num_layers)) - set(routers.moe_layers))
-    if not dense:
-        return
-    block = values[:, dense].long()
-    placeholder = torch.arange(routers.topk)
-    given = block.ne(0).any(-1) & block.ne(placeholder).any(-1)
-    if bool(given.any()):
-        row, which = (int(i) for i in torch.nonzero(given)[0])
-        raise ReplayError(
-            f"routes give dense decoder layer {dense[which]} experts "
-            f"{block[row, which].tolist()} at row {row}; a dense layer has no router (zeros "
-            "expected): the routes come from another model"
-        )
-
-
-def _device(model: torch.nn.Module) -> torch.device:
+def model_device(model: torch.nn.Module) -> torch.device:
     parameter = next(model.parameters(), None)
     return torch.device("cpu") if parameter is None else parameter.device
 

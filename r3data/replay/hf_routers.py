@@ -23,16 +23,16 @@ import inspect
 import re
 import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import torch
 
 from r3data.errors import ReplayError
-from r3data.layout import ModelLayers
+from r3data.replay.routing import Routers
 from r3data.replay.tap import RouterSite, TopkTap, check_carried, tensors_in
 
-__all__ = ["HFRouters", "find_routers"]
+__all__ = ["find_routers"]
 
 _ROUTER_CLASS = re.compile(r"(Router|Gate|Gating)$")
 _TOPK_NAMES = (
@@ -49,28 +49,7 @@ _PROBE_TOKENS = 16
 _probed: weakref.WeakKeyDictionary[torch.nn.Module, RouterSite | str] = weakref.WeakKeyDictionary()
 
 
-@dataclass(frozen=True)
-class HFRouters:
-    """The routers of one model: one :class:`RouterSite` per MoE layer, in layer order."""
-
-    num_layers: int
-    sites: tuple[RouterSite, ...]
-
-    @property
-    def moe_layers(self) -> tuple[int, ...]:
-        return tuple(site.layer for site in self.sites)
-
-    @property
-    def topk(self) -> int:
-        return self.sites[0].topk
-
-    @property
-    def model_layers(self) -> ModelLayers:
-        moe = set(self.moe_layers)
-        return ModelLayers(self.num_layers, tuple(int(i in moe) for i in range(self.num_layers)))
-
-
-def find_routers(model: torch.nn.Module) -> HFRouters:
+def find_routers(model: torch.nn.Module) -> Routers:
     """The model's routers with their contracts, or a :class:`ReplayError` saying why not."""
     config = _text_config(model)
     layers = _decoder_layers(model, _int_attr(config, ("num_hidden_layers", "num_layers")))
@@ -102,7 +81,7 @@ def find_routers(model: torch.nn.Module) -> HFRouters:
             f"{type(model).__name__} routes a different top-k per layer ({sorted(topks)}); "
             "routes [tokens, layers, topk] need one"
         )
-    return HFRouters(num_layers, tuple(sites))
+    return Routers(num_layers, tuple(sites))
 
 
 # --- structure ------------------------------------------------------------------------------
