@@ -187,8 +187,8 @@ def _replayed_step(layer, config, per_layer, hidden) -> dict:
         (output * torch.linspace(-1, 1, output.numel()).view_as(output)).sum().backward()
         fifo.append(len(layer.router.router_replay.replay_backward_list))
     return {
-        "maps": maps,
-        "gathered": gathered,
+        "maps": list(maps),
+        "gathered": list(gathered),
         "fifo": fifo,
         "output": output.detach(),
         "grads": [hidden.grad] + [p.grad for p in layer.parameters()],
