@@ -90,7 +90,8 @@ class AgreementTally:
         real: torch.Tensor,
         replaced: torch.Tensor | None = None,
     ) -> None:
-        """Count one call: ``own``/``replayed`` ``[T, k]``, ``real`` ``[T]`` bool."""
+        """Count one call: ``own``/``replayed`` ``[T, k]``; ``real`` ``[T]`` bool marks the
+        tokens to count."""
         overlap = overlap_counts(own, replayed.to(own.device, own.dtype)) * real
         row = torch.stack(
             [

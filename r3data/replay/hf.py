@@ -36,9 +36,10 @@ from r3data.replay.hf_inputs import HFInputs
 from r3data.replay.hf_routers import find_routers
 from r3data.replay.routing import FillOption, Record, Replay, recording, replaying
 
-__all__ = ["ROUTES_FIELD", "record", "replay"]
+__all__ = ["ROUTES_FIELD", "VALID_FIELD", "record", "replay"]
 
 ROUTES_FIELD = "routed_experts"
+VALID_FIELD = "routed_experts_valid"
 
 
 @contextlib.contextmanager
@@ -68,7 +69,8 @@ def replay(
     """Route every token of ``inputs`` to ``routes`` (see the module doc).
 
     ``routes``: packed ``[rows, layers, topk]`` of the inputs' samples, or a batch holding
-    them as ``routed_experts`` (the agreement then lands in ``batch.metadata["agreement"]``).
+    them as ``routed_experts`` (the agreement then counts only rows its
+    ``routed_experts_valid`` marks, and lands in ``batch.metadata["agreement"]``).
     ``layer_axis``: ``"all"`` (one entry per decoder layer, dense ones zero, as vLLM
     reports) or ``"moe"`` (MoE layers only, as :func:`record` gives); by default the count
     decides. ``fill``: padding tokens' experts, ``"distinct"`` (``0..topk-1``),
@@ -86,6 +88,7 @@ def replay(
         layer_axis=layer_axis,
         fill=fill,
         threshold=threshold,
+        valid=None if batch is None else batch.get(VALID_FIELD),
     ) as handle:
         yield handle
     handle.session.check_recomputed(_checkpointed(model))

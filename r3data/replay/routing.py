@@ -124,8 +124,13 @@ def replaying(
     layer_axis: Literal["all", "moe"] | None,
     fill: FillOption,
     threshold: float | None,
+    valid: PackedTensor | None = None,
 ) -> Iterator[Replay]:
-    """Replay ``routes`` on every router (checked, then laid out as ``inputs``)."""
+    """Replay ``routes`` on every router (checked, then laid out as ``inputs``).
+
+    ``valid`` (per token, False where the routes hold a placeholder) keeps placeholder rows
+    out of the agreement: they say nothing about drift.
+    """
     _check_inputs(inputs)
     axis = check_routes(routers, routes, layer_axis)
     if threshold is not None:
@@ -138,11 +143,11 @@ def replaying(
     per_layer = inputs.routes(
         routes, routers.model_layers, layer_axis=axis, fill=resolve_fill(routers, fill)
     )
+    counted = inputs.token_mask(device)
+    if valid is not None:
+        counted &= inputs.pad(valid.to(dtype=torch.bool), fill=False).reshape(-1).to(device)
     session = ReplaySession(
-        routers.sites,
-        _on_device(routers, per_layer, device),
-        inputs.token_mask(device),
-        threshold=threshold,
+        routers.sites, _on_device(routers, per_layer, device), counted, threshold=threshold
     )
     with tap_routers(routers.sites, session, replays=True):
         yield Replay(routers, session)

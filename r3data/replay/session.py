@@ -2,7 +2,8 @@
 
 A :class:`ReplaySession` holds one ``[tokens, topk]`` routes tensor per router site. At
 each call it checks the tokens, counts forwards and recomputes, adds the call to the
-agreement tally (the trainer's own pick against the replayed one, real tokens only) and,
+agreement tally (the trainer's own pick against the replayed one, at the counted tokens:
+real ones whose routes are not placeholders) and,
 with a score threshold, keeps only the replayed experts the trainer scores well enough.
 A :class:`RecordSession` keeps the experts each router used in its (first) forward.
 """
@@ -57,7 +58,7 @@ class ReplaySession:
         self,
         sites: Sequence[RouterSite],
         routes: Mapping[int, torch.Tensor],
-        real: torch.Tensor,
+        counted: torch.Tensor,
         *,
         threshold: float | None = None,
     ) -> None:
@@ -67,10 +68,10 @@ class ReplaySession:
             raise ReplayError(f"threshold must be a ratio > 0, found {threshold!r}")
         self.sites = tuple(sites)
         self.routes = dict(routes)
-        self.real = real
+        self.counted = counted
         self.threshold = threshold
         topk = self.sites[0].topk if self.sites else 1
-        self.tally = AgreementTally([s.layer for s in self.sites], topk, real.device)
+        self.tally = AgreementTally([s.layer for s in self.sites], topk, counted.device)
         self.forwards = dict.fromkeys(self.routes, 0)
         self.grad_forwards = dict.fromkeys(self.routes, 0)
         self.recomputes = dict.fromkeys(self.routes, 0)
@@ -94,8 +95,8 @@ class ReplaySession:
         else:
             self.forwards[site.layer] += 1
             self.grad_forwards[site.layer] += torch.is_grad_enabled()
-            real = self.real.to(own.device)
-            self.tally.add(site.layer, own, self.routes[site.layer], real, replaced)
+            counted = self.counted.to(own.device)
+            self.tally.add(site.layer, own, self.routes[site.layer], counted, replaced)
         return routes
 
     def observe(self, site: RouterSite, tap: TopkTap, output: Any) -> None:

@@ -25,7 +25,7 @@ import torch
 from r3data.batch import TensorBatch
 from r3data.errors import ReplayError
 from r3data.packed import PackedTensor
-from r3data.replay.hf import model_device, routes_of
+from r3data.replay.hf import VALID_FIELD, model_device, routes_of
 from r3data.replay.hf_inputs import HFInputs
 from r3data.replay.routing import FillOption, Record, Replay, Routers, recording, replaying
 from r3data.replay.tap import RouterSite
@@ -104,6 +104,7 @@ def replay(
         layer_axis=layer_axis,
         fill=fill,
         threshold=threshold,
+        valid=None if batch is None else batch.get(VALID_FIELD),
     ) as handle:
         yield handle
     if batch is not None:
