@@ -54,12 +54,12 @@ class RoutingAgreement:
         return ranked[:n]
 
     def as_dict(self) -> dict:
-        """Flat numbers for a metrics logger."""
+        """Flat numbers for a metrics logger (``worst_layers``: up to three that disagree)."""
         out = {
             "tokens": self.tokens,
             "exact": self.mean_exact,
             "overlap": self.mean_overlap,
-            "worst_layers": [layer for layer, _ in self.worst()],
+            "worst_layers": [layer for layer, exact in self.worst() if exact < 1.0],
         }
         if self.replaced is not None:
             out["replace_rate"] = self.replace_rate
