@@ -30,7 +30,7 @@ import torch
 
 from r3data.errors import ReplayError
 from r3data.replay.routing import Routers
-from r3data.replay.tap import RouterSite, TopkTap, check_carried, tensors_in
+from r3data.replay.tap import RouterSite, TopkTap, check_carried
 
 __all__ = ["find_routers"]
 
@@ -238,9 +238,8 @@ def _contract(site: RouterSite, tap: TopkTap, output: Any) -> RouterSite:
             f"router {site.name} ({type(site.module).__name__}) ran {tap.calls} top-k calls of "
             f"k={site.topk} over {site.choices} experts, expected exactly one"
         )
-    logits = any(t is tap.input for t in tensors_in(output)) or bool(
-        (torch.isfinite(tap.scores) & (tap.scores < 0)).any()
-    )
+    # scores a softmax or sigmoid made are never negative; raw logits on random states are
+    logits = bool((torch.isfinite(tap.scores) & (tap.scores < 0)).any())
     for carries in ("indices", "scores"):
         candidate = replace(site, carries=carries, selects_on_logits=logits, probed=True)
         try:

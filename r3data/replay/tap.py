@@ -47,7 +47,8 @@ class RouterSite:
     """How the output carries the pick: ``"indices"`` (the index tensor itself) or
     ``"scores"`` (dense ``[tokens, choices]`` scores, zero off the pick: Llama4)."""
     selects_on_logits: bool = False
-    """The top-k runs on the router's raw logits (GPT-OSS style), not on probabilities."""
+    """The top-k runs on scores that can be negative (raw logits, GPT-OSS style), not on
+    probabilities; the score threshold then compares their softmax."""
     probed: bool = False
     """The contract was learnt before any forward (else it is checked at the first call)."""
 
@@ -65,7 +66,6 @@ class TopkTap(TorchFunctionMode):
         self.choices = choices
         self.choose = choose
         self.calls = 0
-        self.input: torch.Tensor | None = None
         self.scores: torch.Tensor | None = None
         self.own: torch.Tensor | None = None
         self.used: torch.Tensor | None = None
@@ -80,7 +80,7 @@ class TopkTap(TorchFunctionMode):
         flat_scores = scores.reshape(-1, self.choices)
         flat_own = own.reshape(-1, self.k)
         picked = None if self.choose is None else self.choose(flat_scores, flat_own)
-        self.input, self.scores, self.own = scores, flat_scores, flat_own
+        self.scores, self.own = flat_scores, flat_own
         if picked is None:
             self.used = own
             return torch.return_types.topk((values, own))

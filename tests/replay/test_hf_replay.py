@@ -352,3 +352,21 @@ def test_a_model_without_routers_is_refused():
         pass
     with pytest.raises(ReplayError, match="has no config"), record(torch.nn.Linear(2, 2)):
         pass
+
+
+def test_a_router_that_rewrites_its_pick_is_refused_before_the_forward():
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
+
+    class RewritingRouter(Qwen3MoeTopKRouter):  # as Zaya's router masks its skip expert
+        def forward(self, hidden_states):
+            logits, weights, indices = super().forward(hidden_states)
+            return logits, weights, indices.clone()
+
+    model, causal = tiny_model("qwen3_moe", seed=3)
+    block = model.model.layers[1].mlp
+    rewriting = RewritingRouter(model.config)
+    rewriting.load_state_dict(block.gate.state_dict())
+    block.gate = rewriting
+    with pytest.raises(ReplayError, match="does not return the experts its top-k picked"):
+        with record(model):
+            pass
