@@ -240,15 +240,16 @@ def _contract(site: RouterSite, tap: TopkTap, output: Any) -> RouterSite:
         )
     # scores a softmax or sigmoid made are never negative; raw logits on random states are
     logits = bool((torch.isfinite(tap.scores) & (tap.scores < 0)).any())
+    refusal = None
     for carries in ("indices", "scores"):
         candidate = replace(site, carries=carries, selects_on_logits=logits, probed=True)
         try:
             check_carried(candidate, output, tap.used)
         except ReplayError as error:
-            reason = error
+            refusal = refusal or error  # the first: a router is expected to return indices
             continue
         return candidate
-    raise reason
+    raise refusal
 
 
 def _run(method: Any, args: tuple, site: RouterSite, device: torch.device) -> tuple[TopkTap, Any]:

@@ -362,11 +362,13 @@ def test_a_router_that_rewrites_its_pick_is_refused_before_the_forward():
             logits, weights, indices = super().forward(hidden_states)
             return logits, weights, indices.clone()
 
-    model, causal = tiny_model("qwen3_moe", seed=3)
+    model, _ = tiny_model("qwen3_moe", seed=3)
     block = model.model.layers[1].mlp
     rewriting = RewritingRouter(model.config)
     rewriting.load_state_dict(block.gate.state_dict())
     block.gate = rewriting
-    with pytest.raises(ReplayError, match="does not return the experts its top-k picked"):
-        with record(model):
-            pass
+    with (
+        pytest.raises(ReplayError, match="does not return the experts its top-k picked"),
+        record(model),
+    ):
+        pass
