@@ -47,10 +47,21 @@ _CHOICE_NAMES = ("n_routed_experts", "num_experts", "num_local_experts", "moe_nu
 _PROBE_TOKENS = 16
 
 _probed: weakref.WeakKeyDictionary[torch.nn.Module, RouterSite | str] = weakref.WeakKeyDictionary()
+_found: weakref.WeakKeyDictionary[torch.nn.Module, Routers] = weakref.WeakKeyDictionary()
 
 
 def find_routers(model: torch.nn.Module) -> Routers:
-    """The model's routers with their contracts, or a :class:`ReplayError` saying why not."""
+    """The model's routers with their contracts, or a :class:`ReplayError` saying why not.
+
+    Found once per model (modules added or replaced later are not seen).
+    """
+    known = _found.get(model)
+    if known is None:
+        known = _found[model] = _find(model)
+    return known
+
+
+def _find(model: torch.nn.Module) -> Routers:
     config = _text_config(model)
     layers = _decoder_layers(model, _int_attr(config, ("num_hidden_layers", "num_layers")))
     num_layers = len(layers)

@@ -202,15 +202,14 @@ def _check_ids(routers: Routers, routes: PackedTensor, axis: str) -> None:
     values = routes.values
     if not values.numel():
         return
-    moe = list(routers.moe_layers) if axis == "all" else list(range(len(routers.sites)))
-    columns = values[:, moe].long()
-    low, high = int(columns.min()), int(columns.max())
+    dense = sorted(set(range(routers.num_layers)) - set(routers.moe_layers))
+    columns = values[:, list(routers.moe_layers)] if axis == "all" and dense else values
+    low, high = (int(v) for v in torch.aminmax(columns))  # in the routes' own dtype
     if low < 0 or high >= routers.choices:
         raise ReplayError(
             f"routes hold expert id {low if low < 0 else high}; this model's routers pick "
             f"from {routers.choices} experts (ids 0..{routers.choices - 1})"
         )
-    dense = sorted(set(range(routers.num_layers)) - set(routers.moe_layers))
     if axis != "all" or not dense:
         return
     block = values[:, dense].long()
