@@ -27,23 +27,6 @@ from r3data import PackedTensor
 from r3data.errors import ReplayError
 from r3data.replay import compare_routes, hf_inputs, record, replay
 
-#: One family per distinct router code (scoring, normalisation, bias, scaling, output
-#: contract) and per layer kind: activation checkpointing is checked on these. (Run over
-#: every family, the gradients were equal bit for bit in each.)
-CHECKPOINTED = {
-    "dbrx",  # top-k in the block's route_tokens_to_experts
-    "deepseek_v3",  # sigmoid, selection bias, group-limited choice, routed scaling
-    "ernie4_5_moe",  # softmax with a statistics bias for selection, clamped renorm
-    "gemma4",  # probabilities out, per-expert scale
-    "gpt_oss",  # softmax over the selected logits, router bias
-    "jamba",  # softmax, no renormalisation; Mamba layers
-    "llama4",  # dense sigmoid scores, no indices out
-    "longcat_flash",  # zero-compute experts above the routed count
-    "mixtral",  # softmax, always renormalised
-    "qwen2_moe",  # softmax, norm_topk_prob off, shared expert
-    "qwen3_moe",  # softmax, norm_topk_prob
-}
-
 #: fp32 tolerance where the last token's route is a placeholder: that token then meets
 #: other tokens in different experts, whose matrix products may round differently.
 PLACEHOLDER_ATOL = 1e-5
@@ -112,8 +95,7 @@ def test_family_replays_its_recorded_routes(family):
     torch.testing.assert_close(got[mask], expected[mask], rtol=0, atol=PLACEHOLDER_ATOL)
 
     # activation checkpointing recomputes every layer in backward: same routes, same grads
-    if family in CHECKPOINTED:
-        check_checkpointing(model, causal, inline, inputs)
+    check_checkpointing(model, causal, inline, inputs)
 
     # a drifted router disagrees with the routes, and replay still routes exactly by them
     with torch.no_grad():
