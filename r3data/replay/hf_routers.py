@@ -30,7 +30,7 @@ import torch
 
 from r3data.errors import ReplayError
 from r3data.replay.routing import Routers
-from r3data.replay.tap import RouterSite, TopkTap, check_carried
+from r3data.replay.tap import RouterSite, TopkTap, carried
 
 __all__ = ["find_routers"]
 
@@ -251,16 +251,8 @@ def _contract(site: RouterSite, tap: TopkTap, output: Any) -> RouterSite:
         )
     # scores a softmax or sigmoid made are never negative; raw logits on random states are
     logits = bool((torch.isfinite(tap.scores) & (tap.scores < 0)).any())
-    refusal = None
-    for carries in ("indices", "scores"):
-        candidate = replace(site, carries=carries, selects_on_logits=logits, probed=True)
-        try:
-            check_carried(candidate, output, tap.used)
-        except ReplayError as error:
-            refusal = refusal or error  # the first: a router is expected to return indices
-            continue
-        return candidate
-    raise refusal
+    kind = carried(site, output, tap.used)
+    return replace(site, carries=kind, selects_on_logits=logits, probed=True)
 
 
 def _run(method: Any, args: tuple, site: RouterSite, device: torch.device) -> tuple[TopkTap, Any]:

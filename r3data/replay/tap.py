@@ -26,7 +26,7 @@ from torch.overrides import TorchFunctionMode
 
 from r3data.errors import ReplayError
 
-__all__ = ["RouterSite", "Session", "TopkTap", "in_backward", "tap_routers", "tensors_in"]
+__all__ = ["RouterSite", "Session", "TopkTap", "carried", "in_backward", "tap_routers"]
 
 _TOPK = (torch.topk, torch.Tensor.topk)
 
@@ -118,26 +118,29 @@ def in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
-def check_carried(site: RouterSite, output: Any, used: torch.Tensor) -> None:
-    """Refuse a router whose output does not carry the experts its top-k returned."""
-    if site.carries == "indices":
-        if any(t is used for t in tensors_in(output)):
-            return
+def carried(site: RouterSite, output: Any, used: torch.Tensor) -> str:
+    """How the router's output carries the experts its top-k returned: ``"indices"`` or
+    ``"scores"`` (only ``site.carries`` for a probed site); a ReplayError if it does not."""
+    kinds = (site.carries,) if site.probed else ("indices", "scores")
+    if "indices" in kinds and any(t is used for t in tensors_in(output)):
+        return "indices"
+    if "scores" in kinds:
+        flat = used.reshape(-1, site.topk)
+        expected = torch.zeros(flat.shape[0], site.choices, dtype=torch.bool, device=flat.device)
+        expected.scatter_(1, flat.long(), True)
+        for tensor in tensors_in(output):
+            same_size = tensor.is_floating_point() and tensor.numel() == expected.numel()
+            if same_size and torch.equal(tensor.reshape(expected.shape) != 0, expected):
+                return "scores"
+    if kinds == ("scores",):
         raise ReplayError(
-            f"router {site.name} ({type(site.module).__name__}) does not return the experts "
-            "its top-k picked (it changes or drops them after the pick), so replayed experts "
-            "would not reach its experts"
+            f"router {site.name} ({type(site.module).__name__}) returns no scores that are "
+            "non-zero exactly at the picked experts"
         )
-    flat = used.reshape(-1, site.topk)
-    expected = torch.zeros(flat.shape[0], site.choices, dtype=torch.bool, device=flat.device)
-    expected.scatter_(1, flat.long(), True)
-    for tensor in tensors_in(output):
-        same_size = tensor.is_floating_point() and tensor.numel() == expected.numel()
-        if same_size and torch.equal(tensor.reshape(expected.shape) != 0, expected):
-            return
     raise ReplayError(
-        f"router {site.name} ({type(site.module).__name__}) returns no scores that are "
-        "non-zero exactly at the picked experts"
+        f"router {site.name} ({type(site.module).__name__}) does not return the experts "
+        "its top-k picked (it changes or drops them after the pick), so replayed experts "
+        "would not reach its experts"
     )
 
 
@@ -185,7 +188,7 @@ def _wrapper(hub: _Hub, original: Callable[..., Any]) -> Callable[..., Any]:
                 f"calls of k={site.topk} over {site.choices} experts, expected exactly one"
             )
         if not hub.checked:
-            check_carried(site, output, tap.used)
+            carried(site, output, tap.used)
             hub.checked = True
         for session in ([replay] if replay is not None else []) + hub.records:
             session.observe(site, tap, output)
