@@ -12,12 +12,16 @@ of consecutive rows, or a gather of scattered rows through a small staging block
 accelerators a gather of a bounded chunk of rows at a time. There is no padded full-batch
 rectangle and no full-size intermediate. Padding tokens get ``fill``, by default
 ``arange(topk)``: the all-to-all dispatcher assumes exactly ``tokens * topk`` distinct
-assignments, so a padding row must never repeat an expert.
+assignments, so a padding row must never repeat an expert. ``RoundRobin(num_experts)``
+instead gives each padding token its own run of ``topk`` experts by its place in the padded
+batch, so padding spreads over all experts, and over expert-parallel ranks, whichever
+rank holds it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import numpy as np
@@ -28,7 +32,22 @@ from r3data.layout.token_layout import PAD, LayerAxis, TokenLayout, as_lengths
 from r3data.packed import PackedTensor
 from r3data.tensor_buffer import bit_view
 
-Fill = Literal["distinct"] | Sequence[int] | torch.Tensor
+
+@dataclass(frozen=True)
+class RoundRobin:
+    """Padding fill: the padding token at place ``p`` of the padded batch (every sample
+    padded, before CP and SP split it) gets experts ``(p * topk + arange(topk)) %
+    num_experts``: distinct in each row, spread round-robin over all experts."""
+
+    num_experts: int
+
+    def __post_init__(self) -> None:
+        n = self.num_experts
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise LayoutError(f"RoundRobin.num_experts must be an int >= 1, found {n!r}")
+
+
+Fill = Literal["distinct"] | RoundRobin | Sequence[int] | torch.Tensor
 
 #: On accelerators, rows gathered at once stay under this many bytes (and 1/8 of the output).
 CHUNK_BYTES = 64 << 20
@@ -74,10 +93,13 @@ def expand(
     topk = _check_routes(routes)
     dtype = _output_dtype(dtype)
     fill_row = _fill_row(fill, topk, dtype)
-    grid = layout.token_grid(_full_lengths(routes, layout, local, lengths), local=local)
+    full = _full_lengths(routes, layout, local, lengths)
+    grid = layout.token_grid(full, local=local)
     layers = layout.moe_layers(routes.row_shape[0], layer_axis)
     _check_ids_fit(routes.values, dtype)
     buffer = _gather(routes.values, grid, layers, fill_row, dtype, batch_major=False)
+    if isinstance(fill, RoundRobin):
+        _spread_padding(buffer, grid, layout.token_grid(layout.padded_lengths(full)), fill)
     return list(buffer.view(grid.size, len(layers), topk).unbind(1))
 
 
@@ -102,10 +124,14 @@ def dense(
         raise LayoutError("dense needs a BSHD layout (packed=False), found THD")
     dtype = _output_dtype(dtype)
     fill_row = _fill_row(fill, topk, dtype)
-    grid = layout.token_grid(_full_lengths(routes, layout, local, lengths), local=local)
+    full = _full_lengths(routes, layout, local, lengths)
+    grid = layout.token_grid(full, local=local)
     layers = layout.moe_layers(routes.row_shape[0], layer_axis)
     _check_ids_fit(routes.values, dtype)
     buffer = _gather(routes.values, grid, layers, fill_row, dtype, batch_major=True)
+    if isinstance(fill, RoundRobin):
+        places = layout.token_grid(layout.padded_lengths(full))
+        _spread_padding(buffer, grid.T, places.T, fill)
     return list(buffer.unbind(2))
 
 
@@ -184,6 +210,15 @@ def _output_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def _fill_row(fill: Fill, topk: int, dtype: torch.dtype) -> torch.Tensor:
+    if isinstance(fill, RoundRobin):
+        if topk > fill.num_experts:
+            raise LayoutError(
+                f"RoundRobin needs top-{topk} distinct experts of {fill.num_experts}, "
+                f"found more picks than experts"
+            )
+        if fill.num_experts - 1 > torch.iinfo(dtype).max:
+            raise LayoutError(f"fill ids must fit {dtype}, found {fill.num_experts - 1}")
+        return torch.arange(topk)
     if isinstance(fill, str):
         if fill != "distinct":
             raise LayoutError(
@@ -252,6 +287,22 @@ def _gather(
     else:
         _copy_on_device(flat, index, values, layers, fill)
     return buffer
+
+
+def _spread_padding(
+    buffer: torch.Tensor, grid: np.ndarray, places: np.ndarray, fill: RoundRobin
+) -> None:
+    """Overwrite the padding rows of ``buffer`` (token-major as ``grid``) round-robin by
+    each token's place in the padded batch (``places``: the grid of the padded lengths)."""
+    pads = np.flatnonzero(grid.reshape(-1) == PAD)
+    if not pads.size:
+        return
+    flat = buffer.view(grid.size, *buffer.shape[-2:])
+    topk = flat.shape[-1]
+    place = torch.from_numpy(places.reshape(-1)[pads])
+    rows = (place[:, None] * topk + torch.arange(topk)) % fill.num_experts
+    at = torch.from_numpy(pads).to(flat.device)
+    flat[at] = rows.to(flat.device, flat.dtype).unsqueeze(1).expand(-1, flat.shape[1], -1)
 
 
 def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
