@@ -46,10 +46,11 @@ from collections.abc import Iterable
 from functools import lru_cache
 from typing import Any, NamedTuple
 
+import numpy as np
 import orjson
 
 from r3data.errors import ConfigError, WireFormatError
-from r3data.wire.blob import Blob, decode_base64, decoded_length
+from r3data.wire.blob import Blob, decode_base64_into, decoded_length
 from r3data.wire.dtypes import DTypeLike
 from r3data.wire.envelope import array_from_buffer, check_nbytes, envelope_spec
 
@@ -63,13 +64,15 @@ _CONTAINERS = frozenset({dict, list})
 
 
 class _Blob(NamedTuple):
-    """The base64 blob of ``field`` at ``raw[start:end]`` (between quotes), decoded (or, when
-    nothing is decoded, a :class:`Blob` view of its characters)."""
+    """The base64 blob of ``field`` at ``raw[start:end]`` (between quotes): a :class:`Blob` view
+    of its characters, replaced by its decoded bytes when the body is decoded; ``bare`` when it
+    is a field's whole value (not an envelope's ``data``)."""
 
     field: str
     start: int
     end: int
-    decoded: bytearray | Blob
+    decoded: bytearray | np.ndarray | Blob
+    bare: bool
 
 
 @lru_cache(maxsize=64)
@@ -115,15 +118,14 @@ class _Scanner:
 
     def scan(self) -> list[_Blob]:
         pos = 0
-        with memoryview(self.raw) as self.view:
-            while (match := self.pattern.search(self.raw, pos)) is not None:
-                if _is_key_position(self.raw, match.start()):
-                    pos = self._value(match.group(1).decode(), match.end())
-                else:
-                    pos = match.start() + 1
+        while (match := self.pattern.search(self.raw, pos)) is not None:
+            if _is_key_position(self.raw, match.start()):
+                pos = self._value(match.group(1).decode(), match.end())
+            else:
+                pos = match.start() + 1
         return self.blobs
 
-    def _blob(self, field: str, quote: int) -> int:
+    def _blob(self, field: str, quote: int, *, bare: bool = False) -> int:
         end = self.raw.find(b'"', quote + 1)
         if end < 0:
             raise WireFormatError(
@@ -131,19 +133,20 @@ class _Scanner:
                 f"of a {len(self.raw)}-byte body"
             )
         what = f"field {field!r} base64 string at byte {quote}"
-        if self.decode:
-            decoded: bytearray | Blob = decode_base64(self.view[quote + 1 : end], what=what)
-        else:
-            chars = memoryview(self.raw)[quote + 1 : end]  # outlives the scan's own view
-            decoded_length(chars, what)
-            decoded = Blob(chars, what)
-        self.blobs.append(_Blob(field, quote + 1, end, decoded))
+        chars = memoryview(self.raw)[quote + 1 : end]
+        size = decoded_length(chars, what)
+        decoded: bytearray | np.ndarray | Blob = Blob(chars, what)
+        if self.decode:  # now, while the characters are in cache, into a buffer of its own
+            decoded = bytearray(size) if bare else np.empty(size, np.uint8)
+            target = np.frombuffer(decoded, np.uint8) if bare else decoded
+            decode_base64_into(chars, target, what=what)
+        self.blobs.append(_Blob(field, quote + 1, end, decoded, bare))
         return end + 1
 
     def _value(self, field: str, pos: int) -> int:
         head = self.raw[pos : pos + 1]
         if head == b'"':
-            return self._blob(field, pos)
+            return self._blob(field, pos, bare=True)
         if head == b"{":
             return self._object(field, pos)
         if self.raw[pos : pos + 4] == b"null":

@@ -18,4 +18,4 @@ def unavailable(reason: str) -> None:
     """Skip (or, when the suite is required, fail) because a real part cannot run: ``reason``."""
     if os.environ.get(REQUIRE_ENV) == "1":
         pytest.fail(f"{REQUIRE_ENV}=1 but {reason}", pytrace=False)
-    pytest.skip(reason)
+    pytest.skip(reason, allow_module_level=True)
