@@ -186,6 +186,7 @@ class _FixedFill:
         """The fill's work, bound to the allocated buffer :attr:`out`: file reads first (the
         files ``opened`` to check their sizes are read without opening them again)."""
         ranges: list[RangeRead] = []
+        placed_ranges: list[_Placed] = []
         jobs: list[Callable[[], None]] = []
         for placed in self.placed:
             piece, rows = placed.piece, placed.piece.rows
@@ -213,6 +214,7 @@ class _FixedFill:
                         on_bytes=None if sink is None else sink.advance,
                     )
                 )
+                placed_ranges.append(placed)
                 continue
             step = max(1, _JOB_BYTES // max(self.row_bytes, 1))
             for first in range(0, rows, step):
@@ -225,7 +227,8 @@ class _FixedFill:
                     )
                 )
         if ranges:
-            jobs = self.reader.file_jobs(ranges, opened) + jobs
+            samples = {id(r): p.sample for r, p in zip(ranges, placed_ranges, strict=True)}
+            jobs = [_naming(job, samples) for job in self.reader.file_jobs(ranges, opened)] + jobs
         return jobs
 
     # --- execution ----------------------------------------------------------------------------
@@ -443,9 +446,24 @@ def _spans(positions: np.ndarray) -> list[tuple[int, int]]:
     return merge((int(p), int(p) + 1) for p in positions)
 
 
+def _naming(job: Callable[[], None], samples: dict[int, int]) -> Callable[[], None]:
+    """``job`` (one file's reads), whose failure names the sample of the range it failed in."""
+
+    def run() -> None:
+        try:
+            job()
+        except Exception as exc:
+            failed = getattr(exc, "r3data_range", None)
+            if failed is not None and id(failed) in samples:
+                _at(exc, samples[id(failed)])
+            raise
+
+    return run
+
+
 def _at(exc: Exception, sample: int) -> Exception:
     """``exc`` tagged with the batch index of the sample it happened in."""
-    exc.r3data_index = sample  # type: ignore[attr-defined]
+    exc.r3data_sample = sample  # type: ignore[attr-defined]
     return exc
 
 
@@ -499,7 +517,7 @@ def fill_field(
 
     ``screen`` (route fields) screens every engine row; ``dtype`` is the buffer's (pieces of
     another dtype are converted, narrowing only after their ids were screened against
-    ``num_experts``). Failures carry the sample's batch index (``exc.r3data_index``).
+    ``num_experts``). Failures carry the batch index of their sample (``exc.r3data_sample``).
     """
     ids = sample_ids if sample_ids is not None else [str(i) for i in range(len(fields))]
     workers = pool_workers() if workers is None else workers
