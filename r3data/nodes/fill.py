@@ -3,17 +3,17 @@
 For each field the pieces of every sample's plan (:func:`r3data.trace.stitch`) are executed
 once, in parallel on the shared pool, into one buffer allocated at its final size:
 
-- inline rows are copied, base64 rows decoded straight into their slice (through a cache-sized
-  bounce), by-handle rows read straight into it: one read plan for the batch, every file
-  opened once, adjacent ranges of a file in one ``preadv``, checksummed chunk by chunk;
+- inline rows are copied, base64 rows decoded straight into their slice
+  (:func:`r3data.wire.blob.decode_base64_into`), by-handle rows read straight into it: one
+  read plan for the batch, every file opened once (its claims checked against its size before
+  anything is allocated), adjacent ranges of a file in one ``preadv``, checksummed chunk by
+  chunk;
 - route rows are screened (:mod:`r3data.nodes.screen`) while still in cache: a large piece
   chunk by chunk as it lands, small pieces together in one pass over their rows;
 - placeholders are written last, in a few vectorised assignments for the whole batch;
 - rows the screen finds missing are a gap, handled by ``on_gap`` as stitching handles one.
 
-Ragged fields (sampling masks) are filled the same way into CSR: values and row offsets.
-Nothing sized by an untrusted claim is allocated before the claim is checked against its
-file's size.
+Ragged fields (sampling masks) are filled into CSR by :mod:`r3data.nodes.ragged_fill`.
 """
 
 from __future__ import annotations
@@ -21,18 +21,26 @@ from __future__ import annotations
 import math
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
-import torch
 
-from r3data.buffers import BufferPool, empty_rows
+from r3data.buffers import BufferPool
 from r3data.errors import SegmentError, TraceError, TraceGapError
+from r3data.nodes.fill_common import (
+    MAX_BUFFER_BYTES,
+    FilledField,
+    allocate,
+    check_sizes,
+    named,
+    torch_dtype,
+)
+from r3data.nodes.ragged_fill import fill_ragged
 from r3data.nodes.screen import ScreenOptions, screen_rows
 from r3data.packed import PackedTensor, aranges
 from r3data.packed_ragged import PackedRagged
 from r3data.parallel import fill_rows, pool_workers
-from r3data.payload.reader import OpenFiles, PayloadReader, RangeRead, values_range
+from r3data.payload.reader import OpenFiles, PayloadReader, RangeRead
 from r3data.payload.segment import PayloadSegment
 from r3data.ragged import RaggedRows
 from r3data.spans import format_spans, merge
@@ -41,29 +49,10 @@ from r3data.wire.rows import EncodedRows, InlineRows
 
 __all__ = ["MAX_BUFFER_BYTES", "FilledField", "fill_field", "materialize", "torch_dtype"]
 
-MAX_BUFFER_BYTES = 1 << 40
-"""No field's buffer is larger than this (1 TiB): a claim above it is refused unread."""
-
 _SMALL = 256 << 10
 """Pieces below this many bytes are screened together after the fill, not one by one."""
 _JOB_BYTES = 4 << 20
 """Inline pieces are cut into jobs of about this many bytes (parallel, cache-friendly)."""
-
-
-def torch_dtype(dtype: np.dtype) -> torch.dtype:
-    return torch.from_numpy(np.empty(0, dtype=dtype)).dtype
-
-
-@dataclass
-class FilledField:
-    """One field of a batch: its values, which rows are engine rows, and what the screen
-    changed (a statistics delta, samples to drop, warnings)."""
-
-    values: PackedTensor | PackedRagged
-    valid: np.ndarray
-    stats: StitchStats = field(default_factory=StitchStats)
-    dropped: list[int] = field(default_factory=list)
-    warnings: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,7 +149,7 @@ class _FixedFill:
                             self.placed.append(_Placed(piece.source, lo, sample, real=False))
                 else:
                     if piece.row_shape != self.row_shape:
-                        raise _at(
+                        raise named(
                             SegmentError(
                                 f"field {self.name!r}: expected rows of shape {self.row_shape}, "
                                 f"found {piece.row_shape} at position {piece.pos}"
@@ -173,7 +162,7 @@ class _FixedFill:
         for placed in self.placed:
             if type(placed.piece) is PayloadSegment:
                 if self.reader is None:
-                    raise _at(
+                    raise named(
                         SegmentError(
                             f"field {self.name!r}: a by-handle piece needs a payload reader"
                         ),
@@ -250,7 +239,7 @@ class _FixedFill:
                 if sink is not None:
                     sink.advance(dest.nbytes)
         except Exception as exc:
-            raise _at(exc, placed.sample) from None
+            raise named(exc, placed.sample) from None
 
     def convert_staged(self) -> None:
         """Screen rows that arrived in another dtype, then convert them into the buffer
@@ -262,7 +251,7 @@ class _FixedFill:
                 dest = self.out[placed.lo : placed.lo + placed.piece.rows]
                 np.copyto(dest, staged, casting="unsafe" if narrowing else "safe")
             except Exception as exc:
-                raise _at(exc, placed.sample) from None
+                raise named(exc, placed.sample) from None
 
     # --- screening ----------------------------------------------------------------------------
 
@@ -275,7 +264,7 @@ class _FixedFill:
         if flags.too_large is not None:
             row, entry, value = flags.too_large
             layer = entry // self.row_shape[-1] if len(self.row_shape) > 1 else 0
-            raise _at(
+            raise named(
                 TraceError(
                     f"field {self.name!r}{placed.where()}: expected expert ids in "
                     f"[0, {self.screen.num_experts}), found {value} at position "
@@ -288,7 +277,7 @@ class _FixedFill:
             return
         if zero is not None and self.screen.zero_rows == "raise":
             at = placed.piece.pos + first + np.flatnonzero(zero)
-            raise _at(
+            raise named(
                 TraceError(
                     f"field {self.name!r}{placed.where()}: route rows at positions "
                     f"{at[:8].tolist()} are zero in every layer (an engine bug)"
@@ -364,7 +353,7 @@ class _FixedFill:
                 f"(zero in every layer, an engine bug, or holding a negative id: no route)"
             )
             if on_gap == "raise":
-                raise _at(TraceGapError(message), sample)
+                raise named(TraceGapError(message), sample)
             if on_gap == "drop_sample":
                 filled.dropped.append(sample)
                 filled.warnings.append(f"{message}; sample dropped")
@@ -455,49 +444,10 @@ def _naming(job: Callable[[], None], samples: dict[int, int]) -> Callable[[], No
         except Exception as exc:
             failed = getattr(exc, "r3data_range", None)
             if failed is not None and id(failed) in samples:
-                _at(exc, samples[id(failed)])
+                named(exc, samples[id(failed)])
             raise
 
     return run
-
-
-def _at(exc: Exception, sample: int) -> Exception:
-    """``exc`` tagged with the batch index of the sample it happened in."""
-    exc.r3data_sample = sample  # type: ignore[attr-defined]
-    return exc
-
-
-def _check_sizes(
-    reader: PayloadReader,
-    segments: list[PayloadSegment],
-    samples: dict[int, int],
-    keep: OpenFiles | None = None,
-) -> None:
-    """``reader.check_sizes``; a failure names the sample of the segment that failed."""
-    try:
-        reader.check_sizes(segments, keep)
-    except Exception as exc:
-        failed = getattr(exc, "r3data_segment", None)
-        if failed is not None and id(failed) in samples:
-            _at(exc, samples[id(failed)])
-        raise
-
-
-def _allocate(
-    shape: tuple[int, ...],
-    dtype: np.dtype,
-    *,
-    name: str,
-    pin_memory: bool,
-    pool: BufferPool | None,
-) -> torch.Tensor:
-    nbytes = math.prod(shape) * dtype.itemsize
-    if nbytes > MAX_BUFFER_BYTES:
-        raise SegmentError(
-            f"field {name!r}: its rows would take {nbytes} bytes ({list(shape)} of {dtype}), "
-            f"more than the {MAX_BUFFER_BYTES} any batch buffer may"
-        )
-    return empty_rows(shape, torch_dtype(dtype), pin_memory=pin_memory, pool=pool)
 
 
 def fill_field(
@@ -522,7 +472,7 @@ def fill_field(
     ids = sample_ids if sample_ids is not None else [str(i) for i in range(len(fields))]
     workers = pool_workers() if workers is None else workers
     if fields and fields[0].ragged:
-        return _fill_ragged(name, fields, dtype, reader, workers, pin_memory, pool)
+        return fill_ragged(name, fields, dtype, reader, workers, pin_memory, pool)
     row_shapes = {f.row_shape for f in fields}
     if len(row_shapes) > 1:
         raise SegmentError(
@@ -535,9 +485,9 @@ def fill_field(
     try:
         if handles:  # claims are checked against the files before anything is allocated
             segments = [p.piece for p in fill.placed if id(p.piece) in handles]
-            _check_sizes(reader, segments, handles, opened)
+            check_sizes(reader, segments, handles, opened)
         shape = (int(fill.offsets[-1]), *fill.row_shape)
-        values = _allocate(shape, dtype, name=name, pin_memory=pin_memory, pool=pool)
+        values = allocate(shape, dtype, name=name, pin_memory=pin_memory, pool=pool)
         fill.out = values.numpy()
         jobs = fill.jobs(opened)
         fill_rows(lambda i: jobs[i](), len(jobs), workers)
@@ -548,86 +498,6 @@ def fill_field(
     filled = fill.finish(fields[0].topk if fields else None, on_gap, ids)
     filled.values = PackedTensor(values, fill.offsets)
     return filled
-
-
-def _fill_ragged(
-    name: str,
-    fields: Sequence[StitchedField],
-    dtype: np.dtype,
-    reader: PayloadReader | None,
-    workers: int,
-    pin_memory: bool,
-    pool: BufferPool | None,
-) -> FilledField:
-    """Ragged rows into CSR: the row lengths first (index tables and padded rows are read for
-    them), then every value once into one buffer."""
-    pieces = [(sample, piece) for sample, f in enumerate(fields) for piece in f.pieces]
-    handles = {id(p): sample for sample, p in pieces if type(p) is PayloadSegment}
-    if handles:
-        if reader is None:
-            raise SegmentError(f"field {name!r}: a by-handle piece needs a payload reader")
-        _check_sizes(reader, [p for _, p in pieces if id(p) in handles], handles)
-    first: list[RangeRead] = []  # index tables (ragged) or the rows themselves (padded)
-    for _, piece in pieces:
-        if type(piece) is PayloadSegment and piece.rows:
-            where = (piece.index, piece.nbytes) if piece.ragged else (piece.offset, piece.nbytes)
-            first.append(RangeRead(piece, *where, crc=None if piece.ragged else piece.crc32c))
-    if first:
-        reader.read_ranges(first)
-    runs: list[RaggedRows | RangeRead | int] = []  # per piece: its rows, a values range, or empty
-    tables = iter(first)
-    for _, piece in pieces:
-        if type(piece) is PlaceholderRows:
-            runs.append(piece.rows)
-        elif type(piece) is PayloadSegment:
-            if not piece.rows:
-                runs.append(0)
-            elif piece.ragged:
-                runs.append(next(tables))
-            else:
-                padded = next(tables).array().view(piece.dtype).reshape(piece.rows, *piece.shape)
-                runs.append(RaggedRows.from_padded(padded, what=f"{piece.file} {name!r}"))
-        else:
-            runs.append(piece.array)
-    lengths: list[np.ndarray] = []
-    reads: list[tuple[RangeRead, np.ndarray]] = []
-    for i, run in enumerate(runs):
-        if isinstance(run, int):
-            lengths.append(np.zeros(run, np.int64))
-        elif isinstance(run, RaggedRows):
-            lengths.append(run.lengths)
-        else:
-            values, index = values_range(run)
-            reads.append((values, index))
-            runs[i] = values
-            lengths.append(np.diff(index))
-    row_lengths = np.concatenate(lengths) if lengths else np.zeros(0, np.int64)
-    row_offsets = np.zeros(row_lengths.size + 1, np.int64)
-    np.cumsum(row_lengths, out=row_offsets[1:])
-    values = _allocate((int(row_offsets[-1]),), dtype, name=name, pin_memory=pin_memory, pool=pool)
-    out = values.numpy()
-    cursor = 0
-    copies: list[tuple[np.ndarray, np.ndarray]] = []
-    for run, length in zip(runs, lengths, strict=True):
-        n = int(length.sum())
-        dest = out[cursor : cursor + n]
-        cursor += n
-        if isinstance(run, RaggedRows):
-            copies.append((dest, run.compact()[0]))
-        elif isinstance(run, RangeRead):
-            run.dest = memoryview(dest.view(np.uint8))
-    if reads:
-        if any(np.dtype(r.segment.dtype) != dtype for r, _ in reads):
-            raise SegmentError(f"field {name!r}: ragged rows by handle must be {dtype}")
-        reader.read_ranges([r for r, _ in reads])
-    fill_rows(lambda i: np.copyto(*copies[i], casting="safe"), len(copies), workers)
-    sample_rows = np.zeros(len(fields) + 1, np.int64)
-    np.cumsum([sum(p.rows for p in f.pieces) for f in fields], out=sample_rows[1:])
-    valid = np.concatenate(
-        [np.full(p.rows, type(p) is not PlaceholderRows) for _, p in pieces] or [np.zeros(0, bool)]
-    )
-    rows = PackedTensor(values, row_offsets)
-    return FilledField(values=PackedRagged(rows, sample_rows), valid=valid)
 
 
 def materialize(
