@@ -36,7 +36,7 @@ from r3data.nodes.fill_common import (
     torch_dtype,
 )
 from r3data.nodes.ragged_fill import fill_ragged
-from r3data.nodes.screen import ScreenOptions, screen_rows
+from r3data.nodes.screen import RowFlags, ScreenOptions, screen_rows
 from r3data.packed import PackedTensor, aranges
 from r3data.packed_ragged import PackedRagged
 from r3data.parallel import fill_rows, pool_workers
@@ -52,6 +52,9 @@ __all__ = ["MAX_BUFFER_BYTES", "FilledField", "fill_field", "materialize", "torc
 _SMALL = 256 << 10
 """Pieces below this many bytes are screened together after the fill, not one by one."""
 _JOB_BYTES = 4 << 20
+_LANE_BYTES = 16 << 20
+"""A second thread pays for itself from about this many bytes of a field (below, handing the
+jobs out costs more than it wins)."""
 """Inline pieces are cut into jobs of about this many bytes (parallel, cache-friendly)."""
 
 
@@ -176,7 +179,7 @@ class _FixedFill:
         files ``opened`` to check their sizes are read without opening them again)."""
         ranges: list[RangeRead] = []
         placed_ranges: list[_Placed] = []
-        jobs: list[Callable[[], None]] = []
+        tasks: list[tuple[InlineRows | EncodedRows, np.ndarray, _Placed, int, bool]] = []
         for placed in self.placed:
             piece, rows = placed.piece, placed.piece.rows
             if rows == 0:
@@ -209,18 +212,18 @@ class _FixedFill:
             for first in range(0, rows, step):
                 stop = min(first + step, rows)
                 part = piece.clipped(piece.pos + first, piece.pos + stop)
-                target = dest[first:stop]
-                jobs.append(
-                    lambda part=part, target=target, placed=placed, first=first, big=sink: (
-                        self._copy(part, target, placed, first, big is not None)
-                    )
-                )
+                tasks.append((part, dest[first:stop], placed, first, sink is not None))
+        jobs = [lambda group=group: self._copy_all(group) for group in _grouped(tasks)]
         if ranges:
             samples = {id(r): p.sample for r, p in zip(ranges, placed_ranges, strict=True)}
             jobs = [_naming(job, samples) for job in self.reader.file_jobs(ranges, opened)] + jobs
         return jobs
 
     # --- execution ----------------------------------------------------------------------------
+
+    def _copy_all(self, tasks: list) -> None:
+        for task in tasks:
+            self._copy(*task)
 
     def _copy(
         self,
@@ -297,27 +300,48 @@ class _FixedFill:
         )
 
     def screen_small(self) -> None:
-        """Screen the small pieces together, one pass per run of adjacent batch rows; only a
-        run with a finding is screened again piece by piece, for exact positions (the
-        placeholder rows between pieces are screened too, and ignored)."""
+        """Screen the small pieces together: one pass per run of batch rows they fill, the
+        placeholder rows between them screened too and their findings ignored; only a run
+        with a finding in an engine row is screened again piece by piece, for exact
+        positions. A placeholder's own source row is screened alone."""
         if not self.small or self.screen is None:
             return
-        order = sorted(self.small, key=lambda p: p.lo)
+        for placed in self.small:
+            if not placed.real:
+                self.check(self.out[placed.lo : placed.lo + placed.piece.rows], placed)
+        order = sorted((p for p in self.small if p.real), key=lambda p: p.lo)
+        if not order:
+            return
+        real = self.valid()
         starts = np.array([p.lo for p in order], np.int64)
-        for lo, hi in merge((p.lo, p.lo + p.piece.rows) for p in order):
-            flags = screen_rows(self.out[lo:hi], self.screen)
-            if flags.zero is None and flags.negative is None and flags.too_large is None:
+        for lo, hi in _joined((p.lo, p.lo + p.piece.rows) for p in order):
+            if not self._finds(screen_rows(self.out[lo:hi], self.screen), real[lo:hi], lo, hi):
                 continue
             for placed in order[
                 int(np.searchsorted(starts, lo)) : int(np.searchsorted(starts, hi))
             ]:
                 self.check(self.out[placed.lo : placed.lo + placed.piece.rows], placed)
 
+    def _finds(self, flags: RowFlags, real: np.ndarray, lo: int, hi: int) -> bool:
+        """Whether ``flags`` of batch rows ``[lo, hi)`` found anything in an engine row."""
+        for mask in (flags.zero, flags.negative):
+            if mask is not None and (mask & real).any():
+                return True
+        if flags.too_large is None:
+            return False
+        if real[flags.too_large[0]]:
+            return True
+        return screen_rows(self.out[lo:hi][real], self.screen).too_large is not None
+
+    def valid(self) -> np.ndarray:
+        """Bool per batch row: True where a source (an engine row) fills it."""
+        return np.repeat(np.array(self.real, bool), np.array(self.rows, np.int64))
+
     # --- after the fill -----------------------------------------------------------------------
 
     def finish(self, topk: int | None, on_gap: OnGap, sample_ids: Sequence[str]) -> FilledField:
         """Placeholders, and ``on_gap`` for rows the screen found missing."""
-        valid = np.repeat(np.array(self.real, bool), np.array(self.rows, np.int64))
+        valid = self.valid()
         filled = FilledField(values=None, valid=valid)  # type: ignore[arg-type]
         drop_routes: list[int] = []
         if self.flags.missing:
@@ -419,6 +443,32 @@ class _Sink:
             self.screened = rows
 
 
+def _joined(spans, gap: int = 64) -> list[tuple[int, int]]:
+    """Ordered spans merged, and joined across holes of at most ``gap`` rows."""
+    out: list[tuple[int, int]] = []
+    for lo, hi in merge(spans):
+        if out and lo - out[-1][1] <= gap:
+            out[-1] = (out[-1][0], hi)
+        else:
+            out.append((lo, hi))
+    return out
+
+
+def _grouped(tasks: list) -> list[list]:
+    """Copy tasks in groups of about :data:`_JOB_BYTES` (a large piece alone, many small ones
+    together): one job each, so small samples do not pay a job's overhead apiece."""
+    groups: list[list] = []
+    size = _JOB_BYTES
+    for task in tasks:
+        nbytes = task[1].nbytes
+        if size + nbytes > _JOB_BYTES:
+            groups.append([])
+            size = 0
+        groups[-1].append(task)
+        size += nbytes
+    return groups
+
+
 def _repeats_previous(placeholder: PlaceholderRows, previous: object) -> bool:
     """Whether the row ``placeholder`` repeats is the last of the piece just before it (so it
     is in the buffer already, screened): true unless a rank-local cut took that piece away."""
@@ -490,7 +540,8 @@ def fill_field(
         values = allocate(shape, dtype, name=name, pin_memory=pin_memory, pool=pool)
         fill.out = values.numpy()
         jobs = fill.jobs(opened)
-        fill_rows(lambda i: jobs[i](), len(jobs), workers)
+        lanes = min(workers, max(1, fill.out.nbytes // _LANE_BYTES))  # small batches: one
+        fill_rows(lambda i: jobs[i](), len(jobs), lanes)
     finally:
         opened.close()
     fill.convert_staged()

@@ -11,7 +11,8 @@ from r3data.errors import ConfigError, with_context
 from r3data.nodes.sample import RolloutSample, as_rollout
 from r3data.nodes.steps import BatchSteps
 from r3data.payload.retention import PayloadRetention
-from r3data.trace import OnGap, Placeholder, StitchedSample, stitch
+from r3data.trace import OnGap, Placeholder, StitchedSample
+from r3data.trace.stitch import check_stitch_options, stitch_checked
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +42,8 @@ class StitchRollout:
     def __post_init__(self) -> None:
         if self.retention is not None and self.steps is None:
             raise ConfigError("StitchRollout with a retention needs steps (BatchSteps)")
+        options = check_stitch_options(self.fields, self.placeholder, self.on_gap, self.topk)
+        object.__setattr__(self, "_options", options)
 
     def __call__(self, item: tuple[int, Any]) -> StitchedRollout:
         index, raw = item
@@ -60,14 +63,7 @@ class StitchRollout:
                     "sample %r: no rows of %s in any request; sample dropped", sample_id, empty
                 )
                 return StitchedRollout(index, sample, None)
-            stitched = stitch(
-                sample.trace,
-                sample.sample_len,
-                fields=tuple(self.fields),
-                placeholder=self.placeholder,
-                on_gap=self.on_gap,
-                topk=self.topk,
-            )
+            stitched = stitch_checked(sample.trace, sample.sample_len, self._options)
         except Exception as exc:
             raise with_context(exc, f"sample {sample_id!r} (index {index})")  # noqa: B904
         return StitchedRollout(index, sample, stitched)

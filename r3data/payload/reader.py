@@ -242,7 +242,8 @@ class PayloadReader:
             if name not in ends or end > ends[name][0]:
                 ends[name] = (end, s)
         groups = list(ends.items())
-        fill_rows(lambda i: self._check_size(*groups[i], keep), len(groups), self.workers)
+        workers = 1 if self.root.local_backed else self.workers  # an open is microseconds here
+        fill_rows(lambda i: self._check_size(*groups[i], keep), len(groups), workers)
 
     def _check_size(
         self, name: str, claim: tuple[int, PayloadSegment], keep: OpenFiles | None

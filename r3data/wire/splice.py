@@ -4,8 +4,8 @@ A response carrying routes is mostly base64 (a 120 MiB body can hold 90 MiB of r
 ``orjson.loads`` on it would build one huge ``str`` per blob, then decoding copies it again.
 :func:`load_packed_body` instead finds every registered field's blob in the raw bytes and
 decodes it at once (while it is still in cache) into its final buffer, parses the body with
-each blob replaced by an integer placeholder (a per-call random 16-digit base plus the blob's
-index, so no value in the body can pass for one), then checks every decoded blob against the
+each blob replaced by an integer placeholder (a 16-digit base, drawn at random per process
+and fresh for each body, plus the blob's index: no value in a body can know it), then checks every decoded blob against the
 shape and dtype its envelope claims. Nothing is sized by a claim: the decoded blobs are 3/4 of
 their base64, and the spliced copy is the rest of the body.
 
@@ -39,6 +39,7 @@ are deterministic; only the transport that produced the bytes is worth retrying.
 from __future__ import annotations
 
 import bisect
+import itertools
 import mmap
 import re
 import secrets
@@ -61,6 +62,10 @@ _STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
 _TOKEN = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"|[\[{]|[\]}]|[^"\[\]{}]+', re.DOTALL)
 _OPENERS = b"[{"
 _CONTAINERS = frozenset({dict, list})
+
+
+_BASES = itertools.count(secrets.randbelow(9 * 10**15) + 10**15, 10**6)
+"""Placeholder bases: random per process, a fresh one per body (nothing in a body can know it)."""
 
 
 class _Blob(NamedTuple):
@@ -375,7 +380,7 @@ def load_packed_body(
     if not names:
         raise ConfigError("load_packed_body fields: expected at least one field name")
     blobs = _Scanner(raw, _key_pattern(names), decode).scan()
-    base = secrets.randbelow(9 * 10**15) + 10**15
+    base = next(_BASES)
     root = _parse(raw, blobs, base)
     _Resolver(blobs, base, allowed_dtypes).walk(root, frozenset(names))
     return root
