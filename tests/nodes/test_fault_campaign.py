@@ -17,7 +17,7 @@ from r3data.payload import PayloadWriter
 from r3data.wire import pack_ndarray
 
 LAYERS, TOPK, EXPERTS = 3, 2, 16
-CASES = 160
+CASES = 78  # six of each fault kind, the settings cycling under them
 pytestmark = pytest.mark.timeout(120)
 
 
