@@ -11,7 +11,8 @@ once, in parallel on the shared pool, into one buffer allocated at its final siz
 - placeholders are written last, in a few vectorised assignments for the whole batch;
 - rows the screen finds missing are a gap, handled by ``on_gap`` as stitching handles one.
 
-Ragged fields (sampling masks) are filled the same way into CSR: values and row offsets.
+Ragged fields (sampling masks) are filled the same way into CSR: values and row offsets; a
+row with no values is no mask at its token (the full vocabulary), so it is not ``valid``.
 Nothing sized by an untrusted claim is allocated before the claim is checked against its
 file's size.
 """
@@ -608,6 +609,7 @@ def _fill_ragged(
     valid = np.concatenate(
         [np.full(p.rows, type(p) is not PlaceholderRows) for _, p in pieces] or [np.zeros(0, bool)]
     )
+    valid &= row_lengths > 0  # a row with no ids is no mask there (the full vocabulary)
     rows = PackedTensor(values, row_offsets)
     return FilledField(values=PackedRagged(rows, sample_rows), valid=valid)
 
