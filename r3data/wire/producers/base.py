@@ -39,6 +39,7 @@ __all__ = [
     "ShapeOptions",
     "SourceOptions",
     "StartOptions",
+    "option_names",
     "options_from",
 ]
 
@@ -107,7 +108,8 @@ class ShapeOptions(ChoiceOptions):
 
 
 @cache
-def _option_names(options: type[SourceOptions]) -> frozenset[str]:
+def option_names(options: type[SourceOptions]) -> frozenset[str]:
+    """The names of an options class's fields."""
     return frozenset(f.name for f in dataclasses.fields(options))
 
 
@@ -120,7 +122,7 @@ def options_from(
 ) -> SourceOptions:
     """``options(**values)`` (keys in ``skip`` left out); an unknown key or a missing one is a
     :class:`ConfigError` naming it and the valid ones."""
-    names = _option_names(options)
+    names = option_names(options)
     kwargs = {k: v for k, v in values.items() if k not in skip}
     unknown = kwargs.keys() - names
     if unknown:
@@ -219,6 +221,9 @@ class ProducerFormat:
     fields: ClassVar[tuple[str, ...]] = (ROUTES_FIELD,)
     """The fields its rows go to."""
     options: ClassVar[type[SourceOptions]] = ChoiceOptions
+    spliced: ClassVar[tuple[str, ...]] = ()
+    """The keys whose base64 blobs a raw body is spliced on (``load_packed_body``: the blobs
+    never become strings); empty for a body parsed plainly (rows as JSON lists or strings)."""
     layer_axis: ClassVar[Literal["all", "moe"]] = "all"
     """Route rows hold every decoder layer (dense ones zero) or only the MoE layers."""
     prompt_start: ClassVar[bool] = True
@@ -261,7 +266,7 @@ class ProducerFormat:
     def request_options(self, request: EngineRequest) -> dict[str, Any]:
         """The options a client knows for ``request`` (its start, the model's shape), for a
         loader source of :meth:`encode`'s body."""
-        names = _option_names(self.options)
+        names = option_names(self.options)
         known = {
             "start": request.start,
             "num_layers": request.routes.shape[1],

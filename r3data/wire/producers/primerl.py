@@ -41,7 +41,7 @@ from r3data.ragged import RaggedRows
 from r3data.wire.anchors import anchored_pos
 from r3data.wire.blob import Blob, decode_base64
 from r3data.wire.dtypes import ROUTE_DTYPES
-from r3data.wire.envelope import envelope_spec
+from r3data.wire.envelope import check_nbytes, envelope_spec
 from r3data.wire.masks import check_csr
 from r3data.wire.producers.base import (
     MASK_FIELD,
@@ -54,9 +54,11 @@ from r3data.wire.producers.base import (
     ProducerFormat,
 )
 from r3data.wire.producers.common import (
+    blob_nbytes,
     check_route_shape,
     choice_token_lengths,
     envelope_rows,
+    flat_rows,
     optional_position,
     parse_response,
     placed_lengths,
@@ -134,7 +136,14 @@ def _route_rows(
     dtype, shape, sidecar = envelope_spec(spec, allowed_dtypes=ROUTE_DTYPES, ndim=3, what=what)
     start = optional_position(sidecar.get("start"), f"{what}.start", WireFormatError) or 0
     anchored_pos(shape[0], prompt, completion, start, what=what)
-    rows = envelope_rows(envelope, ROUTES_FIELD, dtype, shape, pos=start, meta=meta, what=what)
+    data = envelope["data"]
+    if isinstance(data, np.ndarray):  # an envelope load_packed_body decoded
+        rows = envelope_rows(envelope, ROUTES_FIELD, dtype, shape, pos=start, meta=meta, what=what)
+    else:  # spliced on "data": a bare blob, encoded or decoded
+        check_nbytes(blob_nbytes(data, f"{what}.data"), dtype, shape, what=f"{what}.data")
+        rows = flat_rows(
+            ROUTES_FIELD, data, dtype=dtype, row_shape=shape[1:], pos=start, meta=meta, what=what
+        )
     check_route_shape(rows, what)
     return rows
 
@@ -182,6 +191,7 @@ class PrimeRlFormat(ProducerFormat):
     )
     fields = (ROUTES_FIELD, MASK_FIELD)
     options = ChoiceOptions
+    spliced = SPLICED
 
     def recognise(self, doc: Any) -> bool:
         choices = doc.get("choices") if isinstance(doc, Mapping) else None
@@ -210,7 +220,7 @@ class PrimeRlFormat(ProducerFormat):
         lengths: Lengths = NO_LENGTHS,
         fields: frozenset[str] | None = None,
     ) -> list[ChoiceRows]:
-        parsed = parse_response(response, SPLICED)
+        parsed = parse_response(response, self.spliced)
         want_routes = fields is None or ROUTES_FIELD in fields
         want_masks = fields is None or MASK_FIELD in fields
         out = []

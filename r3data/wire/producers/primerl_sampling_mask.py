@@ -46,6 +46,7 @@ class PrimeRlSamplingMaskFormat(ProducerFormat):
     versions = "r3data's CSR envelopes (not a prime-rl release format)"
     fields = (MASK_FIELD,)
     options = ChoiceOptions
+    spliced = (MASK_FIELD,)
     current = False
 
     def recognise(self, doc: Any) -> bool:
@@ -61,7 +62,7 @@ class PrimeRlSamplingMaskFormat(ProducerFormat):
         lengths: Lengths = NO_LENGTHS,
         fields: frozenset[str] | None = None,
     ) -> list[ChoiceRows]:
-        parsed = parse_response(response, (MASK_FIELD,))
+        parsed = parse_response(response, self.spliced)
         out = []
         for index, entry in select_choices(parsed, options.choice, f"{self.name} response"):
             what = f"{self.name} choices[{index}].{MASK_FIELD}"

@@ -117,6 +117,7 @@ class SglangFormat(ProducerFormat):
     producer = "SGLang"
     versions = "0.5.12-0.5.23 (/generate meta_info; batch lists; streams: the final chunk)"
     options = SglangOptions
+    spliced = (ROUTES_FIELD,)
 
     def start_of(self, options: SglangOptions) -> int:
         """Where the rows start: the request's ``routed_experts_start_len``."""
@@ -136,7 +137,7 @@ class SglangFormat(ProducerFormat):
         if is_stream(response):
             parsed = _final_chunk(response, f"{self.name} stream")
         else:
-            parsed = parse_response(response, (ROUTES_FIELD,))
+            parsed = parse_response(response, self.spliced)
         items = parsed if isinstance(parsed, list) else [parsed]
         if options.choice is not None and options.choice >= len(items):
             raise ConfigError(

@@ -83,6 +83,7 @@ class SglangOpenaiFormat(ProducerFormat):
     producer = "SGLang"
     versions = "0.5.12-0.5.23 (OpenAI chat and completions: response-level sglext; chat stream)"
     options = SglangOptions
+    spliced = (ROUTES_FIELD,)
 
     def start_of(self, options: SglangOptions) -> int:
         return options.start
@@ -102,7 +103,7 @@ class SglangOpenaiFormat(ProducerFormat):
         if is_stream(response):
             parsed = _assemble(response, f"{self.name} stream")
         else:
-            parsed = parse_response(response, (ROUTES_FIELD,))
+            parsed = parse_response(response, self.spliced)
         chosen = select_choices(parsed, options.choice, what_body)
         ext = parsed.get(EXT)
         value = ext.get(ROUTES_FIELD) if isinstance(ext, Mapping) else None

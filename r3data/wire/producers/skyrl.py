@@ -113,6 +113,7 @@ class SkyrlFormat(ProducerFormat):
     versions = "main 42f3d44b3- ({data, shape, dtype}); PR #2085 790b4b071 rollout_sample_support"
     fields = (ROUTES_FIELD, SUPPORT_FIELD)
     options = StartOptions
+    spliced = (ROUTES_FIELD, SUPPORT_FIELD)
 
     def recognise(self, doc: Any) -> bool:
         choices = doc.get("choices") if isinstance(doc, Mapping) else None
@@ -141,7 +142,7 @@ class SkyrlFormat(ProducerFormat):
         return _envelope_routes(value, start, prompt, completion, meta, what)
 
     def parse(self, response: Any) -> Any:
-        return parse_response(response, (ROUTES_FIELD, SUPPORT_FIELD))
+        return parse_response(response, self.spliced)
 
     def decode(
         self,

@@ -24,6 +24,7 @@ class SkyrlV1Format(SkyrlFormat):
     name = "skyrl-v1"
     versions = "main 7f5eba15f-42f3d44b3 (nested JSON lists)"
     fields = (ROUTES_FIELD,)
+    spliced = ()
     current = False
 
     def recognise(self, doc: Any) -> bool:

@@ -155,8 +155,9 @@ def _assemble(raw: Any) -> dict[str, Any]:
 
 
 def _is_npy(value: object) -> bool:
-    chars = value.chars if isinstance(value, Blob) else value
-    return isinstance(chars, str | memoryview) and bytes(chars[:8]) == _NPY_BASE64.encode()
+    if isinstance(value, Blob):
+        return bytes(value.chars[:8]) == _NPY_BASE64.encode()
+    return isinstance(value, str) and value.startswith(_NPY_BASE64)
 
 
 def _sends_npy(doc: object) -> bool:
@@ -180,6 +181,7 @@ class VllmFormat(ProducerFormat):
     producer = "vLLM"
     versions = "0.22.0-0.33.0 (OpenAI completions and chat; tokens endpoint and its stream)"
     options = StartOptions
+    spliced = (ROUTES_FIELD,)
 
     def recognise(self, doc: Any) -> bool:
         events = doc if isinstance(doc, Stream) else (doc,)
@@ -195,7 +197,7 @@ class VllmFormat(ProducerFormat):
         if is_stream(response):
             parsed = _assemble(response)
         else:
-            parsed = parse_response(response, (ROUTES_FIELD,))
+            parsed = parse_response(response, self.spliced)
         out = []
         for index, entry in select_choices(parsed, options.choice, "vllm response"):
             what = f"vllm choices[{index}].{ROUTES_FIELD}"
