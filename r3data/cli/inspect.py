@@ -23,6 +23,7 @@ from r3data.synth import MODEL_SHAPES
 from r3data.wire import RowSource
 from r3data.wire.producers import FORMATS, Lengths, ProducerFormat, detect, producer_format
 from r3data.wire.producers.base import ROUTES_FIELD, option_names
+from r3data.wire.producers.common import is_stream
 
 
 def register(commands: argparse._SubParsersAction) -> None:
@@ -80,12 +81,12 @@ def run(args: argparse.Namespace) -> int:
             head = bytes(head[: f.read_at(0, memoryview(head))])
         if head == MAGIC:
             report = _payload_file(fs, path, args.path)
-        elif head.lstrip()[:1] in (b"{", b"["):
+        elif head.lstrip()[:1] in (b"{", b"[") or is_stream(head):
             report = _response(fs.cat_file(path), args)
         else:
             raise PayloadFormatError(
-                f"{args.path}: expected a payload file (starting with {MAGIC!r}) or a JSON "
-                f"response, found {head!r}"
+                f"{args.path}: expected a payload file (starting with {MAGIC!r}), a JSON "
+                f"response or a stream of them, found {head!r}"
             )
     if args.json:
         print(json.dumps(report, indent=2, default=_json_default))
