@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 sys.path.append(str(Path(__file__).resolve().parents[1] / "wire"))
-from producer_bodies import (  # noqa: E402
+from producer_bodies import (
     nemorl_bodies,
     primerl_bodies,
     sglang_bodies,
@@ -20,8 +20,8 @@ from producer_bodies import (  # noqa: E402
     vllm_bodies,
 )
 
-from r3data import loader  # noqa: E402
-from r3data.errors import ConfigError, EngineRoutesError, TraceGapError, WireFormatError  # noqa: E402
+from r3data import loader
+from r3data.errors import ConfigError, EngineRoutesError, TraceGapError, WireFormatError
 
 LAYERS, TOPK = 4, 2
 SHAPE = {"num_layers": LAYERS, "topk": TOPK}
@@ -241,7 +241,8 @@ def test_kept_tokens_with_zero_counts_are_no_mask_in_the_batch():
         batch["sampling_mask_valid"][0].tolist() == [False] * 4 + [True, False, True] + [False] * 5
     )
     padded = masks.padded()[0].numpy()
-    assert padded[4].tolist() == [3, 9] and padded[6].tolist() == [4, -1]
+    assert padded[4].tolist() == [3, 9]
+    assert padded[6].tolist() == [4, -1]
     assert (padded[5] == -1).all()
 
 

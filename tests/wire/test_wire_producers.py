@@ -446,7 +446,10 @@ def test_a_format_without_a_prompt_start_serves_every_row():
     for name in ("nemo-rl", "sglang-0.5.7", "vllm-0.21", "sglang-openai-0.5.9"):
         with pytest.raises(ConfigError, match="returns rows from position 0"):
             FORMATS[name].encode(request)
-    with pytest.raises(ConfigError, match=r"expected 2 route rows \(prompt 3 \+ completion 1 - 1 - start 1\), found 4"):
+    with pytest.raises(
+        ConfigError,
+        match=r"expected 2 route rows \(prompt 3 \+ completion 1 - 1 - start 1\), found 4",
+    ):
         EngineRequest([1, 2, 3], [4], np.ones((4, 2, 2), np.uint8), start=1)
 
 

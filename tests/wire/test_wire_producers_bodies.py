@@ -350,6 +350,7 @@ def test_skyrl_sample_support_rows_sit_on_completion_tokens():
     for body in (raw, spliced("skyrl", raw)):
         (choice,) = decode("skyrl", body, (3, 3))
         routes, kept = choice.sources
+        np.testing.assert_array_equal(routes.array, rows)
         assert (kept.field, kept.pos, kept.end) == ("rollout_sample_support", 3, 6)
         assert kept.array == RaggedRows.from_rows([[5, 2], [7], []])
     none = skyrl_bodies.generate_body([1, 2, 3], None, support=support)

@@ -107,6 +107,10 @@ class ShapeOptions(ChoiceOptions):
         object.__setattr__(self, "topk", checked_int("topk", self.topk, minimum=1))
 
 
+_OPTIONS_CACHED = 4096
+"""Options kept per format (sources of a run repeat a few combinations)."""
+
+
 @cache
 def option_names(options: type[SourceOptions]) -> frozenset[str]:
     """The names of an options class's fields."""
@@ -232,7 +236,20 @@ class ProducerFormat:
     """The format the producer's current release sends (else an older one)."""
 
     def make_options(self, values: Mapping[str, Any], skip: tuple[str, ...] = ()) -> SourceOptions:
-        return options_from(self.options, values, what=f"producer {self.name!r}", skip=skip)
+        """This format's options from ``values`` (keys in ``skip`` left out); the same values
+        give the same (immutable) options, checked once."""
+        key = tuple(item for item in values.items() if item[0] not in skip)
+        cache = self.__dict__.setdefault("_options_cache", {})
+        try:
+            return cache[key]
+        except KeyError:
+            pass
+        except TypeError:  # an unhashable value: checked each time
+            return options_from(self.options, dict(key), what=f"producer {self.name!r}")
+        if len(cache) >= _OPTIONS_CACHED:
+            cache.clear()
+        made = cache[key] = options_from(self.options, dict(key), what=f"producer {self.name!r}")
+        return made
 
     def recognise(self, doc: Any) -> bool:
         """Whether ``doc`` (a parsed body, or a :class:`~.common.Stream` of parsed events) is

@@ -34,7 +34,7 @@ from r3data.validate import nonnegative_int
 from r3data.wire.anchors import anchored_pos
 from r3data.wire.blob import Blob, decode_base64
 from r3data.wire.dtypes import ROUTE_DTYPES, compact_route_dtype
-from r3data.wire.envelope import check_nbytes
+from r3data.wire.envelope import array_from_buffer, check_nbytes
 from r3data.wire.npy import NPY_PREFIX_BYTES, npy_header_length, parse_npy_header
 from r3data.wire.producers.base import (
     NO_LENGTHS,
@@ -50,7 +50,6 @@ from r3data.wire.producers.common import (
     blob_nbytes,
     check_route_shape,
     choice_token_lengths,
-    flat_rows,
     is_stream,
     parse_response,
     placed_lengths,
@@ -60,12 +59,17 @@ from r3data.wire.producers.common import (
     sources_of,
     stream_events,
 )
-from r3data.wire.rows import RowSource
+from r3data.wire.rows import EncodedRows, InlineRows, RowSource
 
 __all__ = ["FORMAT", "VllmFormat", "npy_base64", "npy_routes", "read_npy", "vllm_routes"]
 
 _NPY_BASE64 = "k05VTVBZ"
 """How base64 of a ``.npy`` file begins (``\\x93NUMPY``)."""
+
+
+_HEAD_CHARS = 172
+"""Base64 characters decoded first: 129 bytes, more than ``np.save``'s 128-byte header of a
+3-D array, so one decode usually reads the whole header."""
 
 
 def _header_of(blob: bytes | bytearray | memoryview | Blob | str, what: str) -> bytes:
@@ -74,9 +78,11 @@ def _header_of(blob: bytes | bytearray | memoryview | Blob | str, what: str) -> 
         view = memoryview(blob).cast("B")
         return bytes(view[: npy_header_length(view[:NPY_PREFIX_BYTES].tobytes(), what)])
     chars = blob.chars if isinstance(blob, Blob) else blob
-    prefix = bytes(decode_base64(chars[:16], what=what))  # 12 bytes: magic, version, length
-    length = npy_header_length(prefix, what)
-    return bytes(decode_base64(chars[: 4 * -(-length // 3)], what=what))[:length]
+    head = bytes(decode_base64(chars[:_HEAD_CHARS], what=what))
+    length = npy_header_length(head[:NPY_PREFIX_BYTES], what)
+    if length > len(head):
+        head = bytes(decode_base64(chars[: 4 * -(-length // 3)], what=what))
+    return head[:length]
 
 
 def npy_routes(
@@ -92,9 +98,22 @@ def npy_routes(
             f"{' in Fortran order' if fortran else ''}"
         )
     check_nbytes(blob_nbytes(blob, what) - offset, dtype, shape, what=what)
-    rows = flat_rows(
-        field, blob, dtype=dtype, row_shape=shape[1:], pos=pos, skip=offset, meta=meta, what=what
-    )
+    if isinstance(blob, Blob | str):
+        chars = blob.chars if isinstance(blob, Blob) else blob
+        rows: RowSource = EncodedRows(
+            field,
+            chars,
+            dtype=dtype,
+            row_shape=shape[1:],
+            rows=shape[0],
+            pos=pos,
+            skip=offset,
+            meta=meta,
+            what=what,
+        )
+    else:
+        view = memoryview(blob).cast("B")[offset:]
+        rows = InlineRows(field, array_from_buffer(view, dtype, shape, what=what), pos, meta)
     check_route_shape(rows, what)
     return rows
 
