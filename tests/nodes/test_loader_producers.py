@@ -22,6 +22,8 @@ from producer_bodies import (
 
 from r3data import loader
 from r3data.errors import ConfigError, EngineRoutesError, TraceGapError, WireFormatError
+from r3data.trace import TraceBuilder
+from r3data.wire import InlineRows
 
 LAYERS, TOPK = 4, 2
 SHAPE = {"num_layers": LAYERS, "topk": TOPK}
@@ -376,3 +378,16 @@ def test_bad_sources_raise_typed_errors_naming_what_was_wrong():
             8,
             fields=("rollout_sample_support",),
         )
+
+
+def test_the_trace_drops_a_decode_sources_prompt_rows():
+    """The builder's one role rule: rows a decode instance sent for prompt positions go."""
+    rows = engine_rows(8)
+    builder = TraceBuilder("pd")
+    decode = InlineRows("routed_experts", rows, 0, {"role": "decode"})
+    prefill = InlineRows("routed_experts", rows[:5], 0, {"role": "prefill"})
+    builder.add_request(5, 3, [decode, prefill])
+    only_prompt = InlineRows("routed_experts", rows[:5], 0, {"role": "decode"})
+    builder.add_request(5, 3, [only_prompt])  # nothing left of it
+    pieces = builder.build().pieces["routed_experts"]
+    assert [(p.pos, p.end, p.meta["role"]) for p in pieces] == [(0, 5, "prefill"), (5, 7, "decode")]

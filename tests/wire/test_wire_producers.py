@@ -411,7 +411,9 @@ def test_the_masks_only_format_encodes_masks():
     entry = FORMATS["prime-rl-sampling-mask"]
     mask = RaggedRows.from_rows([[4, 5], [], [6]])
     request = EngineRequest([1, 2], [3, 4, 5], np.ones((4, 2, 2), np.uint8), sampling_mask=mask)
-    (choice,) = entry.decode(entry.encode(request), entry.make_options({}), Lengths(2, 3))
+    body = entry.encode(request)
+    assert [f.name for f in detect(body)] == ["prime-rl-sampling-mask"]
+    (choice,) = entry.decode(body, entry.make_options({}), Lengths(2, 3))
     ((rows,),) = [choice.sources]
     assert (rows.field, rows.pos, rows.array) == ("sampling_mask", 2, mask)
 

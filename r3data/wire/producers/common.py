@@ -231,7 +231,9 @@ def parse_plain(response: Any, what: str) -> Any:
     splice can cut out); a parsed one as is."""
     if isinstance(response, _RAW_BODIES):
         try:
-            return orjson.loads(response)
+            return orjson.loads(
+                memoryview(response) if isinstance(response, mmap.mmap) else response
+            )
         except orjson.JSONDecodeError as err:
             raise WireFormatError(f"{what}: invalid JSON near byte {err.pos} ({err.msg})") from None
     if isinstance(response, Mapping | list):
