@@ -429,6 +429,7 @@ def test_options_are_typed_and_misspellings_name_the_valid_ones():
         sglang.make_options({"num_layers": 4, "topk": 2, "stat": 3})
     with pytest.raises(ConfigError, match=r"missing 2 required keyword-only arguments"):
         sglang.make_options({})
+    assert FORMATS["vllm"].make_options({"start": 1}).start == 1  # cached: True is not 1
     for bad, match in [
         ({"choice": -1}, "choice: expected an int >= 0"),
         ({"start": "3"}, "start: expected an int >= 0, found '3'"),

@@ -238,17 +238,18 @@ class ProducerFormat:
     def make_options(self, values: Mapping[str, Any], skip: tuple[str, ...] = ()) -> SourceOptions:
         """This format's options from ``values`` (keys in ``skip`` left out); the same values
         give the same (immutable) options, checked once."""
-        key = tuple(item for item in values.items() if item[0] not in skip)
+        given = {k: v for k, v in values.items() if k not in skip}
+        key = tuple((k, type(v), v) for k, v in given.items())  # True == 1, but not here
         cache = self.__dict__.setdefault("_options_cache", {})
         try:
             return cache[key]
         except KeyError:
             pass
         except TypeError:  # an unhashable value: checked each time
-            return options_from(self.options, dict(key), what=f"producer {self.name!r}")
+            return options_from(self.options, given, what=f"producer {self.name!r}")
         if len(cache) >= _OPTIONS_CACHED:
             cache.clear()
-        made = cache[key] = options_from(self.options, dict(key), what=f"producer {self.name!r}")
+        made = cache[key] = options_from(self.options, given, what=f"producer {self.name!r}")
         return made
 
     def recognise(self, doc: Any) -> bool:
