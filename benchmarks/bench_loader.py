@@ -106,7 +106,7 @@ def naive_step(samples: list[dict[str, Any]], root: str, row_shape: tuple[int, i
             choice = body["choices"][0]
             raw = pybase64.b64decode(choice["routed_experts"])
             rows = np.load(io.BytesIO(raw), allow_pickle=False)
-            pos = source.get("prompt_start", 0)
+            pos = source.get("start", 0)
         else:  # prime-rl envelope
             body = orjson.loads(source["response"])
             envelope = body["choices"][0]["routed_experts"]

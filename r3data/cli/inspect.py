@@ -20,19 +20,10 @@ from r3data.payload import MAGIC, PayloadReader, PayloadSegment
 from r3data.payload import inspect as inspect_file
 from r3data.payload.fs import open_file
 from r3data.synth import MODEL_SHAPES
-from r3data.wire import (
-    RowSource,
-    load_packed_body,
-    primerl_routes,
-    primerl_sampling_mask,
-    sglang_routes,
-    skyrl_routes,
-    vllm_routes,
-)
-from r3data.wire.blob import Blob
-
-PRODUCERS = ("vllm", "sglang", "prime-rl", "skyrl")
-BODY_FIELDS = ("routed_experts", "sampling_mask")
+from r3data.wire import RowSource
+from r3data.wire.producers import FORMATS, Lengths, ProducerFormat, detect, producer_format
+from r3data.wire.producers.base import ROUTES_FIELD, option_names
+from r3data.wire.producers.common import is_stream
 
 
 def register(commands: argparse._SubParsersAction) -> None:
@@ -41,12 +32,27 @@ def register(commands: argparse._SubParsersAction) -> None:
         help="show what a payload file, payload directory or JSON response holds",
         description="Show the fields, segments, shapes and dtypes of a payload file, of every "
         "payload file under a directory, or of an inference server's JSON response (vLLM, "
-        "SGLang, prime-rl, SkyRL; the producer is detected), followed by a histogram of the "
-        "expert load its routes put on each expert. PATH is a local path or an fsspec URL.",
+        "SGLang, prime-rl, SkyRL, NeMo-RL, any format version of the producer registry, "
+        "streams included; the format is detected), followed by a histogram of the expert "
+        "load its routes put on each expert. PATH is a local path or an fsspec URL.",
     )
     parser.add_argument("path", metavar="PATH", help="payload file, directory, or JSON response")
     parser.add_argument(
-        "--producer", choices=PRODUCERS, help="read a JSON response as this producer's"
+        "--producer",
+        choices=sorted(FORMATS),
+        help="read a JSON response as this producer format's (default: detected)",
+    )
+    parser.add_argument(
+        "--start",
+        type=int_at_least(0),
+        help="the request's prompt start (vLLM routed_experts_prompt_start, SGLang "
+        "routed_experts_start_len), which no producer echoes (default 0)",
+    )
+    parser.add_argument(
+        "--prompt-len",
+        type=int_at_least(0),
+        help="the request's prompt length, for bodies without prompt ids (prime-rl, SkyRL): "
+        "places sampling masks and checks route rows",
     )
     parser.add_argument(
         "--model-shape",
@@ -75,12 +81,12 @@ def run(args: argparse.Namespace) -> int:
             head = bytes(head[: f.read_at(0, memoryview(head))])
         if head == MAGIC:
             report = _payload_file(fs, path, args.path)
-        elif head.lstrip()[:1] in (b"{", b"["):
+        elif head.lstrip()[:1] in (b"{", b"[") or is_stream(head):
             report = _response(fs.cat_file(path), args)
         else:
             raise PayloadFormatError(
-                f"{args.path}: expected a payload file (starting with {MAGIC!r}) or a JSON "
-                f"response, found {head!r}"
+                f"{args.path}: expected a payload file (starting with {MAGIC!r}), a JSON "
+                f"response or a stream of them, found {head!r}"
             )
     if args.json:
         print(json.dumps(report, indent=2, default=_json_default))
@@ -170,26 +176,6 @@ def _directory(fs: AbstractFileSystem, path: str, args: argparse.Namespace) -> d
 # --- responses -------------------------------------------------------------------------------
 
 
-def _detect(parsed: Any) -> str:
-    if isinstance(parsed, list) or (isinstance(parsed, dict) and "meta_info" in parsed):
-        return "sglang"
-    if isinstance(parsed, dict) and "data" in parsed:
-        return "skyrl"
-    choices = parsed.get("choices") if isinstance(parsed, dict) else None
-    if isinstance(choices, list) and choices and isinstance(choices[0], dict):
-        routes = choices[0].get("routed_experts")
-        if isinstance(routes, (Blob, bytes, bytearray, str)):
-            return "vllm"
-        if isinstance(routes, dict) or choices[0].get("payload") is not None:
-            return "prime-rl"
-    if isinstance(parsed, dict) and isinstance(parsed.get("routed_experts"), dict):
-        return "skyrl"
-    raise WireFormatError(
-        "cannot tell which producer wrote this response (no vLLM, SGLang, prime-rl or SkyRL "
-        "routes found); pass --producer"
-    )
-
-
 def _sglang_shape(args: argparse.Namespace) -> dict[str, int]:
     if args.num_layers and args.topk:
         return {"num_layers": args.num_layers, "topk": args.topk}
@@ -201,43 +187,17 @@ def _sglang_shape(args: argparse.Namespace) -> dict[str, int]:
     )
 
 
-def _handles(parsed: Any) -> list[dict[str, Any]]:
-    """prime-rl by-handle segments named in the choices (not readable without their root)."""
-    choices = parsed.get("choices", []) if isinstance(parsed, dict) else []
-    return [
-        PayloadSegment.from_dict(segment).to_dict()
-        for choice in choices
-        if isinstance(choice, dict)
-        for segment in choice.get("payload") or ()
-    ]
-
-
-def _decode(producer: str, parsed: Any, args: argparse.Namespace) -> list[RowSource]:
-    if producer == "vllm":
-        return vllm_routes(parsed)
-    if producer == "sglang":
-        return sglang_routes(parsed, **_sglang_shape(args))
-    if producer == "skyrl":
-        return skyrl_routes(parsed)
-    choices = parsed.get("choices", []) if isinstance(parsed, dict) else []
-    if not any(isinstance(c, dict) and c.get("routed_experts") is not None for c in choices):
-        return []
-    return primerl_routes(parsed)
-
-
-def _masks(parsed: Any) -> list[dict[str, Any]]:
-    choices = parsed.get("choices", []) if isinstance(parsed, dict) else []
-    if not any(isinstance(c, dict) and c.get("sampling_mask") is not None for c in choices):
-        return []
-    try:
-        rows = primerl_sampling_mask(parsed)
-    except WireFormatError as exc:
-        return [{"error": str(exc)}]
-    return [_rows_summary(r) for r in rows]
+def _options(entry: ProducerFormat, args: argparse.Namespace) -> Any:
+    names = option_names(entry.options)
+    values: dict[str, Any] = {}
+    if "num_layers" in names:
+        values.update(_sglang_shape(args))
+    if "start" in names and args.start is not None:
+        values["start"] = args.start
+    return entry.make_options(values)
 
 
 def _rows_summary(rows: RowSource) -> dict[str, Any]:
-    meta = {k: v for k, v in rows.meta.items() if k != "sidecar"}
     summary = {
         "field": rows.field,
         "pos": rows.pos,
@@ -246,9 +206,13 @@ def _rows_summary(rows: RowSource) -> dict[str, Any]:
         "row_shape": list(rows.row_shape),
         "dtype": rows.dtype.name,
         "nbytes": rows.nbytes,
-        **{k: list(v) if isinstance(v, tuple) else v for k, v in meta.items()},
+        **rows.meta,
     }
-    if not rows.ragged:
+    if rows.ragged:
+        lengths = rows.array.lengths
+        summary["widest"] = rows.array.widest
+        summary["rows_without_ids"] = int((lengths == 0).sum())  # masks: no mask there
+    else:
         summary["dense_layers"] = list(dense_layers(rows.array))
     return summary
 
@@ -273,21 +237,66 @@ def _screened(rows: RowSource) -> list[str]:
     return found
 
 
+def _replayable(rows: RowSource) -> np.ndarray:
+    """The route rows the loader would keep (no negative id: -1 is no route)."""
+    array = rows.array
+    if array.dtype.kind == "i" and array.size:
+        array = array[array.reshape(array.shape[0], -1).min(axis=1) >= 0]
+    return array
+
+
+def _fields(raw: bytes, matches: list[ProducerFormat], args: argparse.Namespace):
+    """Per field, the sources of the first matching format that has it; errors of the
+    others' side fields (a mask without the prompt length) as notes."""
+    lengths = Lengths(args.prompt_len, None)
+    found: dict[str, list[Any]] = {}
+    missing: list[str] = []
+    notes: list[str] = []
+    for rank, entry in enumerate(matches):
+        options = _options(entry, args)
+        for field in entry.fields:
+            if field in found:
+                continue
+            try:
+                choices = entry.decode(raw, options, lengths, frozenset({field}))
+            except WireFormatError as exc:
+                if rank == 0 and field == entry.fields[0]:
+                    raise
+                notes.append(f"{entry.name} {field}: {exc}")
+                continue
+            sources = [s for c in choices for s in c.sources]
+            if sources:
+                found[field] = sources
+            if field == entry.fields[0] and rank == 0:
+                missing += [m for c in choices for m in c.missing]
+    return found, missing, notes
+
+
 def _response(raw: bytes, args: argparse.Namespace) -> dict[str, Any]:
-    parsed = load_packed_body(raw, BODY_FIELDS, decode=False)
-    producer = args.producer or _detect(parsed)
-    rows = _decode(producer, parsed, args)
+    matches = [producer_format(args.producer)] if args.producer else detect(raw)
+    if not matches:
+        raise WireFormatError(
+            f"cannot tell which producer wrote this response (no format of {sorted(FORMATS)} "
+            f"recognises it); pass --producer"
+        )
+    found, missing, notes = _fields(raw, matches, args)
+    sources = [s for field_sources in found.values() for s in field_sources]
+    routes = [s for s in sources if not isinstance(s, PayloadSegment) and s.field == ROUTES_FIELD]
+    others = [s for s in sources if not isinstance(s, PayloadSegment) and s.field != ROUTES_FIELD]
     experts = MODEL_SHAPES[args.model_shape].num_experts if args.model_shape else None
     return {
         "kind": "response",
         "path": args.path,
-        "producer": producer,
+        "producer": matches[0].name,
+        "formats": [m.name for m in matches],
         "body_bytes": len(raw),
-        "routes": [_rows_summary(r) for r in rows],
-        "handles": _handles(parsed),
-        "sampling_masks": _masks(parsed),
-        "warnings": [w for r in rows for w in _screened(r)],
-        "expert_load": load_summary([r.array for r in rows], experts),
+        "routes": [_rows_summary(r) for r in routes],
+        "handles": [s.to_dict() for s in sources if isinstance(s, PayloadSegment)],
+        "side_fields": [_rows_summary(r) for r in others],
+        "missing": missing,
+        "notes": notes,
+        "warnings": [w for r in routes for w in _screened(r)],
+        "expert_load": load_summary([_replayable(r) for r in routes], experts),
     }
 
 
@@ -345,6 +354,7 @@ def _render_directory(report: dict[str, Any]) -> list[str]:
 def _render_response(report: dict[str, Any]) -> list[str]:
     lines = [
         f"{report['path']}: {report['producer']} response, {format_bytes(report['body_bytes'])}"
+        + (f" (also read as {', '.join(report['formats'][1:])})" if report["formats"][1:] else "")
     ]
     rows = [
         [
@@ -367,14 +377,13 @@ def _render_response(report: dict[str, Any]) -> list[str]:
             f"{handle['pos'] + handle['rows']:,}) in {handle['file']} at offset "
             f"{handle['offset']:,}"
         )
-    for mask in report["sampling_masks"]:
-        if "error" in mask:
-            lines.append(f"  sampling mask: {mask['error']}")
-        else:
-            lines.append(
-                f"  sampling mask: {mask['rows']:,} completion tokens from position "
-                f"{mask['pos']:,}, widest kept set {mask['widest']}"
-            )
+    for side in report["side_fields"]:
+        lines.append(
+            f"  {side['field']}: {side['rows']:,} rows from position {side['pos']:,}, widest "
+            f"{side.get('widest', '-')}, {side.get('rows_without_ids', 0):,} without ids"
+        )
+    lines += [f"  missing: {m}" for m in report["missing"]]
+    lines += [f"  note: {n}" for n in report["notes"]]
     return lines + [f"  warning: {w}" for w in report["warnings"]]
 
 

@@ -56,7 +56,7 @@ PIECE_BYTES = 128 << 10
 #: On the CPU, runs of consecutive rows (or of padding) this long get pieces of their own.
 MIN_RUN_TOKENS = 32
 
-_ROUTE_DTYPES = (torch.uint8, torch.int16, torch.uint16, torch.int32, torch.int64)
+_ROUTE_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.uint16, torch.int32, torch.int64)
 #: What ``torch.gather`` and Megatron's ``RouterReplay`` take as indices.
 _OUTPUT_DTYPES = {torch.int32: np.int32, torch.int64: np.int64}
 _FILL, _SLICE, _GATHER = 0, 1, 2

@@ -13,7 +13,8 @@ once, in parallel on the shared pool, into one buffer allocated at its final siz
 - placeholders are written last, in a few vectorised assignments for the whole batch;
 - rows the screen finds missing are a gap, handled by ``on_gap`` as stitching handles one.
 
-Ragged fields (sampling masks) are filled into CSR by :mod:`r3data.nodes.ragged_fill`.
+Ragged fields (sampling masks) are filled into CSR by :mod:`r3data.nodes.ragged_fill`; a row
+with no values is no mask at its token (the full vocabulary), so it is not ``valid``.
 """
 
 from __future__ import annotations

@@ -98,5 +98,6 @@ def fill_ragged(
     valid = np.concatenate(
         [np.full(p.rows, type(p) is not PlaceholderRows) for _, p in pieces] or [np.zeros(0, bool)]
     )
+    valid &= row_lengths > 0  # a row with no ids is no mask there (the full vocabulary)
     rows = PackedTensor(values, row_offsets)
     return FilledField(values=PackedRagged(rows, sample_rows), valid=valid)

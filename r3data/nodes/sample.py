@@ -3,15 +3,16 @@
 A sample carries token ids, a loss mask and the route sources of its trace. Sources come as
 a ready ``Trace``/``TraceBuilder`` or as ``requests``: one entry per inference request,
 ``{"prompt_len", "completion_len", "sources": [...]}``, where each source is an
-``InlineRows``, a ``PayloadSegment``, a segment dict (prime-rl's by-handle ``payload`` entries),
-or a producer response ``{"producer": "vllm" | "sglang" | "prime-rl" | "skyrl",
-"response": raw bytes or parsed dict, **producer keyword arguments}``.
+``InlineRows`` or ``EncodedRows``, a ``PayloadSegment``, a segment dict (prime-rl's by-handle
+``payload`` entries), or a producer response ``{"producer": name, "response": raw bytes or
+parsed body, **options}`` with ``name`` a format of :data:`r3data.wire.producers.FORMATS`
+and its typed options (``choice``, ``start``, ``role``, ...).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,22 +21,9 @@ import numpy as np
 from r3data.errors import TraceError
 from r3data.payload.segment import PayloadSegment
 from r3data.trace import Trace, TraceBuilder
-from r3data.wire import (
-    InlineRows,
-    primerl_routes,
-    primerl_sampling_mask,
-    sglang_routes,
-    skyrl_routes,
-    vllm_routes,
-)
-
-PRODUCERS: dict[str, Callable[..., list[InlineRows]]] = {
-    "vllm": vllm_routes,
-    "sglang": sglang_routes,
-    "prime-rl": primerl_routes,
-    "prime-rl-sampling-mask": primerl_sampling_mask,
-    "skyrl": skyrl_routes,
-}
+from r3data.trace.builder import Source
+from r3data.wire.producers import decode_source
+from r3data.wire.rows import EncodedRows, InlineRows
 
 
 @dataclass(frozen=True, eq=False)
@@ -82,34 +70,18 @@ def _vector(sample_id: str, name: str, value: Any, length: int | None, dtype: An
     return array.astype(dtype, copy=False)
 
 
-def source_rows(
-    source: Any, *, prompt_len: int, completion_len: int
-) -> list[InlineRows | PayloadSegment]:
-    """Turn one request source into trace sources (decoding producer responses)."""
-    if isinstance(source, (InlineRows, PayloadSegment)):
+def source_rows(source: Any, *, prompt_len: int, completion_len: int) -> list[Source]:
+    """Turn one request source into trace sources (decoding producer responses through the
+    registry)."""
+    if isinstance(source, (InlineRows, EncodedRows, PayloadSegment)):
         return [source]
     if isinstance(source, Mapping) and "file" in source:
         return [PayloadSegment.from_dict(source)]
     if isinstance(source, Mapping) and "producer" in source:
-        options = dict(source)
-        producer = options.pop("producer")
-        decode = PRODUCERS.get(producer)
-        if decode is None:
-            raise TraceError(f"producer must be one of {sorted(PRODUCERS)}, found {producer!r}")
-        response = options.pop("response", None)
-        if producer.startswith("prime-rl"):
-            options.setdefault("prompt_len", prompt_len)
-            options.setdefault("completion_len", completion_len)
-        rows = list(decode(response, **options))
-        if len(rows) > 1:
-            raise TraceError(
-                f"a {producer} response gave {len(rows)} choices for one request; "
-                "name the sample's one with 'choice'"
-            )
-        return rows
+        return decode_source(source, prompt_len=prompt_len, completion_len=completion_len)
     raise TraceError(
-        "a request source must be InlineRows, a PayloadSegment, a segment dict with 'file' or "
-        f"a producer response with 'producer', found {type(source).__name__}"
+        "a request source must be InlineRows, EncodedRows, a PayloadSegment, a segment dict with "
+        f"'file' or a producer response with 'producer', found {type(source).__name__}"
     )
 
 

@@ -1,27 +1,25 @@
 """Serve synthetic rollouts the way inference servers do: response bodies or payload files.
 
-Each request's rows go out as the raw body one producer would send (vLLM, SGLang, prime-rl,
-SkyRL) or as a payload file written by handle; :func:`serve_rollouts` turns whole rollouts into
-samples ``r3data.loader`` accepts. Every turn asks only for rows it has not returned before, as
-incremental multi-turn clients do.
+Each request's rows go out as the raw body one producer format would send (any format of the
+registry, :data:`r3data.wire.producers.FORMATS`, through its ``encode``) or as a payload file
+written by handle; :func:`serve_rollouts` turns whole rollouts into samples ``r3data.loader``
+accepts. Every turn asks only for rows it has not returned before, as incremental
+multi-turn clients do (a format whose engine has no prompt start sends every row).
 """
 
 from __future__ import annotations
 
-import io
 from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-import orjson
-import pybase64
 
 from r3data.errors import ConfigError
 from r3data.payload import PayloadWriter
 from r3data.synth.rollouts import Rollout
 from r3data.trace import ROUTES_FIELD
-from r3data.wire import pack_ndarray
+from r3data.wire.producers import FORMATS, EngineRequest, producer_format
 
 __all__ = [
     "INLINE_PRODUCERS",
@@ -34,94 +32,100 @@ __all__ = [
     "vllm_response",
 ]
 
-INLINE_PRODUCERS = ("vllm", "sglang", "prime-rl", "skyrl")
+INLINE_PRODUCERS = tuple(
+    name
+    for name, entry in FORMATS.items()
+    if entry.current
+    and entry.prompt_start
+    and entry.layer_axis == "all"
+    and ROUTES_FIELD in entry.fields
+)
+"""The producers' current formats that serve incremental turns with every layer's rows."""
 
 
-def _npy_base64(rows: np.ndarray) -> str:
-    buffer = io.BytesIO()
-    np.save(buffer, rows, allow_pickle=False)
-    return pybase64.b64encode_as_string(buffer.getbuffer())
+def _request(rows: np.ndarray, prompt_ids: Sequence[int], completion_ids: Sequence[int]):
+    """The request whose engine returned ``rows``, the last rows of its forwarded tokens."""
+    start = len(prompt_ids) + len(completion_ids) - 1 - rows.shape[0]
+    return EngineRequest(prompt_ids, completion_ids, rows, start=start)
+
+
+def _ids(length: int) -> list[int]:
+    return list(range(length))
 
 
 def vllm_response(
     rows: np.ndarray, *, prompt_ids: Sequence[int], completion_ids: Sequence[int]
 ) -> bytes:
     """A vLLM ``/v1/completions`` body: ``routed_experts`` is base64 of a ``.npy`` file."""
-    choice = {
-        "index": 0,
-        "text": "",
-        "token_ids": [int(t) for t in completion_ids],
-        "prompt_token_ids": [int(t) for t in prompt_ids],
-        "finish_reason": "stop",
-        "routed_experts": _npy_base64(rows),
-    }
-    usage = {"prompt_tokens": len(prompt_ids), "completion_tokens": len(completion_ids)}
-    return orjson.dumps({"object": "text_completion", "choices": [choice], "usage": usage})
+    return FORMATS["vllm"].encode(_request(rows, prompt_ids, completion_ids))
 
 
 def sglang_response(rows: np.ndarray, *, start: int, prompt_len: int, completion_len: int) -> bytes:
-    """An SGLang ``/generate`` body: ``meta_info.routed_experts`` is base64 of flat int32 ids."""
-    flat = np.ascontiguousarray(rows, dtype="<i4").reshape(-1)
-    meta_info = {
-        "prompt_tokens": prompt_len,
-        "completion_tokens": completion_len,
-        "routed_experts_start_len": start,
-        "routed_experts": pybase64.b64encode_as_string(flat.view(np.uint8)),
-    }
-    return orjson.dumps({"text": "", "meta_info": meta_info})
+    """An SGLang ``/generate`` body: ``meta_info.routed_experts`` is base64 of flat int32 ids
+    (rows from ``start``, the request's ``routed_experts_start_len``, which SGLang does not
+    echo)."""
+    request = EngineRequest(_ids(prompt_len), _ids(completion_len), rows, start=start)
+    return FORMATS["sglang"].encode(request)
 
 
-def primerl_response(rows: np.ndarray, *, start: int) -> bytes:
+def _lengths(rows: np.ndarray, start: int, prompt_len: int | None, completion_len: int | None):
+    """Token ids for a request of these lengths (default: the prompt up to ``start`` and one
+    completion token per row after it)."""
+    prompt = start + 1 if prompt_len is None else prompt_len
+    completion = start + rows.shape[0] + 1 - prompt if completion_len is None else completion_len
+    return _ids(prompt), _ids(completion)
+
+
+def primerl_response(
+    rows: np.ndarray,
+    *,
+    start: int,
+    prompt_len: int | None = None,
+    completion_len: int | None = None,
+) -> bytes:
     """A prime-rl body: an envelope with ``data`` first and the first position as ``start``."""
-    choice = {"index": 0, ROUTES_FIELD: pack_ndarray(rows, start=start)}
-    return orjson.dumps({"choices": [choice]})
+    prompt, completion = _lengths(rows, start, prompt_len, completion_len)
+    return FORMATS["prime-rl"].encode(EngineRequest(prompt, completion, rows, start=start))
 
 
-def skyrl_response(rows: np.ndarray, *, start: int) -> bytes:
-    """A SkyRL body: the bare envelope, its first position in the ``start`` sidecar."""
-    return orjson.dumps(pack_ndarray(rows, start=start))
+def skyrl_response(
+    rows: np.ndarray,
+    *,
+    start: int,
+    prompt_len: int | None = None,
+    completion_len: int | None = None,
+) -> bytes:
+    """A SkyRL body: the envelope in ``choices[0]``; its rows start at ``start``, the request's
+    prompt start, which SkyRL does not send."""
+    prompt, completion = _lengths(rows, start, prompt_len, completion_len)
+    return FORMATS["skyrl"].encode(EngineRequest(prompt, completion, rows, start=start))
 
 
 def request_source(
     producer: str, rollout: Rollout, request: int, *, zero_routes: bool = False
 ) -> dict[str, Any]:
-    """Request ``request`` of ``rollout`` as a loader source: the producer's raw body plus the
-    keyword arguments its decoder needs. ``zero_routes`` sends correctly shaped all-zero rows (a
-    known engine bug), which the loader's screen finds missing."""
+    """Request ``request`` of ``rollout`` as a loader source: the body ``producer`` (a format
+    name) would send, plus the options its client knows (start, model shape).
+    ``zero_routes`` sends correctly shaped all-zero rows (a known engine bug), which the
+    loader's screen finds missing."""
+    entry = producer_format(producer)
+    if ROUTES_FIELD not in entry.fields:
+        raise ConfigError(f"producer {producer!r} sends no routes to serve a rollout with")
     start, stop = rollout.route_span(request)
+    if not entry.prompt_start:
+        start = 0
     rows = rollout.routes[start:stop]
     if zero_routes:
         rows = np.zeros_like(rows)
     prompt_len, completion_len = rollout.requests[request]
-    if producer == "vllm":
-        body = vllm_response(
-            rows,
-            prompt_ids=rollout.token_ids[:prompt_len],
-            completion_ids=rollout.token_ids[prompt_len : prompt_len + completion_len],
-        )
-        return {"producer": producer, "response": body, "prompt_start": start}
-    if producer == "sglang":
-        body = sglang_response(
-            rows, start=start, prompt_len=prompt_len, completion_len=completion_len
-        )
-        layers, topk = rows.shape[1:]
-        return {
-            "producer": producer,
-            "response": body,
-            "num_layers": layers,
-            "topk": topk,
-        }
-    if producer == "prime-rl":
-        return {
-            "producer": producer,
-            "response": primerl_response(rows, start=start),
-        }
-    if producer == "skyrl":
-        return {
-            "producer": producer,
-            "response": skyrl_response(rows, start=start),
-        }
-    raise ConfigError(f"producer must be one of {list(INLINE_PRODUCERS)}, found {producer!r}")
+    served = EngineRequest(
+        rollout.token_ids[:prompt_len],
+        rollout.token_ids[prompt_len : prompt_len + completion_len],
+        rows,
+        start=start,
+    )
+    options = entry.request_options(served)
+    return {"producer": producer, "response": entry.encode(served), **options}
 
 
 @dataclass

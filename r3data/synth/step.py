@@ -195,6 +195,7 @@ def play_step(
         payload_root=payload_root,
         retention=retention,
         workers=workers,
+        trace_options={"num_experts": shape.num_experts},  # SkyRL's int16 stays 2 bytes an id
     )
     started = time.perf_counter()
     batch = next(iter(pipeline))

@@ -4,7 +4,10 @@ Each request brings rows for a span of positions: from the wire (:class:`InlineR
 :class:`EncodedRows` still base64) or by handle (:class:`PayloadSegment`). The builder keeps,
 per field, non-overlapping pieces ordered by position; a later request wins where spans overlap
 (within one request, sources of a field must not overlap: that is ambiguous, e.g. every choice
-of a multi-choice response). Adding a source cuts at most the pieces it overlaps (views,
+of a multi-choice response). Under prefill/decode disaggregation a source whose ``meta``
+says ``role="decode"`` loses its rows at prompt positions, which that instance never
+forwarded, so a prefill's prompt rows win whatever order the two arrive in. Adding a source
+cuts at most the pieces it overlaps (views,
 re-pointed handles and narrowed blobs, never copies), so a whole trace costs O(total rows):
 earlier turns are never re-gathered. Nothing here reads or screens the rows themselves: the
 loader's one screen does that as it fills the batch.
@@ -119,6 +122,14 @@ class _Track:
         self.starts[first:stop] = [p.pos for p in replacement]
 
 
+def _without_decode_prompt(source: Source, prompt_len: int) -> Source | None:
+    """A decode instance's rows from ``prompt_len`` on (None: it has none there)."""
+    meta = getattr(source, "meta", None)
+    if meta is None or meta.get("role") != "decode" or source.pos >= prompt_len:
+        return source
+    return None if source.end <= prompt_len else clip_source(source, prompt_len, source.end)
+
+
 def _kind(source: Source) -> tuple[np.dtype, tuple[int, ...], bool]:
     """``(dtype, row_shape, ragged)`` of a source as it arrived."""
     if type(source) is PayloadSegment:
@@ -163,7 +174,11 @@ class TraceBuilder:
         source before changing anything, so a refused request leaves the trace as it was."""
         prompt_len = nonnegative_int("prompt_len", prompt_len, TraceError)
         completion_len = nonnegative_int("completion_len", completion_len, TraceError)
-        request_sources = [self._ragged_inline(s) for s in sources]
+        request_sources = [
+            kept
+            for s in sources
+            if (kept := _without_decode_prompt(self._ragged_inline(s), prompt_len)) is not None
+        ]
         for source in request_sources:
             if not isinstance(source, _SOURCES):
                 raise TraceError(

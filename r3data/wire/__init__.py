@@ -8,7 +8,8 @@
 - :mod:`~r3data.wire.envelope`: ``{"data": base64, "shape", "dtype", ...}`` packing;
 - :mod:`~r3data.wire.npy`: the ``.npy`` header of vLLM's routes, read strictly;
 - :mod:`~r3data.wire.splice`: parsing a JSON body without turning its blobs into strings;
-- :mod:`~r3data.wire.producers`: vLLM, SGLang, prime-rl and SkyRL response formats;
+- :mod:`~r3data.wire.producers`: the producer registry, one module per response format
+  version (vLLM, SGLang, prime-rl, SkyRL, NeMo-RL);
 - :mod:`~r3data.wire.masks`: CSR sampling masks and per-token floats.
 """
 

@@ -17,10 +17,11 @@ from r3data.errors import WireFormatError
 
 __all__ = ["ALL_DTYPES", "ROUTE_DTYPES", "DTypeLike", "compact_route_dtype", "parse_dtype"]
 
-#: Expert-id dtypes, smallest first: what ``compact_routes`` picks from, plus int64 as sent
-#: by trainers that keep indices in torch's default integer type.
+#: Expert-id dtypes: the unsigned ladder ``compact_routes`` picks from (smallest first), int64
+#: as sent by trainers that keep indices in torch's default integer type, then the signed
+#: int8 and int16 of NeMo-RL and SkyRL (where -1 means "no route").
 ROUTE_DTYPES: tuple[np.dtype, ...] = tuple(
-    np.dtype(name) for name in ("uint8", "uint16", "int32", "int64")
+    np.dtype(name) for name in ("uint8", "uint16", "int32", "int64", "int8", "int16")
 )
 
 #: Names of every dtype any field may use (bfloat16 has no numpy dtype and is not listed).

@@ -142,6 +142,8 @@ def test_inspect_detects_each_producer_and_counts_its_routes(producer, rollout, 
     path = tmp_path / "response.json"
     path.write_bytes(_body(producer, rollout, start, stop))
     extra = ["--model-shape", SHAPE.name] if producer == "sglang" else []
+    if producer in ("sglang", "skyrl"):  # the request's prompt start: not in their bodies
+        extra += ["--start", str(start)]
     code, report = run_json(capsys, "inspect", str(path), *extra)
     assert code == 0
     assert report["producer"] == producer

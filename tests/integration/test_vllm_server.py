@@ -167,7 +167,7 @@ def test_multi_turn_chat_asks_each_turn_only_for_its_new_rows(vllm, hf_tiny_moe)
             {
                 "prompt_len": len(prompt),
                 "completion_len": len(choice["token_ids"]),
-                "sources": [request_source(raw, prompt_start=start)],
+                "sources": [request_source(raw, start=start)],
             }
         )
         tokens = prompt + choice["token_ids"]

@@ -129,9 +129,8 @@ def _sglang(routes, prompt_len, completion_len, start):
         "routed_experts": base64.b64encode(routes.astype("<i4").tobytes()).decode(),
         "prompt_tokens": prompt_len,
         "completion_tokens": completion_len,
-        "routed_experts_start_len": start,
     }
-    return sglang_routes({"meta_info": meta}, num_layers=3, topk=2)
+    return sglang_routes({"meta_info": meta}, num_layers=3, topk=2, start=start)
 
 
 def _primerl(routes, prompt_len, completion_len, start):

@@ -23,7 +23,7 @@ def test_little_endian_spellings(spelling, name):
 
 
 def test_route_dtypes_are_the_integer_ladder():
-    assert [d.name for d in ROUTE_DTYPES] == ["uint8", "uint16", "int32", "int64"]
+    assert [d.name for d in ROUTE_DTYPES] == ["uint8", "uint16", "int32", "int64", "int8", "int16"]
     assert parse_dtype("uint16", ROUTE_DTYPES) == np.uint16
 
 

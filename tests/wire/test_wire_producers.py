@@ -1,4 +1,5 @@
-"""Producer formats: vLLM, SGLang, prime-rl and SkyRL responses to InlineRows."""
+"""Producer formats: the decoders' entry points (vLLM, SGLang, prime-rl, SkyRL), the `.npy`
+header, and the registry: every format decodes what it encodes, options are typed."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import contextlib
 import io
 import json
 import struct
+from pathlib import Path
 from typing import ClassVar
 
 import numpy as np
@@ -15,8 +17,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from r3data.errors import ConfigError, EngineRoutesError, R3DataError, WireFormatError
+from r3data.errors import (
+    ConfigError,
+    EngineRoutesError,
+    R3DataError,
+    SegmentError,
+    WireFormatError,
+)
 from r3data.nodes.screen import dense_layers
+from r3data.ragged import RaggedRows
 from r3data.wire import (
     EncodedRows,
     load_packed_body,
@@ -29,6 +38,7 @@ from r3data.wire import (
     skyrl_routes,
     vllm_routes,
 )
+from r3data.wire.producers import FORMATS, EngineRequest, Lengths, detect, producer_format
 
 SETTINGS = settings(max_examples=30, deadline=None)
 
@@ -91,15 +101,14 @@ def test_vllm_rows_cover_prompt_plus_completion_minus_one(dtype, chat, raw):
     assert (rows[1].meta["prompt_len"], rows[1].meta["completion_len"]) == (7, 3)
 
 
-def test_vllm_prompt_start_argument_and_echo():
+def test_vllm_prompt_start_is_the_callers():
+    """vLLM does not echo routed_experts_prompt_start: the caller says it, the lengths check it."""
     array = _routes(10 + 4 - 1 - 6)
     body = vllm_response([array], 10, [4])
     (rows,) = vllm_routes(_http(body), prompt_start=6)
     assert (rows.pos, rows.end) == (6, 13)
-    body["choices"][0]["routed_experts_prompt_start"] = 6
-    assert vllm_routes(body)[0].pos == 6
     with pytest.raises(EngineRoutesError, match=r"expected 13 route rows .* found 7"):
-        vllm_routes(body, prompt_start=0)
+        vllm_routes(body)
 
 
 def test_vllm_without_token_ids_trusts_the_start():
@@ -119,13 +128,13 @@ def test_vllm_one_row_fewer_is_an_engine_error():
 def test_vllm_choice_selection_and_missing_routes():
     body = vllm_response([_routes(5), None], 3, [3, 3])
     assert len(vllm_routes(body, choice=0)) == 1
-    with pytest.raises(WireFormatError, match=r"choices\[1\].routed_experts: no routes"):
+    with pytest.raises(WireFormatError, match=r"vllm choices\[1\].routed_experts: no rows \(null"):
         vllm_routes(body)
     with pytest.raises(ConfigError, match="choice 2 out of range"):
         vllm_routes(body, choice=2)
     with pytest.raises(WireFormatError, match="'choices' list"):
         vllm_routes({"data": []})
-    with pytest.raises(ConfigError, match="prompt_start"):
+    with pytest.raises(ConfigError, match="start: expected an int >= 0, found -1"):
         vllm_routes(body, prompt_start=-1)
 
 
@@ -219,20 +228,18 @@ def test_empty_routes_are_not_zero_routes():
 # --- SGLang --------------------------------------------------------------------------------
 
 
-def sglang_item(routes, prompt_tokens=None, completion_tokens=None, start_len=None):
+def sglang_item(routes, prompt_tokens=None, completion_tokens=None):
     meta = {"id": "r", "routed_experts": base64.b64encode(routes.astype("<i4").tobytes()).decode()}
     if prompt_tokens is not None:
         meta |= {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens}
-    if start_len is not None:
-        meta["routed_experts_start_len"] = start_len
     return {"text": "ok", "meta_info": meta}
 
 
 @pytest.mark.parametrize("raw", [False, True])
 def test_sglang_flat_int32(raw):
     routes = _routes(8 + 3 - 1 - 4, layers=5, topk=3, dtype=np.int32)
-    body = sglang_item(routes, 8, 3, start_len=4)
-    (rows,) = sglang_routes(_http(body) if raw else body, num_layers=5, topk=3)
+    body = sglang_item(routes, 8, 3)
+    (rows,) = sglang_routes(_http(body) if raw else body, num_layers=5, topk=3, start=4)
     np.testing.assert_array_equal(rows.array, routes)
     assert (rows.pos, rows.end, rows.meta["producer"]) == (4, 10, "sglang")
 
@@ -261,27 +268,22 @@ def test_sglang_rejects():
 # --- prime-rl ------------------------------------------------------------------------------
 
 
-def primerl_choice(routes, prompt_len, completion_len, *, start="anchored", mask=None):
-    sidecar = {}
-    if start == "anchored":
-        sidecar["start"] = prompt_len + completion_len - 1 - routes.shape[0]
-    elif start is not None:
-        sidecar["start"] = start
+def primerl_choice(routes, completion_len, *, start=0, mask=None):
+    """A prime-rl choice: no prompt ids (the prompt length is the request's)."""
     choice = {
         "index": 0,
-        "prompt_token_ids": list(range(prompt_len)),
         "token_ids": list(range(completion_len)),
-        "routed_experts": pack_ndarray(routes, **sidecar),
+        "routed_experts": pack_ndarray(routes, start=start),
     }
     if mask is not None:
         choice["sampling_mask"] = pack_csr(*mask)
     return choice
 
 
-def test_primerl_routes_are_anchored_at_the_end():
+def test_primerl_routes_start_at_start_and_end_at_the_last_forwarded_token():
     routes = _routes(6, dtype=np.uint16)
-    body = {"choices": [primerl_choice(routes, 5, 4)]}
-    (rows,) = primerl_routes(_http(body))
+    body = {"choices": [primerl_choice(routes, 4, start=2)]}
+    (rows,) = primerl_routes(_http(body), prompt_len=5)
     assert (rows.pos, rows.end) == (2, 8)
     np.testing.assert_array_equal(rows.array, routes)
     body["choices"][0]["routed_experts"]["start"] = 1
@@ -289,22 +291,31 @@ def test_primerl_routes_are_anchored_at_the_end():
         EngineRoutesError,
         match=r"expected 7 route rows \(prompt 5 \+ completion 4 - 1 - start 1\), found 6",
     ):
-        primerl_routes(body)
-    too_many = {"choices": [primerl_choice(_routes(9), 5, 4, start=None)]}
-    with pytest.raises(EngineRoutesError, match=r"at most 8 route rows \(prompt 5 \+ comp"):
-        primerl_routes(too_many)
+        primerl_routes(body, prompt_len=5)
+    assert primerl_routes(body)[0].pos == 1  # without the prompt length: the start places them
 
 
-def test_primerl_routes_placement_sources():
+def test_primerl_routes_without_start_or_dtype_and_by_handle():
     routes = _routes(3)
-    bare = {"choices": [{"routed_experts": pack_ndarray(routes, start=4)}]}
-    assert primerl_routes(bare)[0].pos == 4
-    assert primerl_routes(bare, prompt_len=6, completion_len=2)[0].pos == 4
-    unplaced = {"choices": [{"routed_experts": pack_ndarray(routes)}]}
-    with pytest.raises(WireFormatError, match="cannot place the rows"):
-        primerl_routes(unplaced)
-    assert primerl_routes(unplaced, prompt_len=2, completion_len=5)[0].pos == 3
+    envelope = pack_ndarray(routes)
+    del envelope["dtype"]  # before 6b1604380: uint8; no start before ae748fd69: rows from 0
+    (rows,) = primerl_routes(
+        _http({"choices": [{"routed_experts": envelope}]}), prompt_len=2, completion_len=2
+    )
+    assert (rows.pos, rows.dtype) == (0, np.uint8)
+    np.testing.assert_array_equal(rows.array, routes)
     handles = {"choices": [{"payload": [{"field": "routed_experts", "file": "v1/a.bin"}]}]}
+    with pytest.raises(
+        SegmentError, match=r"prime-rl choices\[0\].payload\[0\]: segment must have"
+    ):
+        primerl_routes(handles)
+    handles["choices"][0]["payload"][0] |= {
+        "offset": 0,
+        "pos": 0,
+        "rows": 3,
+        "dtype": "uint8",
+        "shape": [4, 2],
+    }
     with pytest.raises(WireFormatError, match="by handle"):
         primerl_routes(handles)
     float_routes = {"choices": [{"routed_experts": pack_ndarray(routes.astype(np.float32))}]}
@@ -314,17 +325,19 @@ def test_primerl_routes_placement_sources():
 
 def test_primerl_sampling_mask_rows_start_at_the_first_completion_token():
     ids, counts = [3, 9, 4, 4, 1, 7], [2, 0, 3, 1]
-    body = {"choices": [primerl_choice(_routes(7), 4, 4, mask=(ids, counts))]}
+    body = {"choices": [primerl_choice(_routes(7), 4, mask=(ids, counts))]}
     parsed = load_packed_body(_http(body), ("routed_experts", "sampling_mask"))
-    (mask,) = primerl_sampling_mask(parsed)
-    assert (mask.pos, mask.end, mask.meta["widest"]) == (4, 8, 3)
+    (mask,) = primerl_sampling_mask(parsed, prompt_len=4)
+    assert (mask.pos, mask.end, mask.array.widest) == (4, 8, 3)
     np.testing.assert_array_equal(
         mask.array.padded(), [[3, 9, -1], [-1, -1, -1], [4, 4, 1], [7, -1, -1]]
     )
-    (routes,) = primerl_routes(parsed)
+    (routes,) = primerl_routes(parsed, prompt_len=4)
     assert routes.end == mask.pos + 4 - 1
-    with pytest.raises(WireFormatError, match=r"one kept-set size per completion token \(5\)"):
-        primerl_sampling_mask(parsed, completion_len=5)
+    with pytest.raises(
+        WireFormatError, match=r"the response has 4 completion tokens, the request 5"
+    ):
+        primerl_sampling_mask(parsed, prompt_len=4, completion_len=5)
     no_prompt = {"choices": [{"sampling_mask": pack_csr(ids, counts)}]}
     with pytest.raises(WireFormatError, match="without the prompt length"):
         primerl_sampling_mask(no_prompt)
@@ -334,51 +347,116 @@ def test_primerl_sampling_mask_rows_start_at_the_first_completion_token():
 # --- SkyRL ---------------------------------------------------------------------------------
 
 
-def test_skyrl_envelopes_wherever_they_are():
-    routes = _routes(4, dtype=np.int64)
-    envelope = pack_ndarray(routes, start=3, trajectory="t1")
-    assert skyrl_routes(envelope)[0].pos == 3
-    assert skyrl_routes(_http({"routed_experts": envelope}))[0].meta["sidecar"] == {
-        "start": 3,
-        "trajectory": "t1",
-    }
-    listed = skyrl_routes(_http([{"routed_experts": envelope}, pack_ndarray(routes, pos=1)]))
-    assert [r.pos for r in listed] == [3, 1]
-    choices = skyrl_routes({"choices": [{"routed_experts": pack_ndarray(routes)}]})
-    assert choices[0].pos == 0
-    assert skyrl_routes(envelope, pos=9)[0].pos == 9
-    np.testing.assert_array_equal(choices[0].array, routes)
-    with pytest.raises(WireFormatError, match="expected an envelope"):
+def test_skyrl_envelopes_start_at_the_callers_position():
+    routes = _routes(4, dtype=np.int16)
+    body = {"choices": [{"token_ids": [1, 2], "routed_experts": pack_ndarray(routes)}]}
+    assert skyrl_routes(body)[0].pos == 0
+    (rows,) = skyrl_routes(_http(body), pos=3)
+    assert (rows.pos, rows.dtype) == (3, np.int16)
+    np.testing.assert_array_equal(rows.array, routes)
+    with pytest.raises(WireFormatError, match="'choices' list"):
         skyrl_routes({"other": 1})
 
 
-# --- every producer round-trips --------------------------------------------------------------
+# --- the registry: every format encodes what it decodes; options are typed ----------------------
 
 
-def _encode(producer: str, routes: np.ndarray, start: int):
-    if producer == "vllm":
-        body = {"choices": [{"routed_experts": _npy_b64(routes)}]}
-        return vllm_routes(_http(body), prompt_start=start)
-    if producer == "sglang":
-        body = sglang_item(routes.astype(np.int32), start_len=start)
-        return sglang_routes(_http(body), num_layers=routes.shape[1], topk=routes.shape[2])
-    if producer == "prime-rl":
-        body = {"choices": [primerl_choice(routes, start + 1, routes.shape[0])]}
-        return primerl_routes(_http(body))
-    return skyrl_routes(_http({"routed_experts": pack_ndarray(routes, start=start)}))
+def _engine(rng, rows: int, experts: int) -> np.ndarray:
+    """A router's picks: distinct experts per MoE layer, dense layer 0 all zero."""
+    picks = np.argsort(rng.random((rows, 4, experts)), axis=-1)[..., :2]
+    picks[:, 0] = 0
+    return picks
 
 
-@SETTINGS
+ROUTE_FORMATS = sorted(name for name, f in FORMATS.items() if "routed_experts" in f.fields)
+
+
+@settings(max_examples=40, deadline=None)
 @given(
-    st.sampled_from(["vllm", "sglang", "prime-rl", "skyrl"]),
+    st.sampled_from(ROUTE_FORMATS),
     st.integers(1, 6),
-    st.integers(1, 4),
-    st.integers(2, 3),
-    st.sampled_from([np.uint8, np.uint16]),
-    st.integers(0, 5),
+    st.integers(1, 5),
+    st.sampled_from([8, 300]),
+    st.data(),
 )
-def test_every_producer_round_trips(producer, rows, layers, topk, dtype, start):
-    routes = _routes(rows, layers, topk, dtype)
-    (got,) = _encode(producer, routes, start)
-    np.testing.assert_array_equal(got.array, routes)
-    assert (got.pos, got.rows) == (start, rows)
+def test_every_format_decodes_what_it_encodes(name, prompt_len, completion_len, experts, data):
+    entry = FORMATS[name]
+    start = data.draw(st.integers(0, prompt_len)) if entry.prompt_start else 0
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**16)))
+    full = _engine(rng, prompt_len + completion_len - 1, experts)
+    request = EngineRequest(
+        list(range(prompt_len)),
+        list(range(completion_len)),
+        full[start:],
+        start=start,
+        num_experts=experts,
+        moe_layers=(1, 2, 3),
+        sampling_mask=RaggedRows.from_rows([[i] * (i % 3) for i in range(completion_len)]),
+    )
+    body = entry.encode(request)
+    assert name in [f.name for f in detect(body)]
+    options = entry.make_options(entry.request_options(request))
+    (choice,) = entry.decode(body, options, Lengths(prompt_len, completion_len))
+    routes = [s for s in choice.sources if s.field == "routed_experts"]
+    want = full[:, 1:] if entry.layer_axis == "moe" else full
+    got = np.concatenate([r.array for r in routes]) if routes else np.zeros((0, *want.shape[1:]))
+    assert routes[0].pos == start if routes else start == prompt_len + completion_len - 1
+    np.testing.assert_array_equal(got, want[start:])
+    assert {r.meta["layer_axis"] for r in routes} <= {entry.layer_axis}
+    for side in (s for s in choice.sources if s.field != "routed_experts"):
+        assert (side.pos, side.array) == (prompt_len, request.sampling_mask)
+
+
+def test_the_masks_only_format_encodes_masks():
+    entry = FORMATS["prime-rl-sampling-mask"]
+    mask = RaggedRows.from_rows([[4, 5], [], [6]])
+    request = EngineRequest([1, 2], [3, 4, 5], np.ones((4, 2, 2), np.uint8), sampling_mask=mask)
+    body = entry.encode(request)
+    assert [f.name for f in detect(body)] == ["prime-rl-sampling-mask"]
+    (choice,) = entry.decode(body, entry.make_options({}), Lengths(2, 3))
+    ((rows,),) = [choice.sources]
+    assert (rows.field, rows.pos, rows.array) == ("sampling_mask", 2, mask)
+
+
+def test_options_are_typed_and_misspellings_name_the_valid_ones():
+    sglang = FORMATS["sglang"]
+    assert sglang.make_options({"num_layers": 4, "topk": 2, "start": 3}).start == 3
+    with pytest.raises(
+        ConfigError,
+        match=r"producer 'sglang' options: unknown \['stat'\]; expected some of \['choice', "
+        r"'num_layers', 'role', 'start', 'topk'\]",
+    ):
+        sglang.make_options({"num_layers": 4, "topk": 2, "stat": 3})
+    with pytest.raises(ConfigError, match=r"missing 2 required keyword-only arguments"):
+        sglang.make_options({})
+    assert FORMATS["vllm"].make_options({"start": 1}).start == 1  # cached: True is not 1
+    for bad, match in [
+        ({"choice": -1}, "choice: expected an int >= 0"),
+        ({"start": "3"}, "start: expected an int >= 0, found '3'"),
+        ({"role": "prefil"}, r"role: expected one of \['full', 'prefill', 'decode'\]"),
+        ({"start": True}, "start: expected an int"),
+    ]:
+        with pytest.raises(ConfigError, match=match):
+            FORMATS["vllm"].make_options(bad)
+    with pytest.raises(ConfigError, match=r"topk: expected an int >= 1, found 0"):
+        sglang.make_options({"num_layers": 4, "topk": 0})
+    with pytest.raises(ConfigError, match=r"producer: expected one of \[.*\], found 'vlm'"):
+        producer_format("vlm")
+
+
+def test_a_format_without_a_prompt_start_serves_every_row():
+    request = EngineRequest([1, 2, 3], [4], np.ones((2, 2, 2), np.uint8), start=1)
+    for name in ("nemo-rl", "sglang-0.5.7", "vllm-0.21", "sglang-openai-0.5.9"):
+        with pytest.raises(ConfigError, match="returns rows from position 0"):
+            FORMATS[name].encode(request)
+    with pytest.raises(
+        ConfigError,
+        match=r"expected 2 route rows \(prompt 3 \+ completion 1 - 1 - start 1\), found 4",
+    ):
+        EngineRequest([1, 2, 3], [4], np.ones((4, 2, 2), np.uint8), start=1)
+
+
+def test_docs_list_every_format():
+    text = (Path(__file__).resolve().parents[2] / "docs" / "formats.md").read_text()
+    for name in FORMATS:
+        assert f"`{name}`" in text, name

@@ -1,4 +1,5 @@
-"""What every producer decoder shares: reading a response, choices, lengths, blobs as rows.
+"""What every producer format shares: reading a body (spliced, plain or a stream), choices,
+lengths, blobs and nested lists as rows.
 
 Decoders report what they saw and place it: rows with positions and the producer's metadata.
 They decode nothing they can leave encoded (the loader decodes each blob once, straight into
@@ -14,24 +15,36 @@ from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
+import orjson
 
 from r3data.errors import ConfigError, R3DataError, WireFormatError
 from r3data.validate import nonnegative_int
 from r3data.wire.blob import Blob, decode_base64, decoded_length
+from r3data.wire.dtypes import compact_route_dtype
 from r3data.wire.envelope import array_from_buffer, check_nbytes
+from r3data.wire.producers.base import Lengths, SourceOptions
 from r3data.wire.rows import EncodedRows, InlineRows, RowSource
 from r3data.wire.splice import load_packed_body
 
 __all__ = [
+    "Stream",
     "blob_nbytes",
     "check_route_shape",
     "choice_token_lengths",
     "envelope_rows",
     "flat_rows",
+    "is_stream",
+    "nested_rows",
     "optional_position",
+    "parse_plain",
     "parse_response",
+    "placed_lengths",
     "raw_blob",
+    "rows_meta",
     "select_choices",
+    "sniff",
+    "sources_of",
+    "stream_events",
 ]
 
 _RAW_BODIES = (bytes, bytearray, memoryview, mmap.mmap)
@@ -208,3 +221,164 @@ def check_route_shape(routes: RowSource, what: str) -> None:
             f"{what}: expected routes [rows, layers > 0, topk > 0], found rows of "
             f"{list(routes.row_shape)}"
         )
+
+
+# --- plain bodies and streams ---------------------------------------------------------------
+
+
+def parse_plain(response: Any, what: str) -> Any:
+    """A raw body parsed as plain JSON (for formats whose rows are JSON lists or strings no
+    splice can cut out); a parsed one as is."""
+    if isinstance(response, _RAW_BODIES):
+        try:
+            return orjson.loads(
+                memoryview(response) if isinstance(response, mmap.mmap) else response
+            )
+        except orjson.JSONDecodeError as err:
+            raise WireFormatError(f"{what}: invalid JSON near byte {err.pos} ({err.msg})") from None
+    if isinstance(response, Mapping | list):
+        return response
+    raise WireFormatError(
+        f"{what}: expected a raw JSON body or a parsed object, found {type(response).__name__}"
+    )
+
+
+class Stream(tuple):
+    """A server-sent-event stream's events, parsed (what :func:`sniff` gives for a stream)."""
+
+    __slots__ = ()
+
+
+def is_stream(response: Any) -> bool:
+    """Whether ``response`` is a raw server-sent-event body (``data: ...`` lines)."""
+    if not isinstance(response, _RAW_BODIES):
+        return False
+    head = bytes(response[:64]).lstrip()
+    return head.startswith((b"data:", b"event:", b":"))
+
+
+def stream_events(raw: bytes | bytearray | memoryview | mmap.mmap, what: str) -> list[bytes]:
+    """The data of each server-sent event of ``raw`` (its ``data:`` lines joined), up to the
+    ``[DONE]`` that ends OpenAI-style streams; other SSE fields are skipped, anything else is
+    a :class:`WireFormatError`."""
+    events: list[bytes] = []
+    data: list[bytes] = []
+    for number, line in enumerate(bytes(raw).split(b"\n")):
+        line = line.removesuffix(b"\r")
+        if not line:
+            if data:
+                events.append(b"\n".join(data))
+                data = []
+            continue
+        if line.startswith(b"data:"):
+            data.append(line[6:] if line[5:6] == b" " else line[5:])
+        elif not line.startswith((b":", b"event:", b"id:", b"retry:")):
+            raise WireFormatError(
+                f"{what}: expected server-sent events ('data: ...' lines), found "
+                f"{line[:24]!r} on line {number}"
+            )
+    if data:
+        events.append(b"\n".join(data))
+    if events and events[-1] == b"[DONE]":
+        events.pop()
+    if b"[DONE]" in events:
+        raise WireFormatError(f"{what}: events after the stream's [DONE]")
+    return events
+
+
+def sniff(raw: bytes | bytearray | memoryview | mmap.mmap) -> Any:
+    """A raw body parsed plainly, for recognising its format: a :class:`Stream` of parsed
+    events for a server-sent-event body."""
+    if is_stream(raw):
+        return Stream(parse_plain(event, "stream event") for event in stream_events(raw, "body"))
+    return parse_plain(raw, "body")
+
+
+# --- lengths, metadata, nested lists ----------------------------------------------------------
+
+
+def placed_lengths(
+    found: tuple[int | None, int | None], lengths: Lengths, role: str, what: str
+) -> tuple[int | None, int | None]:
+    """``(prompt_len, completion_len)`` of a choice: what the body says, else the request's.
+
+    Where both are known they must agree (a response that is not the request's would misplace
+    every row), except a prefill's completion: it sampled one token, the request many.
+    """
+    prompt, completion = found
+    if prompt is None:
+        prompt = lengths.prompt_len
+    elif lengths.prompt_len is not None and lengths.prompt_len != prompt:
+        raise WireFormatError(
+            f"{what}: the response has {prompt} prompt tokens, the request {lengths.prompt_len}; "
+            f"is this the request's response?"
+        )
+    if role == "prefill":
+        return prompt, completion
+    if completion is None:
+        completion = lengths.completion_len
+    elif lengths.completion_len is not None and lengths.completion_len != completion:
+        raise WireFormatError(
+            f"{what}: the response has {completion} completion tokens, the request "
+            f"{lengths.completion_len}; is this the request's choice?"
+        )
+    return prompt, completion
+
+
+def rows_meta(
+    producer: str,
+    options: SourceOptions,
+    choice: int,
+    prompt_len: int | None,
+    completion_len: int | None,
+    layer_axis: str = "all",
+) -> dict[str, Any]:
+    """What every decoder says about its rows: the format, the choice, the lengths, the role
+    and which layers the layer axis holds (``"all"`` decoder layers, or only the ``"moe"``
+    ones)."""
+    return {
+        "producer": producer,
+        "choice": choice,
+        "prompt_len": prompt_len,
+        "completion_len": completion_len,
+        "role": options.role,
+        "layer_axis": layer_axis,
+    }
+
+
+def nested_rows(value: object, ndim: int, what: str) -> np.ndarray:
+    """Rows sent as nested JSON lists of ints (``ndarray.tolist()``), in the narrowest dtype
+    holding them: uint8, uint16 or int32, or int16/int32 when some are negative (-1: no
+    route, or padding). Floats, bools, strings and ragged lists are refused."""
+    try:
+        array = np.asarray(value)
+    except (ValueError, TypeError, OverflowError, RecursionError) as err:
+        raise WireFormatError(f"{what}: expected nested lists of ints ({err})") from None
+    if array.ndim != ndim or array.dtype.kind not in "iu":
+        raise WireFormatError(
+            f"{what}: expected {ndim}-deep nested lists of ints, found shape {array.shape} of "
+            f"{array.dtype}"
+        )
+    if array.size == 0:
+        return array.astype(np.uint8)
+    low, high = int(array.min()), int(array.max())
+    if low >= 0 and (dtype := compact_route_dtype(high)) is not None:
+        return array.astype(dtype)
+    for dtype in (np.int16, np.int32):
+        if np.iinfo(dtype).min <= low and high <= np.iinfo(dtype).max:
+            return array.astype(dtype)
+    raise WireFormatError(f"{what}: expected ids in int32, found [{low}, {high}]")
+
+
+def sources_of(choices: list[Any]) -> list[Any]:
+    """Every source of ``choices`` (:class:`~.base.ChoiceRows`), in order; a field the
+    producer sent as null is a :class:`WireFormatError` (the decoders' entry points)."""
+    out: list[Any] = []
+    for choice in choices:
+        if choice.missing:
+            raise WireFormatError(
+                f"{choice.missing[0]}: no rows (null or absent); was the request sent with them "
+                f"enabled?"
+            )
+        out.extend(choice.sources)
+    return out

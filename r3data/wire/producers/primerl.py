@@ -1,19 +1,30 @@
-"""prime-rl: inline route envelopes and CSR sampling masks per choice.
+"""prime-rl ``/inference/v1/generate``: route envelopes, kept-token masks, by-handle segments.
 
-The format (DESIGN.md, "Facts the formats must honour"):
+prime-rl serves vLLM's tokens endpoint with its own route encoding (PrimeIntellect-ai/prime-rl
+src/prime_rl/inference/vllm/routed_experts.py ``serialize_routed_experts``, serving_tokens.py;
+readers: verifiers v1/graph.py ``_attribute_routed_experts`` / ``_attribute_kept_tokens``):
 
-- routes inline: ``choices[i].routed_experts = {"data": base64, "shape": [rows, layers,
-  topk], "start": int, "dtype": "uint8" | "uint16"}``. Routes are anchored at the end: they
-  cover ``[prompt_len + completion_len - 1 - rows, prompt_len + completion_len - 1)``, and
-  ``start`` names the first of those positions.
-- sampling masks: ``choices[i].sampling_mask = {"ids": <int32 envelope>, "counts": <int32
-  envelope>}``; ``counts[i]`` is the kept-set size of completion token i, whose position is
-  ``prompt_len + i``; they stay ragged (:class:`~r3data.ragged.RaggedRows`).
-- by handle, a choice carries ``payload: [segment, ...]`` instead; those are read by
-  :mod:`r3data.payload`, not here.
+- ``choices[i].routed_experts``: ``{"data": base64, "shape": [rows, layers, topk], "start",
+  "dtype"}``, ``data`` first. Versions read with the later fields' defaults, as verifiers
+  reads them: v1 (1e0fe9637) ``{data, shape}``; v2 (ae748fd69) adds ``start``; v3
+  (6b1604380, current) adds ``dtype``, uint8 or, when an id of *this* response exceeds 255,
+  uint16. Without ``dtype`` the ids are uint8; without ``start`` the rows start at 0. Rows
+  cover ``[start, start + rows)``, ``start`` the request's ``routed_experts_prompt_start``.
+- ``choices[i].kept_tokens`` (branch feat/sampling-replay d09488d57, kept_tokens.py
+  ``serialize_kept_tokens``): ``{"ids": base64, "counts": base64}``, bare little-endian
+  int32 (no envelopes); ``counts[i]`` is the size of completion token i's kept set, at
+  position ``prompt_len + i``; a count of 0 means no mask at that token (the full vocabulary:
+  greedy, not truncated, or wider than 512), and the field is null when every count is 0.
+  They become ``sampling_mask`` rows: a row of length 0 is "no mask", never an empty set.
+- Under prefill/decode disaggregation PrimeIntellect-ai/router (src/routers/http/
+  routed_experts_merge.rs at 02403201136d) merges the prefill's rows into each decode choice:
+  inline, an envelope ``{data, shape, start}`` (uint8, no dtype); by handle, ``choices[i].
+  payload = [{field, file, offset, pos, rows, dtype, shape}, ...]`` (prefill segments first,
+  the decode's clipped after them). Both are read as any other response (role ``full``).
+  By-handle sampling masks are int32 ``[tokens, widest]`` rows padded with -1 (r3data's
+  contract: no public writer), mask row i at ``prompt_len + i``.
 
-Parse a raw body once for both fields with ``load_packed_body(raw, ("routed_experts",
-"sampling_mask"))`` and pass the result to both functions.
+The response carries no prompt ids: the prompt length is the request's.
 """
 
 from __future__ import annotations
@@ -21,47 +32,259 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from r3data.errors import ConfigError, WireFormatError
+import numpy as np
+import orjson
+import pybase64
+
+from r3data.errors import ConfigError, R3DataError, WireFormatError, with_context
 from r3data.ragged import RaggedRows
 from r3data.wire.anchors import anchored_pos
+from r3data.wire.blob import Blob, decode_base64
 from r3data.wire.dtypes import ROUTE_DTYPES
-from r3data.wire.envelope import envelope_spec
-from r3data.wire.masks import unpack_csr
+from r3data.wire.envelope import check_nbytes, envelope_spec
+from r3data.wire.masks import check_csr
+from r3data.wire.producers.base import (
+    MASK_FIELD,
+    NO_LENGTHS,
+    ROUTES_FIELD,
+    ChoiceOptions,
+    ChoiceRows,
+    EngineRequest,
+    Lengths,
+    ProducerFormat,
+)
 from r3data.wire.producers.common import (
+    blob_nbytes,
     check_route_shape,
     choice_token_lengths,
     envelope_rows,
+    flat_rows,
     optional_position,
     parse_response,
+    placed_lengths,
+    raw_blob,
+    rows_meta,
     select_choices,
+    sources_of,
 )
 from r3data.wire.rows import InlineRows, RowSource
 
-__all__ = ["primerl_routes", "primerl_sampling_mask"]
+__all__ = ["FORMAT", "PrimeRlFormat", "kept_tokens_rows", "primerl_routes"]
+
+KEPT_TOKENS = "kept_tokens"
+PAYLOAD = "payload"
+SPLICED = ("data", "ids", "counts")
+"""The blobs' own keys: spliced on them, so envelopes without a dtype (v1, v2, the router's
+merge) and kept_tokens' bare blobs splice too; prime-rl's bodies use these keys nowhere else."""
+_INT32 = np.dtype("<i4")
 
 
-def _lengths(
-    parsed: Mapping[str, Any],
-    entry: Mapping[str, Any],
-    prompt_len: int | None,
-    completion_len: int | None,
-) -> tuple[int | None, int | None]:
-    found_prompt, found_completion = choice_token_lengths(parsed, entry)
-    return (
-        found_prompt if prompt_len is None else prompt_len,
-        found_completion if completion_len is None else completion_len,
-    )
+def _int32_blob(value: object, what: str) -> np.ndarray:
+    """A bare base64 blob of little-endian int32 values (encoded or already decoded)."""
+    blob = raw_blob(value, what)
+    if isinstance(blob, Blob):
+        decoded = decode_base64(blob.chars, what=what)
+    elif isinstance(blob, str):
+        decoded = decode_base64(blob, what=what)
+    else:
+        decoded = blob
+    if len(decoded) % _INT32.itemsize:
+        raise WireFormatError(f"{what}: expected whole int32 values, found {len(decoded)} bytes")
+    return np.frombuffer(decoded, _INT32)
 
 
-def _field_value(entry: Mapping[str, Any], field: str, what: str) -> Any:
-    value = entry.get(field)
-    if value is None and entry.get("payload") is not None:
-        raise WireFormatError(
-            f"{what}: rows travel by handle ('payload' segments); read them with r3data.payload"
-        )
+def kept_tokens_rows(
+    value: object, prompt: int | None, completion: int | None, meta: dict[str, Any], what: str
+) -> InlineRows:
+    """``sampling_mask`` rows of a ``kept_tokens`` value (null: no mask at any token)."""
+    if prompt is None:
+        raise WireFormatError(f"{what}: cannot place the mask rows without the prompt length")
     if value is None:
-        raise WireFormatError(f"{what}: missing (null or absent)")
-    return value
+        if completion is None:
+            raise WireFormatError(
+                f"{what}: null (no mask at any token) but the completion length is unknown"
+            )
+        empty = RaggedRows(np.empty(0, np.int32), np.zeros(completion + 1, np.int64))
+        return InlineRows(MASK_FIELD, empty, prompt, meta)
+    if not isinstance(value, Mapping) or "ids" not in value or "counts" not in value:
+        found = sorted(value)[:8] if isinstance(value, Mapping) else type(value).__name__
+        raise WireFormatError(
+            f"{what}: expected {{'ids': base64, 'counts': base64}}, found {found}"
+        )
+    ids, counts = check_csr(
+        _int32_blob(value["ids"], f"{what}.ids"),
+        _int32_blob(value["counts"], f"{what}.counts"),
+        what=what,
+    )
+    if completion is not None and counts.size != completion:
+        raise WireFormatError(
+            f"{what}: expected one kept-set size per completion token ({completion}), found "
+            f"{counts.size} (first position {prompt})"
+        )
+    return InlineRows(MASK_FIELD, RaggedRows.from_lengths(ids, counts, what=what), prompt, meta)
+
+
+def _route_rows(
+    envelope: object, prompt: int | None, completion: int | None, meta: dict[str, Any], what: str
+) -> RowSource:
+    if not isinstance(envelope, Mapping):
+        raise WireFormatError(
+            f"{what}: expected an envelope {{data, shape, start, dtype}}, found "
+            f"{type(envelope).__name__}"
+        )
+    spec = envelope if "dtype" in envelope else {**envelope, "dtype": "uint8"}  # before v3
+    dtype, shape, sidecar = envelope_spec(spec, allowed_dtypes=ROUTE_DTYPES, ndim=3, what=what)
+    start = optional_position(sidecar.get("start"), f"{what}.start", WireFormatError) or 0
+    anchored_pos(shape[0], prompt, completion, start, what=what)
+    data = envelope["data"]
+    if isinstance(data, np.ndarray):  # an envelope load_packed_body decoded
+        rows = envelope_rows(envelope, ROUTES_FIELD, dtype, shape, pos=start, meta=meta, what=what)
+    else:  # spliced on "data": a bare blob, encoded or decoded
+        check_nbytes(blob_nbytes(data, f"{what}.data"), dtype, shape, what=f"{what}.data")
+        rows = flat_rows(
+            ROUTES_FIELD, data, dtype=dtype, row_shape=shape[1:], pos=start, meta=meta, what=what
+        )
+    check_route_shape(rows, what)
+    return rows
+
+
+def _segments(value: object, wanted: frozenset[str] | None, role: str, what: str) -> list[Any]:
+    from r3data.payload.segment import PayloadSegment  # payload builds on wire: imported late
+
+    if not isinstance(value, list):
+        raise WireFormatError(f"{what}: expected a list of segments, found {type(value).__name__}")
+    if role == "decode":
+        raise ConfigError(
+            f"{what}: role 'decode' applies to inline rows; by handle, the router sends a P/D "
+            f"response merged (prefill segments first): read it with role 'full'"
+        )
+    out = []
+    for number, entry in enumerate(value):
+        try:
+            segment = PayloadSegment.from_dict(entry)
+        except R3DataError as exc:
+            raise with_context(exc, f"{what}[{number}]") from None
+        if wanted is None or segment.field in wanted:
+            out.append(segment)
+    return out
+
+
+def _primerl_dtype(routes: np.ndarray) -> np.dtype:
+    """uint8, or uint16 when an id exceeds 255 (prime-rl picks it from the ids present)."""
+    top = int(routes.max(initial=0))
+    if top > np.iinfo(np.uint16).max:
+        raise ConfigError(f"prime-rl sends ids up to 65535 (uint16), found {top}")
+    return np.dtype(np.uint8 if top <= 255 else np.uint16)
+
+
+def _b64(array: np.ndarray) -> str:
+    return pybase64.b64encode_as_string(np.ascontiguousarray(array))
+
+
+class PrimeRlFormat(ProducerFormat):
+    name = "prime-rl"
+    producer = "prime-rl"
+    versions = (
+        "main 1e0fe9637 {data, shape}, ae748fd69 +start, 6b1604380- +dtype; branch "
+        "feat/sampling-replay d09488d57 kept_tokens; PrimeIntellect-ai/router 02403201136d "
+        "P/D merges (inline, by handle)"
+    )
+    fields = (ROUTES_FIELD, MASK_FIELD)
+    options = ChoiceOptions
+    spliced = SPLICED
+
+    def recognise(self, doc: Any) -> bool:
+        choices = doc.get("choices") if isinstance(doc, Mapping) else None
+        if not isinstance(choices, list):
+            return False
+        for choice in choices:
+            if not isinstance(choice, Mapping):
+                continue
+            routes = choice.get(ROUTES_FIELD)
+            if (
+                isinstance(routes, Mapping)
+                and "data" in routes
+                and ("start" in routes or "dtype" not in routes)  # SkyRL sends neither form
+            ):
+                return True
+            if isinstance(choice.get(PAYLOAD), list) or isinstance(
+                choice.get(KEPT_TOKENS), Mapping
+            ):
+                return True
+        return False
+
+    def decode(
+        self,
+        response: Any,
+        options: ChoiceOptions,
+        lengths: Lengths = NO_LENGTHS,
+        fields: frozenset[str] | None = None,
+    ) -> list[ChoiceRows]:
+        parsed = parse_response(response, self.spliced)
+        want_routes = fields is None or ROUTES_FIELD in fields
+        want_masks = fields is None or MASK_FIELD in fields
+        out = []
+        for index, entry in select_choices(parsed, options.choice, "prime-rl response"):
+            what = f"prime-rl choices[{index}]"
+            found = choice_token_lengths(parsed, entry)
+            prompt, completion = placed_lengths(found, lengths, options.role, what)
+            meta = rows_meta(self.name, options, index, prompt, completion)
+            sources: list[Any] = []
+            missing: list[str] = []
+            if entry.get(PAYLOAD) is not None:
+                sources += _segments(entry[PAYLOAD], fields, options.role, f"{what}.{PAYLOAD}")
+            if want_routes:
+                routes = entry.get(ROUTES_FIELD)
+                if routes is not None:
+                    sources.append(
+                        _route_rows(routes, prompt, completion, meta, f"{what}.{ROUTES_FIELD}")
+                    )
+                elif not any(s.field == ROUTES_FIELD for s in sources):
+                    missing.append(f"{what}.{ROUTES_FIELD}")
+            if want_masks and KEPT_TOKENS in entry:
+                sources.append(
+                    kept_tokens_rows(
+                        entry[KEPT_TOKENS], prompt, completion, meta, f"{what}.{KEPT_TOKENS}"
+                    )
+                )
+            out.append(ChoiceRows(index, tuple(sources), tuple(missing)))
+        return out
+
+    def encode(self, request: EngineRequest) -> bytes:
+        """A ``/inference/v1/generate`` body (v3 envelope; ``kept_tokens`` with a mask)."""
+        routes = np.ascontiguousarray(request.routes.astype(_primerl_dtype(request.routes)))
+        envelope = {
+            "data": _b64(routes),
+            "shape": list(routes.shape),
+            "start": request.start,
+            "dtype": routes.dtype.name,
+        }
+        choice: dict[str, Any] = {
+            "index": 0,
+            "logprobs": None,
+            "finish_reason": "length",
+            "token_ids": [int(t) for t in request.completion_ids],
+            ROUTES_FIELD: envelope,
+        }
+        mask = request.sampling_mask
+        if mask is not None:
+            values, offsets = mask.compact()
+            counts = np.diff(offsets).astype(np.int32)
+            kept = {"ids": _b64(values.astype(np.int32)), "counts": _b64(counts)}
+            choice[KEPT_TOKENS] = kept if counts.any() else None
+        body = {
+            "request_id": "r3data-synth",
+            "model": "r3data-synth",
+            "choices": [choice],
+            "usage": {
+                "prompt_tokens": request.prompt_len,
+                "completion_tokens": request.completion_len,
+            },
+        }
+        return orjson.dumps(body)
+
+
+FORMAT = PrimeRlFormat()
 
 
 def primerl_routes(
@@ -70,78 +293,18 @@ def primerl_routes(
     choice: int | None = None,
     prompt_len: int | None = None,
     completion_len: int | None = None,
-    field: str = "routed_experts",
 ) -> list[RowSource]:
-    """Inline routes of each choice (or of ``choice``) of a prime-rl response.
-
-    Positions come from the end anchor when the prompt and completion lengths are known
-    (arguments, else the choice's token id lists); the envelope's ``start`` must then agree.
-    Without them, ``start`` alone places the rows.
-    """
-    prompt_arg = optional_position(prompt_len, "prompt_len", ConfigError)
-    completion_arg = optional_position(completion_len, "completion_len", ConfigError)
-    parsed = parse_response(response, (field,))
-    out = []
-    for index, entry in select_choices(parsed, choice, "prime-rl response"):
-        what = f"prime-rl choices[{index}].{field}"
-        envelope = _field_value(entry, field, what)
-        dtype, shape, sidecar = envelope_spec(
-            envelope, allowed_dtypes=ROUTE_DTYPES, ndim=3, what=what
+    """Inline routes of each choice (or of ``choice``) of a prime-rl response: the
+    ``"prime-rl"`` format's route rows; ``prompt_len`` / ``completion_len`` are the request's
+    (they check the row count)."""
+    lengths = Lengths(prompt_len, completion_len)
+    found = FORMAT.decode(
+        response, ChoiceOptions(choice=choice), lengths, frozenset({ROUTES_FIELD})
+    )
+    rows = sources_of(found)
+    if not all(isinstance(s, RowSource) for s in rows):
+        raise WireFormatError(
+            "prime-rl response: rows travel by handle ('payload' segments); read them with "
+            "r3data.payload, or give the response to the loader"
         )
-        start = optional_position(sidecar.get("start"), f"{what}.start", WireFormatError)
-        prompt, completion = _lengths(parsed, entry, prompt_arg, completion_arg)
-        pos = anchored_pos(shape[0], prompt, completion, start, what=what)
-        if pos is None:
-            raise WireFormatError(
-                f"{what}: cannot place the rows: no 'start' and no prompt/completion lengths"
-            )
-        meta = {
-            "producer": "prime-rl",
-            "choice": index,
-            "prompt_len": prompt,
-            "completion_len": completion,
-        }
-        rows = envelope_rows(envelope, field, dtype, shape, pos=pos, meta=meta, what=what)
-        check_route_shape(rows, what)
-        out.append(rows)
-    return out
-
-
-def primerl_sampling_mask(
-    response: Any,
-    *,
-    choice: int | None = None,
-    prompt_len: int | None = None,
-    completion_len: int | None = None,
-    field: str = "sampling_mask",
-) -> list[InlineRows]:
-    """Sampling masks of each choice (or of ``choice``) as ragged rows (CSR).
-
-    Row i is completion token i at position ``prompt_len + i``; the prompt length is
-    required (argument, else the token id lists). ``meta["widest"]`` is the largest set.
-    """
-    prompt_arg = optional_position(prompt_len, "prompt_len", ConfigError)
-    completion_arg = optional_position(completion_len, "completion_len", ConfigError)
-    parsed = parse_response(response, (field,))
-    out = []
-    for index, entry in select_choices(parsed, choice, "prime-rl response"):
-        what = f"prime-rl choices[{index}].{field}"
-        ids, counts = unpack_csr(_field_value(entry, field, what), what=what)
-        prompt, completion = _lengths(parsed, entry, prompt_arg, completion_arg)
-        if prompt is None:
-            raise WireFormatError(f"{what}: cannot place the mask rows without the prompt length")
-        if completion is not None and counts.size != completion:
-            raise WireFormatError(
-                f"{what}: expected one kept-set size per completion token ({completion}), "
-                f"found {counts.size}"
-            )
-        mask = RaggedRows.from_lengths(ids, counts, what=what)
-        meta = {
-            "producer": "prime-rl",
-            "choice": index,
-            "prompt_len": prompt,
-            "completion_len": counts.size,
-            "widest": mask.widest,
-        }
-        out.append(InlineRows(field, mask, prompt, meta))
-    return out
+    return rows

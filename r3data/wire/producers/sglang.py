@@ -1,100 +1,199 @@
-"""SGLang: routed experts as base64 of a flat int32 array in ``meta_info``.
+"""SGLang 0.5.12-0.5.23 ``/generate``: routed experts as base64 of flat int32 ids in ``meta_info``.
 
-What SGLang's ``/generate`` returns with ``--enable-return-routed-experts`` and
-``"return_routed_experts": true`` in the request:
+What SGLang returns with ``--enable-return-routed-experts`` and ``"return_routed_experts":
+true`` (sglang wheels: srt/state_capturer/base.py ``BaseTopkCapturer.get_topk``,
+managers/scheduler_components/batch_result_processor.py ``_maybe_collect_routed_experts``,
+managers/detokenizer_manager.py ``_b64_encode_per_request``, managers/tokenizer_manager.py):
 
-- ``meta_info.routed_experts``: base64 of the flat little-endian int32 ids, to be reshaped
-  ``(-1, num_layers, topk)``; layers and topk come from the model config, not the response.
-- ``routed_experts_start_len`` (a request field; echoed in ``meta_info`` by some servers):
-  the response covers positions ``[routed_experts_start_len, seqlen - 1)``, 0 meaning the
-  whole sequence.
-- ``meta_info.prompt_tokens`` / ``completion_tokens`` give the lengths to check against.
-- A batched request returns a list of such objects.
+- ``meta_info.routed_experts``: base64 of the flat little-endian int32 ids, shaped ``(-1,
+  num_hidden_layers, num_experts_per_tok)`` by the model config (the body has no shape);
+  absent when the request has none. ``meta_info.prompt_tokens`` / ``completion_tokens``.
+- Rows cover ``[start, prompt + completion - 1)``, ``start`` the request's
+  ``routed_experts_start_len`` (honoured from 0.5.12; not echoed).
+- A batched request (several prompts, ``n > 1``) returns a list of such items, each its own.
+- A stream sends the routes in the final chunk only (they are gathered when the request
+  finishes): nothing to assemble, the final chunk is the whole response.
+
+0.5.7-0.5.11 ignore the start: :mod:`~r3data.wire.producers.sglang_v057`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import orjson
+import pybase64
 
 from r3data.errors import ConfigError, WireFormatError
-from r3data.validate import checked_int
 from r3data.wire.anchors import anchored_pos
+from r3data.wire.producers.base import (
+    NO_LENGTHS,
+    ROUTES_FIELD,
+    ChoiceRows,
+    EngineRequest,
+    Lengths,
+    ProducerFormat,
+    ShapeOptions,
+    StartOptions,
+)
 from r3data.wire.producers.common import (
+    Stream,
     blob_nbytes,
     flat_rows,
+    is_stream,
     optional_position,
     parse_response,
+    placed_lengths,
+    rows_meta,
+    sources_of,
+    stream_events,
 )
 from r3data.wire.rows import RowSource
 
-__all__ = ["sglang_routes"]
+__all__ = ["FORMAT", "SglangFormat", "SglangOptions", "flat_int32_rows", "sglang_routes"]
 
-_INT32 = np.dtype("<i4")
+INT32 = np.dtype("<i4")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SglangOptions(ShapeOptions, StartOptions):
+    """``num_layers``, ``topk`` (the model config's), ``start`` (``routed_experts_start_len``),
+    ``choice`` (the item of a batch list), ``role``."""
+
+
+def flat_int32_rows(
+    value: object, options: ShapeOptions, start: int, meta: dict[str, Any], what: str
+) -> RowSource:
+    """Rows of ``num_layers x topk`` int32 ids from a bare base64 blob of flat ids."""
+    per_row = options.num_layers * options.topk
+    nbytes = blob_nbytes(value, what)
+    if nbytes % (per_row * INT32.itemsize):
+        raise WireFormatError(
+            f"{what}: expected a multiple of {per_row} int32 ids (layers {options.num_layers} x "
+            f"topk {options.topk}), found {nbytes} bytes"
+        )
+    return flat_rows(
+        ROUTES_FIELD,
+        value,
+        dtype=INT32,
+        row_shape=(options.num_layers, options.topk),
+        pos=start,
+        meta=meta,
+        what=what,
+    )
+
+
+def flat_int32_base64(routes: np.ndarray) -> str:
+    """Base64 of the flat int32 ids, as SGLang's detokenizer writes them."""
+    return pybase64.b64encode_as_string(np.ascontiguousarray(routes, dtype=INT32))
+
+
+def _final_chunk(raw: Any, what: str) -> Any:
+    """The chunk of a ``/generate`` stream that carries the routes: the last one (SGLang sends
+    them when the request finishes; its chunks are cumulative)."""
+    chunks = [parse_response(event, (ROUTES_FIELD,)) for event in stream_events(raw, what)]
+    for number, chunk in enumerate(chunks[:-1]):
+        meta_info = chunk.get("meta_info") if isinstance(chunk, Mapping) else None
+        if isinstance(meta_info, Mapping) and meta_info.get(ROUTES_FIELD) is not None:
+            raise WireFormatError(
+                f"{what}: routes on event {number} of {len(chunks)}; SGLang sends them in the "
+                f"final chunk only"
+            )
+    if not chunks:
+        raise WireFormatError(f"{what}: no events")
+    return chunks[-1]
+
+
+def _carries_flat_ids(item: object) -> bool:
+    meta_info = item.get("meta_info") if isinstance(item, Mapping) else None
+    return isinstance(meta_info, Mapping) and isinstance(meta_info.get(ROUTES_FIELD), str)
+
+
+class SglangFormat(ProducerFormat):
+    name = "sglang"
+    producer = "SGLang"
+    versions = "0.5.12-0.5.23 (/generate meta_info; batch lists; streams: the final chunk)"
+    options = SglangOptions
+    spliced = (ROUTES_FIELD,)
+
+    def start_of(self, options: SglangOptions) -> int:
+        """Where the rows start: the request's ``routed_experts_start_len``."""
+        return options.start
+
+    def recognise(self, doc: Any) -> bool:
+        items = doc if isinstance(doc, list | Stream) else (doc,)
+        return any(_carries_flat_ids(item) for item in items)
+
+    def decode(
+        self,
+        response: Any,
+        options: ShapeOptions,
+        lengths: Lengths = NO_LENGTHS,
+        fields: frozenset[str] | None = None,
+    ) -> list[ChoiceRows]:
+        if is_stream(response):
+            parsed = _final_chunk(response, f"{self.name} stream")
+        else:
+            parsed = parse_response(response, self.spliced)
+        items = parsed if isinstance(parsed, list) else [parsed]
+        if options.choice is not None and options.choice >= len(items):
+            raise ConfigError(
+                f"{self.name} response: choice {options.choice} out of range; it has "
+                f"{len(items)} items"
+            )
+        start = self.start_of(options)
+        out = []
+        for index in range(len(items)) if options.choice is None else (options.choice,):
+            what = f"{self.name} [{index}].meta_info.{ROUTES_FIELD}"
+            meta_info = items[index].get("meta_info") if isinstance(items[index], Mapping) else None
+            if not isinstance(meta_info, Mapping):
+                raise WireFormatError(f"{self.name} [{index}]: expected an object with 'meta_info'")
+            found = (
+                optional_position(
+                    meta_info.get("prompt_tokens"), f"{what}: prompt_tokens", WireFormatError
+                ),
+                optional_position(
+                    meta_info.get("completion_tokens"),
+                    f"{what}: completion_tokens",
+                    WireFormatError,
+                ),
+            )
+            prompt, completion = placed_lengths(found, lengths, options.role, what)
+            value = meta_info.get(ROUTES_FIELD)
+            if value is None:
+                out.append(ChoiceRows(index, (), (what,)))
+                continue
+            meta = rows_meta(self.name, options, index, prompt, completion)
+            rows = flat_int32_rows(value, options, start, meta, what)
+            anchored_pos(rows.rows, prompt, completion, start, what=what)
+            out.append(ChoiceRows(index, (rows,)))
+        return out
+
+    def encode(self, request: EngineRequest) -> bytes:
+        """A ``/generate`` body for one prompt (``meta_info`` fields in SGLang's order)."""
+        self.check_start(request)
+        meta_info = {
+            "id": "r3data-synth",
+            "finish_reason": {"type": "length", "length": request.completion_len},
+            "prompt_tokens": request.prompt_len,
+            "completion_tokens": request.completion_len,
+            "cached_tokens": 0,
+            ROUTES_FIELD: flat_int32_base64(request.routes),
+        }
+        output_ids = [int(t) for t in request.completion_ids]
+        return orjson.dumps({"text": "", "output_ids": output_ids, "meta_info": meta_info})
+
+
+FORMAT = SglangFormat()
 
 
 def sglang_routes(
-    response: Any,
-    *,
-    num_layers: int,
-    topk: int,
-    start: int | None = None,
-    field: str = "routed_experts",
+    response: Any, *, num_layers: int, topk: int, start: int | None = None
 ) -> list[RowSource]:
-    """Routes of an SGLang ``/generate`` response (one object or a batch list), one per item.
-
-    ``num_layers`` and ``topk`` shape the flat ids; the int32 count must divide exactly.
-    ``start`` overrides ``meta_info.routed_experts_start_len`` (default 0). ``meta`` holds
-    ``producer``, ``choice`` (the item's index in a batch list), ``prompt_len``,
-    ``completion_len``.
-    """
-    layers = checked_int("sglang_routes num_layers", num_layers, minimum=1)
-    k = checked_int("sglang_routes topk", topk, minimum=1)
-    start_arg = optional_position(start, "start", ConfigError)
-    parsed = parse_response(response, (field,))
-    items = parsed if isinstance(parsed, list) else [parsed]
-    out = []
-    for index, item in enumerate(items):
-        what = f"sglang [{index}].meta_info.{field}"
-        meta_info = item.get("meta_info") if isinstance(item, Mapping) else None
-        if not isinstance(meta_info, Mapping):
-            raise WireFormatError(f"sglang [{index}]: expected an object with 'meta_info'")
-        first = start_arg
-        if first is None:
-            first = optional_position(
-                meta_info.get("routed_experts_start_len"),
-                f"{what}: routed_experts_start_len",
-                WireFormatError,
-            )
-        prompt_len = optional_position(
-            meta_info.get("prompt_tokens"), f"{what}: prompt_tokens", WireFormatError
-        )
-        completion_len = optional_position(
-            meta_info.get("completion_tokens"), f"{what}: completion_tokens", WireFormatError
-        )
-        meta = {
-            "producer": "sglang",
-            "choice": index,
-            "prompt_len": prompt_len,
-            "completion_len": completion_len,
-        }
-        per_row = layers * k
-        if blob_nbytes(meta_info.get(field), what) % (per_row * _INT32.itemsize):
-            raise WireFormatError(
-                f"{what}: expected a multiple of {per_row} int32 ids (layers {layers} x "
-                f"topk {k}), found {blob_nbytes(meta_info.get(field), what)} bytes"
-            )
-        rows = flat_rows(
-            field,
-            meta_info.get(field),
-            dtype=_INT32,
-            row_shape=(layers, k),
-            pos=first or 0,
-            meta=meta,
-            what=what,
-        )
-        anchored_pos(rows.rows, prompt_len, completion_len, first or 0, what=what)
-        out.append(rows)
-    return out
+    """Routes of an SGLang ``/generate`` response (one object or a batch list), one per item:
+    the ``"sglang"`` format's rows. ``start`` is the request's ``routed_experts_start_len``."""
+    options = SglangOptions(num_layers=num_layers, topk=topk, start=start or 0)
+    return sources_of(FORMAT.decode(response, options))

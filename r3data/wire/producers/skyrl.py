@@ -1,9 +1,22 @@
-"""SkyRL: routes as a generic envelope ``{"data": base64, "shape": [...], "dtype": name, ...}``.
+"""SkyRL ``/skyrl/v1/generate``: route envelopes ``{"data", "shape", "dtype"}`` and the sampled
+support.
 
-``data`` comes first so the body can be spliced; the sidecar may carry the first position as
-``start`` (or ``pos``). The envelope is accepted on its own, under ``field`` in an object, in
-each of ``choices``, or in each item of a list. A raw body is spliced for ``field``; a body
-that is a bare envelope has no key to splice on and is parsed plainly.
+What SkyRL's vLLM server actor returns (NovaSky-AI/SkyRL skyrl/backends/skyrl_train/
+inference_servers/vllm_server_actor.py ``_skyrl_generate``, generate_wire.py
+``pack_routed_experts``, utils/routed_experts.py ``compact_routed_expert_indices``), one
+choice, serialised with orjson:
+
+- ``choices[0].routed_experts`` (main 42f3d44b3-): an envelope, ``data`` first; ids in
+  uint8 when all < 2**8, int16 when < 2**15, else int32 (from the ids present). Rows cover
+  ``[start, prompt + completion - 1)``, ``start`` the request's
+  ``routed_experts_prompt_start``: the envelope does not carry it. The body has no prompt
+  ids: the prompt length is the request's.
+- ``choices[0].rollout_sample_support`` (PR #2085/#2086, 790b4b071; not merged): int32
+  ``[completion_tokens, top_k]``, each row the sampler's candidates then -1; row i is
+  completion token i, at position ``prompt_len + i``. It becomes the ragged field
+  ``rollout_sample_support`` (a row of length 0: no support recorded there).
+
+Nested-list routes (before 42f3d44b3): :mod:`~r3data.wire.producers.skyrl_v1`.
 """
 
 from __future__ import annotations
@@ -11,65 +24,182 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from r3data.errors import ConfigError, WireFormatError
+import numpy as np
+import orjson
+import pybase64
+
+from r3data.errors import ConfigError, PackedError, WireFormatError
+from r3data.ragged import RaggedRows
+from r3data.wire.anchors import anchored_pos
 from r3data.wire.dtypes import ROUTE_DTYPES
-from r3data.wire.envelope import envelope_spec
+from r3data.wire.envelope import envelope_spec, unpack_ndarray
+from r3data.wire.producers.base import (
+    NO_LENGTHS,
+    ROUTES_FIELD,
+    ChoiceRows,
+    EngineRequest,
+    Lengths,
+    ProducerFormat,
+    StartOptions,
+)
 from r3data.wire.producers.common import (
     check_route_shape,
+    choice_token_lengths,
     envelope_rows,
-    optional_position,
     parse_response,
+    placed_lengths,
+    rows_meta,
+    select_choices,
+    sources_of,
 )
-from r3data.wire.rows import RowSource
+from r3data.wire.rows import InlineRows, RowSource
 
-__all__ = ["skyrl_routes"]
+__all__ = ["FORMAT", "SUPPORT_FIELD", "SkyrlFormat", "skyrl_routes"]
 
-
-def _envelopes(parsed: Any, field: str) -> list[tuple[str, Any]]:
-    if isinstance(parsed, list):
-        return [
-            (f"[{i}]", item.get(field, item) if isinstance(item, Mapping) else item)
-            for i, item in enumerate(parsed)
-        ]
-    if isinstance(parsed, Mapping) and "data" in parsed:
-        return [("", parsed)]
-    if isinstance(parsed, Mapping) and field in parsed:
-        return [(f".{field}", parsed[field])]
-    if isinstance(parsed, Mapping) and isinstance(parsed.get("choices"), list):
-        return [
-            (f".choices[{i}].{field}", entry.get(field) if isinstance(entry, Mapping) else entry)
-            for i, entry in enumerate(parsed["choices"])
-        ]
-    raise WireFormatError(
-        f"skyrl response: expected an envelope, {field!r}, or 'choices' with {field!r}"
-    )
+SUPPORT_FIELD = "rollout_sample_support"
 
 
-def skyrl_routes(
-    response: Any,
-    *,
-    pos: int | None = None,
-    field: str = "routed_experts",
-) -> list[RowSource]:
-    """Routes from SkyRL envelopes, one :class:`InlineRows` per envelope found.
+def skyrl_dtype(routes: np.ndarray) -> np.dtype:
+    """SkyRL's compact ladder, from the ids present: uint8 < 2**8 <= int16 < 2**15 <= int32."""
+    top = int(routes.max(initial=0))
+    if top < 2**8:
+        return np.dtype(np.uint8)
+    return np.dtype(np.int16 if top < 2**15 else np.int32)
 
-    The first position is ``pos`` when given, else the sidecar's ``start`` or ``pos``, else 0
-    (routes for the whole sequence). ``meta`` holds ``producer``, ``where`` and the sidecar.
-    """
-    pos_arg = optional_position(pos, "pos", ConfigError)
-    parsed = parse_response(response, (field,))
-    out = []
-    for where, envelope in _envelopes(parsed, field):
-        what = f"skyrl response{where}"
-        dtype, shape, sidecar = envelope_spec(
-            envelope, allowed_dtypes=ROUTE_DTYPES, ndim=3, what=what
+
+def skyrl_envelope(array: np.ndarray) -> dict[str, Any]:
+    """``pack_ndarray``'s envelope: ``data``, ``shape``, ``dtype``."""
+    array = np.ascontiguousarray(array)
+    data = pybase64.b64encode_as_string(array)
+    return {"data": data, "shape": list(array.shape), "dtype": array.dtype.name}
+
+
+def support_rows(
+    envelope: object, prompt: int | None, completion: int | None, meta: dict[str, Any], what: str
+) -> InlineRows:
+    """The ragged rows of a ``rollout_sample_support`` envelope (int32, -1 padded)."""
+    if prompt is None:
+        raise WireFormatError(f"{what}: cannot place the support rows without the prompt length")
+    padded, _ = unpack_ndarray(envelope, allowed_dtypes=("int32",), ndim=2, what=what)
+    if completion is not None and padded.shape[0] != completion:
+        raise WireFormatError(
+            f"{what}: expected one row per completion token ({completion}), found "
+            f"{padded.shape[0]} (first position {prompt})"
         )
-        first = pos_arg
-        for key in ("start", "pos"):
-            if first is None:
-                first = optional_position(sidecar.get(key), f"{what}.{key}", WireFormatError)
-        meta = {"producer": "skyrl", "where": where, "sidecar": sidecar}
-        rows = envelope_rows(envelope, field, dtype, shape, pos=first or 0, meta=meta, what=what)
-        check_route_shape(rows, what)
-        out.append(rows)
-    return out
+    try:
+        rows = RaggedRows.from_padded(padded, what=what)
+    except PackedError as exc:
+        raise WireFormatError(str(exc)) from None
+    if rows.values.size and int(rows.values.min()) < 0:
+        raise WireFormatError(
+            f"{what}: expected token ids >= 0 padded with -1, found {int(rows.values.min())}"
+        )
+    return InlineRows(SUPPORT_FIELD, rows, prompt, meta)
+
+
+def _envelope_routes(
+    envelope: object, start: int, prompt: int | None, completion: int | None, meta: dict, what: str
+) -> RowSource:
+    dtype, shape, _ = envelope_spec(envelope, allowed_dtypes=ROUTE_DTYPES, ndim=3, what=what)
+    anchored_pos(shape[0], prompt, completion, start, what=what)
+    rows = envelope_rows(envelope, ROUTES_FIELD, dtype, shape, pos=start, meta=meta, what=what)
+    check_route_shape(rows, what)
+    return rows
+
+
+class SkyrlFormat(ProducerFormat):
+    name = "skyrl"
+    producer = "SkyRL"
+    versions = "main 42f3d44b3- ({data, shape, dtype}); PR #2085 790b4b071 rollout_sample_support"
+    fields = (ROUTES_FIELD, SUPPORT_FIELD)
+    options = StartOptions
+    spliced = (ROUTES_FIELD, SUPPORT_FIELD)
+
+    def recognise(self, doc: Any) -> bool:
+        choices = doc.get("choices") if isinstance(doc, Mapping) else None
+        return isinstance(choices, list) and any(
+            isinstance(c, Mapping)
+            and (
+                isinstance(c.get(SUPPORT_FIELD), Mapping)
+                or (
+                    isinstance(routes := c.get(ROUTES_FIELD), Mapping)
+                    and "dtype" in routes
+                    and "start" not in routes  # prime-rl's envelopes carry it
+                )
+            )
+            for c in choices
+        )
+
+    def route_rows(
+        self,
+        value: object,
+        start: int,
+        prompt: int | None,
+        completion: int | None,
+        meta: dict,
+        what: str,
+    ) -> RowSource:
+        return _envelope_routes(value, start, prompt, completion, meta, what)
+
+    def parse(self, response: Any) -> Any:
+        return parse_response(response, self.spliced)
+
+    def decode(
+        self,
+        response: Any,
+        options: StartOptions,
+        lengths: Lengths = NO_LENGTHS,
+        fields: frozenset[str] | None = None,
+    ) -> list[ChoiceRows]:
+        parsed = self.parse(response)
+        out = []
+        for index, entry in select_choices(parsed, options.choice, f"{self.name} response"):
+            what = f"{self.name} choices[{index}]"
+            found = choice_token_lengths(parsed, entry)
+            prompt, completion = placed_lengths(found, lengths, options.role, what)
+            meta = rows_meta(self.name, options, index, prompt, completion)
+            sources: list[Any] = []
+            missing: list[str] = []
+            if fields is None or ROUTES_FIELD in fields:
+                value = entry.get(ROUTES_FIELD)
+                where = f"{what}.{ROUTES_FIELD}"
+                if value is None:
+                    missing.append(where)
+                else:
+                    sources.append(
+                        self.route_rows(value, options.start, prompt, completion, meta, where)
+                    )
+            if (fields is None or SUPPORT_FIELD in fields) and entry.get(SUPPORT_FIELD) is not None:
+                where = f"{what}.{SUPPORT_FIELD}"
+                sources.append(support_rows(entry[SUPPORT_FIELD], prompt, completion, meta, where))
+            out.append(ChoiceRows(index, tuple(sources), tuple(missing)))
+        return out
+
+    def routes_value(self, routes: np.ndarray) -> Any:
+        """``routed_experts`` as this version sends it."""
+        return skyrl_envelope(routes.astype(skyrl_dtype(routes)))
+
+    def encode(self, request: EngineRequest) -> bytes:
+        """The ``/skyrl/v1/generate`` body (with ``rollout_sample_support`` for a mask)."""
+        if request.routes.size and int(request.routes.max()) >= 2**31:
+            raise ConfigError(f"{self.name} sends ids below 2**31")
+        choice: dict[str, Any] = {
+            "token_ids": [int(t) for t in request.completion_ids],
+            "finish_reason": "length",
+            "logprobs": None,
+            ROUTES_FIELD: self.routes_value(request.routes),
+        }
+        if request.sampling_mask is not None:
+            padded = request.sampling_mask.padded(max(request.sampling_mask.widest, 1))
+            choice[SUPPORT_FIELD] = skyrl_envelope(padded.astype(np.int32))
+        return orjson.dumps({"choices": [choice]})
+
+
+FORMAT = SkyrlFormat()
+
+
+def skyrl_routes(response: Any, *, pos: int | None = None) -> list[RowSource]:
+    """Routes of each choice of a SkyRL response: the ``"skyrl"`` format's route rows, from
+    ``pos`` (the request's ``routed_experts_prompt_start``; default 0)."""
+    options = StartOptions(start=pos or 0)
+    return sources_of(FORMAT.decode(response, options, fields=frozenset({ROUTES_FIELD})))

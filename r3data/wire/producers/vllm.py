@@ -1,47 +1,75 @@
-"""vLLM: routed experts as a base64 ``.npy`` file per choice.
+"""vLLM 0.22.0-0.33.0: routed experts as a base64 ``.npy`` file per choice.
 
-What vLLM's OpenAI server returns (``CompletionResponseChoice.routed_experts``, and the same
-field on chat choices), with ``--enable-return-routed-experts``:
+What vLLM's servers return with ``--enable-return-routed-experts`` (sources: vllm wheels at
+each release; model_executor/layers/fused_moe/routed_experts_capturer.py, utils/
+serial_utils.py ``numpy2base64``, entrypoints/openai/{completion,chat_completion}/serving.py,
+entrypoints/scale_out/token_in_token_out/serving.py):
 
-- ``choices[i].routed_experts``: base64 of ``np.save`` bytes, shape ``(tokens - 1,
-  num_hidden_layers, num_experts_per_tok)``, uint8 when the model has <= 256 experts, else
-  uint16 (int32 in older builds); ``null`` when the request was aborted before any forward
-  pass or the server has the feature off. ``tokens`` is prompt plus completion: the last
-  sampled token is never forwarded, so it has no routes.
-- ``routed_experts_prompt_start`` is a request field ("skip the first N prompt tokens from
-  returned routed-expert data"), not echoed in the response: rows then start at that
-  position. Pass it as ``prompt_start`` (a proxy that echoes it in the choice or the response
-  top level is honoured too).
-- Dense layers appear as all-zero rows; some engine bugs return correctly shaped all-zero
-  arrays (see :func:`~r3data.wire.producers.common.screen_routes`).
+- ``choices[i].routed_experts``: base64 of ``np.save`` bytes, ``[rows, num_hidden_layers,
+  num_experts_per_tok]`` (dense layers all zero), uint8 when the model has <= 256 experts,
+  else uint16; ``null`` when the request was aborted before any forward pass. Rows cover
+  ``[start, prompt + completion - 1)``: the last sampled token is never forwarded.
+- ``start`` is the request's ``routed_experts_prompt_start`` (OpenAI requests from 0.28.0,
+  the tokens endpoint's ``sampling_params`` from 0.22.0); vLLM does not echo it.
+- Completions put ``prompt_token_ids`` in each choice (one choice per prompt and sample,
+  prompt-major, ``index`` a running count), chat at the top level; both only with
+  ``return_token_ids``. ``echo`` changes the text, not the routes.
+- The tokens endpoint ``/inference/v1/generate`` has the same per-choice field; its stream
+  (0.24.0+) sends a choice's routes only on the chunk that finishes it, holding the whole
+  request's rows. The OpenAI streams carry no routes at all.
 """
 
 from __future__ import annotations
 
+import io
 from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
+import orjson
+import pybase64
 
-from r3data.errors import ConfigError, WireFormatError
+from r3data.errors import WireFormatError
+from r3data.validate import nonnegative_int
 from r3data.wire.anchors import anchored_pos
 from r3data.wire.blob import Blob, decode_base64
-from r3data.wire.dtypes import ROUTE_DTYPES
-from r3data.wire.envelope import check_nbytes
+from r3data.wire.dtypes import ROUTE_DTYPES, compact_route_dtype
+from r3data.wire.envelope import array_from_buffer, check_nbytes
 from r3data.wire.npy import NPY_PREFIX_BYTES, npy_header_length, parse_npy_header
+from r3data.wire.producers.base import (
+    NO_LENGTHS,
+    ROUTES_FIELD,
+    ChoiceRows,
+    EngineRequest,
+    Lengths,
+    ProducerFormat,
+    StartOptions,
+)
 from r3data.wire.producers.common import (
+    Stream,
     blob_nbytes,
     check_route_shape,
     choice_token_lengths,
-    flat_rows,
-    optional_position,
+    is_stream,
     parse_response,
+    placed_lengths,
     raw_blob,
+    rows_meta,
     select_choices,
+    sources_of,
+    stream_events,
 )
-from r3data.wire.rows import RowSource
+from r3data.wire.rows import EncodedRows, InlineRows, RowSource
 
-__all__ = ["read_npy", "vllm_routes"]
+__all__ = ["FORMAT", "VllmFormat", "npy_base64", "npy_routes", "read_npy", "vllm_routes"]
+
+_NPY_BASE64 = "k05VTVBZ"
+"""How base64 of a ``.npy`` file begins (``\\x93NUMPY``)."""
+
+
+_HEAD_CHARS = 172
+"""Base64 characters decoded first: 129 bytes, more than ``np.save``'s 128-byte header of a
+3-D array, so one decode usually reads the whole header."""
 
 
 def _header_of(blob: bytes | bytearray | memoryview | Blob | str, what: str) -> bytes:
@@ -50,9 +78,11 @@ def _header_of(blob: bytes | bytearray | memoryview | Blob | str, what: str) -> 
         view = memoryview(blob).cast("B")
         return bytes(view[: npy_header_length(view[:NPY_PREFIX_BYTES].tobytes(), what)])
     chars = blob.chars if isinstance(blob, Blob) else blob
-    prefix = bytes(decode_base64(chars[:16], what=what))  # 12 bytes: magic, version, length
-    length = npy_header_length(prefix, what)
-    return bytes(decode_base64(chars[: 4 * -(-length // 3)], what=what))[:length]
+    head = bytes(decode_base64(chars[:_HEAD_CHARS], what=what))
+    length = npy_header_length(head[:NPY_PREFIX_BYTES], what)
+    if length > len(head):
+        head = bytes(decode_base64(chars[: 4 * -(-length // 3)], what=what))
+    return head[:length]
 
 
 def npy_routes(
@@ -68,55 +98,170 @@ def npy_routes(
             f"{' in Fortran order' if fortran else ''}"
         )
     check_nbytes(blob_nbytes(blob, what) - offset, dtype, shape, what=what)
-    rows = flat_rows(
-        field, blob, dtype=dtype, row_shape=shape[1:], pos=pos, skip=offset, meta=meta, what=what
-    )
+    if isinstance(blob, Blob | str):
+        chars = blob.chars if isinstance(blob, Blob) else blob
+        rows: RowSource = EncodedRows(
+            field,
+            chars,
+            dtype=dtype,
+            row_shape=shape[1:],
+            rows=shape[0],
+            pos=pos,
+            skip=offset,
+            meta=meta,
+            what=what,
+        )
+    else:
+        view = memoryview(blob).cast("B")[offset:]
+        rows = InlineRows(field, array_from_buffer(view, dtype, shape, what=what), pos, meta)
     check_route_shape(rows, what)
     return rows
 
 
+def npy_base64(rows: np.ndarray) -> str:
+    """Base64 of ``np.save(rows)``, as vLLM's ``numpy2base64`` writes it."""
+    with io.BytesIO() as buffer:
+        np.save(buffer, rows, allow_pickle=False)
+        return pybase64.b64encode_as_string(buffer.getbuffer())
+
+
 def read_npy(buffer: bytes | bytearray | memoryview, *, what: str = "npy") -> np.ndarray:
     """A view of the 3-D route array in decoded ``.npy`` bytes; only the header is copied."""
-    rows = npy_routes("routes", buffer, pos=0, meta=None, what=what)
-    return rows.array
+    return npy_routes(ROUTES_FIELD, buffer, pos=0, meta=None, what=what).array
+
+
+def _assemble(raw: Any) -> dict[str, Any]:
+    """One response from a tokens-endpoint stream: per choice index its token ids in order
+    and its routes, which vLLM sends once, on the chunk that finishes the choice."""
+    top: dict[str, Any] = {}
+    choices: dict[int, dict[str, Any]] = {}
+    routed_at: dict[int, int] = {}
+    for number, event in enumerate(stream_events(raw, "vllm stream")):
+        what = f"vllm stream event {number}"
+        chunk = parse_response(event, (ROUTES_FIELD,))
+        if not isinstance(chunk, Mapping) or not isinstance(chunk.get("choices"), list):
+            raise WireFormatError(f"{what}: expected a chunk with a 'choices' list")
+        if chunk.get("prompt_token_ids") is not None:
+            top["prompt_token_ids"] = chunk["prompt_token_ids"]
+        for part in chunk["choices"]:
+            if not isinstance(part, Mapping):
+                raise WireFormatError(f"{what}: expected choice objects")
+            index = nonnegative_int(f"{what} choices[].index", part.get("index"), WireFormatError)
+            merged = choices.setdefault(index, {"index": index, "token_ids": []})
+            ids = part.get("token_ids")
+            if isinstance(ids, list) and isinstance(merged["token_ids"], list):
+                merged["token_ids"].extend(ids)
+            else:
+                merged["token_ids"] = None  # a chunk without ids: the count is unknown
+            routes = part.get(ROUTES_FIELD)
+            if routes is None:
+                continue
+            if index in routed_at:
+                raise WireFormatError(
+                    f"{what}: choice {index} carries routes again (first on event "
+                    f"{routed_at[index]}); vLLM sends them once, on the finishing chunk"
+                )
+            if part.get("finish_reason") is None:
+                raise WireFormatError(
+                    f"{what}: choice {index} carries routes before it finished; vLLM sends "
+                    f"them on the finishing chunk, for the whole request"
+                )
+            routed_at[index] = number
+            merged[ROUTES_FIELD] = routes
+    if sorted(choices) != list(range(len(choices))):
+        raise WireFormatError(f"vllm stream: expected choices 0..n-1, found {sorted(choices)}")
+    return {**top, "choices": [choices[i] for i in range(len(choices))]}
+
+
+def _is_npy(value: object) -> bool:
+    if isinstance(value, Blob):
+        return bytes(value.chars[:8]) == _NPY_BASE64.encode()
+    return isinstance(value, str) and value.startswith(_NPY_BASE64)
+
+
+def _sends_npy(doc: object) -> bool:
+    if not isinstance(doc, Mapping) or "prompt_routed_experts" in doc:
+        return False
+    choices = doc.get("choices")
+    return isinstance(choices, list) and any(
+        isinstance(c, Mapping) and _is_npy(c.get(ROUTES_FIELD)) for c in choices
+    )
+
+
+def _vllm_dtype(num_experts: int | None, routes: np.ndarray) -> np.dtype:
+    """vLLM's expert-id dtype: by the model's expert count (default: by the ids present)."""
+    if num_experts is not None:
+        return np.dtype(np.uint8 if num_experts <= 256 else np.uint16)
+    return compact_route_dtype(int(routes.max(initial=0)))
+
+
+class VllmFormat(ProducerFormat):
+    name = "vllm"
+    producer = "vLLM"
+    versions = "0.22.0-0.33.0 (OpenAI completions and chat; tokens endpoint and its stream)"
+    options = StartOptions
+    spliced = (ROUTES_FIELD,)
+
+    def recognise(self, doc: Any) -> bool:
+        events = doc if isinstance(doc, Stream) else (doc,)
+        return any(_sends_npy(event) for event in events)
+
+    def decode(
+        self,
+        response: Any,
+        options: StartOptions,
+        lengths: Lengths = NO_LENGTHS,
+        fields: frozenset[str] | None = None,
+    ) -> list[ChoiceRows]:
+        if is_stream(response):
+            parsed = _assemble(response)
+        else:
+            parsed = parse_response(response, self.spliced)
+        out = []
+        for index, entry in select_choices(parsed, options.choice, "vllm response"):
+            what = f"vllm choices[{index}].{ROUTES_FIELD}"
+            found = choice_token_lengths(parsed, entry)
+            prompt, completion = placed_lengths(found, lengths, options.role, what)
+            value = entry.get(ROUTES_FIELD)
+            if value is None:
+                out.append(ChoiceRows(index, (), (what,)))
+                continue
+            meta = rows_meta(self.name, options, index, prompt, completion)
+            rows = npy_routes(ROUTES_FIELD, value, pos=options.start, meta=meta, what=what)
+            anchored_pos(rows.rows, prompt, completion, options.start, what=what)
+            out.append(ChoiceRows(index, (rows,)))
+        return out
+
+    def encode(self, request: EngineRequest) -> bytes:
+        """A ``/v1/completions`` body with ``return_token_ids`` (0.33 field order)."""
+        routes = request.routes.astype(_vllm_dtype(request.num_experts, request.routes))
+        choice = {
+            "index": 0,
+            "text": "",
+            "logprobs": None,
+            "finish_reason": "length",
+            "stop_reason": None,
+            "token_ids": [int(t) for t in request.completion_ids],
+            "prompt_logprobs": None,
+            "prompt_token_ids": [int(t) for t in request.prompt_ids],
+            ROUTES_FIELD: npy_base64(routes),
+        }
+        usage = {
+            "prompt_tokens": request.prompt_len,
+            "total_tokens": request.prompt_len + request.completion_len,
+            "completion_tokens": request.completion_len,
+        }
+        body = {"object": "text_completion", "model": "r3data-synth", "choices": [choice]}
+        return orjson.dumps({**body, "usage": usage})
+
+
+FORMAT = VllmFormat()
 
 
 def vllm_routes(
-    response: Any,
-    *,
-    choice: int | None = None,
-    prompt_start: int | None = None,
-    field: str = "routed_experts",
+    response: Any, *, choice: int | None = None, prompt_start: int | None = None
 ) -> list[RowSource]:
-    """Routes of each choice (or of ``choice``) of a vLLM completion or chat response.
-
-    ``response`` is the raw body (spliced with :func:`~r3data.wire.load_packed_body`, blobs
-    left encoded) or a parsed one. Rows start at ``prompt_start`` (the request's
-    ``routed_experts_prompt_start``, default 0). When the choice carries token ids, the row
-    count is checked against ``prompt + completion - 1 - start``. ``meta`` holds
-    ``producer``, ``choice``, ``prompt_len`` and ``completion_len``.
-    """
-    start_arg = optional_position(prompt_start, "prompt_start", ConfigError)
-    parsed = parse_response(response, (field,))
-    out = []
-    for index, entry in select_choices(parsed, choice, "vllm response"):
-        what = f"vllm choices[{index}].{field}"
-        start = start_arg
-        for source in (entry, parsed):
-            if start is None:
-                start = optional_position(
-                    source.get("routed_experts_prompt_start"),
-                    f"{what}: routed_experts_prompt_start",
-                    WireFormatError,
-                )
-        prompt_len, completion_len = choice_token_lengths(parsed, entry)
-        meta = {
-            "producer": "vllm",
-            "choice": index,
-            "prompt_len": prompt_len,
-            "completion_len": completion_len,
-        }
-        rows = npy_routes(field, entry.get(field), pos=start or 0, meta=meta, what=what)
-        anchored_pos(rows.rows, prompt_len, completion_len, start or 0, what=what)
-        out.append(rows)
-    return out
+    """Routes of each choice (or of ``choice``) of a vLLM response: the ``"vllm"`` format's
+    rows. ``prompt_start`` is the request's ``routed_experts_prompt_start`` (default 0)."""
+    options = StartOptions(choice=choice, start=0 if prompt_start is None else prompt_start)
+    return sources_of(FORMAT.decode(response, options))

@@ -1,0 +1,296 @@
+"""What a producer format is: one producer's response body at one version, as a registry entry.
+
+A :class:`ProducerFormat` says how to recognise its bodies (``r3data inspect``), how to decode
+them into rows with positions (the loader, one :class:`ChoiceRows` per choice), and how to
+synthesise them from what an engine computed (:class:`EngineRequest`; the demo, notebooks and
+tests). Its options are a frozen dataclass (:class:`SourceOptions` and subclasses): a
+misspelt option is a :class:`~r3data.errors.ConfigError` naming it and the valid ones.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from functools import cache
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, NamedTuple
+
+import numpy as np
+
+from r3data.errors import ConfigError
+from r3data.ragged import RaggedRows
+from r3data.validate import checked_int, nonnegative_int
+from r3data.wire.rows import RowSource
+
+if TYPE_CHECKING:
+    from r3data.payload.segment import PayloadSegment
+
+__all__ = [
+    "MASK_FIELD",
+    "NO_LENGTHS",
+    "ROLES",
+    "ROUTES_FIELD",
+    "ChoiceOptions",
+    "ChoiceRows",
+    "EngineRequest",
+    "Lengths",
+    "ProducerFormat",
+    "Role",
+    "ShapeOptions",
+    "SourceOptions",
+    "StartOptions",
+    "option_names",
+    "options_from",
+]
+
+ROUTES_FIELD = "routed_experts"
+"""The field route rows go to (and the key every producer sends them under)."""
+MASK_FIELD = "sampling_mask"
+"""The field sampling masks go to: per completion token, the token ids the sampler kept."""
+
+Role = Literal["full", "prefill", "decode"]
+ROLES = ("full", "prefill", "decode")
+"""What the instance that answered did under prefill/decode disaggregation: ``full`` (both),
+``prefill`` (the prompt: its rows are the prompt's), ``decode`` (the completion: its rows at
+prompt positions were never forwarded there and are never trusted, see
+:class:`~r3data.trace.TraceBuilder`)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class SourceOptions:
+    """Options every format takes: ``role`` (see :data:`ROLES`)."""
+
+    role: Role = "full"
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ConfigError(f"role: expected one of {list(ROLES)}, found {self.role!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ChoiceOptions(SourceOptions):
+    """``choice``: the index of the one choice (or batch item) to decode; None: every one."""
+
+    choice: int | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.choice is not None:
+            object.__setattr__(self, "choice", nonnegative_int("choice", self.choice))
+
+
+@dataclass(frozen=True, kw_only=True)
+class StartOptions(ChoiceOptions):
+    """``start``: the request's prompt start (vLLM ``routed_experts_prompt_start``, SGLang
+    ``routed_experts_start_len``): the first position the rows cover. No producer echoes it."""
+
+    start: int = 0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        object.__setattr__(self, "start", nonnegative_int("start", self.start))
+
+
+@dataclass(frozen=True, kw_only=True)
+class ShapeOptions(ChoiceOptions):
+    """``num_layers`` and ``topk`` shape flat ids (SGLang sends no shape): the model config's
+    ``num_hidden_layers`` and ``num_experts_per_tok``."""
+
+    num_layers: int
+    topk: int
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        object.__setattr__(
+            self, "num_layers", checked_int("num_layers", self.num_layers, minimum=1)
+        )
+        object.__setattr__(self, "topk", checked_int("topk", self.topk, minimum=1))
+
+
+_OPTIONS_CACHED = 4096
+"""Options kept per format (sources of a run repeat a few combinations)."""
+
+
+@cache
+def option_names(options: type[SourceOptions]) -> frozenset[str]:
+    """The names of an options class's fields."""
+    return frozenset(f.name for f in dataclasses.fields(options))
+
+
+def options_from(
+    options: type[SourceOptions],
+    values: Mapping[str, Any],
+    *,
+    what: str,
+    skip: tuple[str, ...] = (),
+) -> SourceOptions:
+    """``options(**values)`` (keys in ``skip`` left out); an unknown key or a missing one is a
+    :class:`ConfigError` naming it and the valid ones."""
+    names = option_names(options)
+    kwargs = {k: v for k, v in values.items() if k not in skip}
+    unknown = kwargs.keys() - names
+    if unknown:
+        raise ConfigError(
+            f"{what} options: unknown {sorted(unknown)}; expected some of {sorted(names)}"
+        )
+    try:
+        return options(**kwargs)
+    except TypeError as err:  # a required option missing
+        raise ConfigError(f"{what} options: {err}; expected some of {sorted(names)}") from None
+
+
+class Lengths(NamedTuple):
+    """The request's token counts as the caller knows them (None: unknown)."""
+
+    prompt_len: int | None = None
+    completion_len: int | None = None
+
+
+NO_LENGTHS = Lengths()
+"""The request's lengths when the caller knows neither."""
+
+
+@dataclass(frozen=True, slots=True)
+class ChoiceRows:
+    """The sources one choice (or batch item) of a response gave, by field and position;
+    ``missing`` names the fields the producer sent as null (no rows)."""
+
+    choice: int
+    sources: tuple[RowSource | PayloadSegment, ...]
+    missing: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, eq=False)
+class EngineRequest:
+    """What an engine computed for one request, for a format to serve as its producer would.
+
+    ``routes`` are the rows the request returns: positions ``[start, prompt + completion - 1)``
+    (``start`` the request's prompt start; a format whose engine has none is given ``start``
+    0). ``num_experts`` picks the dtype where the producer picks it by the model (default: by
+    the ids present). ``moe_layers`` are the layers with a router (a format that sends only
+    those keeps these; default: every layer). ``sampling_mask``: per completion token the ids
+    the sampler kept (a row of length 0: no mask there, the full vocabulary).
+    """
+
+    prompt_ids: Sequence[int]
+    completion_ids: Sequence[int]
+    routes: np.ndarray
+    start: int = 0
+    num_experts: int | None = None
+    moe_layers: tuple[int, ...] | None = None
+    sampling_mask: RaggedRows | None = None
+
+    def __post_init__(self) -> None:
+        routes = np.asarray(self.routes)
+        if routes.ndim != 3 or routes.dtype.kind not in "iu":
+            raise ConfigError(
+                f"EngineRequest.routes: expected integer [rows, layers, topk], found shape "
+                f"{routes.shape} of {routes.dtype}"
+            )
+        expected = self.prompt_len + self.completion_len - 1 - self.start
+        if not 0 <= self.start <= self.prompt_len or routes.shape[0] != expected:
+            raise ConfigError(
+                f"EngineRequest: expected {expected} route rows (prompt {self.prompt_len} + "
+                f"completion {self.completion_len} - 1 - start {self.start}), found "
+                f"{routes.shape[0]}"
+            )
+        if self.sampling_mask is not None and self.sampling_mask.rows != self.completion_len:
+            raise ConfigError(
+                f"EngineRequest.sampling_mask: expected one row per completion token "
+                f"({self.completion_len}), found {self.sampling_mask.rows}"
+            )
+        object.__setattr__(self, "routes", routes)
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def completion_len(self) -> int:
+        return len(self.completion_ids)
+
+
+class ProducerFormat:
+    """One producer's response format at one version (range): a registry entry.
+
+    Subclasses set the class attributes and implement :meth:`recognise`, :meth:`decode` and
+    :meth:`encode`; their module exposes the instance as ``FORMAT``.
+    """
+
+    name: ClassVar[str]
+    """The registry name, as loader sources and ``r3data inspect --producer`` say it."""
+    producer: ClassVar[str]
+    versions: ClassVar[str]
+    """The producer versions (or commits) that send this format."""
+    fields: ClassVar[tuple[str, ...]] = (ROUTES_FIELD,)
+    """The fields its rows go to."""
+    options: ClassVar[type[SourceOptions]] = ChoiceOptions
+    spliced: ClassVar[tuple[str, ...]] = ()
+    """The keys whose base64 blobs a raw body is spliced on (``load_packed_body``: the blobs
+    never become strings); empty for a body parsed plainly (rows as JSON lists or strings)."""
+    layer_axis: ClassVar[Literal["all", "moe"]] = "all"
+    """Route rows hold every decoder layer (dense ones zero) or only the MoE layers."""
+    prompt_start: ClassVar[bool] = True
+    """The engine honours a request's prompt start (rows from it); else rows from 0."""
+    current: ClassVar[bool] = True
+    """The format the producer's current release sends (else an older one)."""
+
+    def make_options(self, values: Mapping[str, Any], skip: tuple[str, ...] = ()) -> SourceOptions:
+        """This format's options from ``values`` (keys in ``skip`` left out); the same values
+        give the same (immutable) options, checked once."""
+        given = {k: v for k, v in values.items() if k not in skip}
+        key = tuple((k, type(v), v) for k, v in given.items())  # True == 1, but not here
+        cache = self.__dict__.setdefault("_options_cache", {})
+        try:
+            return cache[key]
+        except KeyError:
+            pass
+        except TypeError:  # an unhashable value: checked each time
+            return options_from(self.options, given, what=f"producer {self.name!r}")
+        if len(cache) >= _OPTIONS_CACHED:
+            cache.clear()
+        made = cache[key] = options_from(self.options, given, what=f"producer {self.name!r}")
+        return made
+
+    def recognise(self, doc: Any) -> bool:
+        """Whether ``doc`` (a parsed body, or a :class:`~.common.Stream` of parsed events) is
+        one of this format's bodies."""
+        raise NotImplementedError
+
+    def decode(
+        self,
+        response: Any,
+        options: SourceOptions,
+        lengths: Lengths = NO_LENGTHS,
+        fields: frozenset[str] | None = None,
+    ) -> list[ChoiceRows]:
+        """The rows of each choice (or of ``options.choice``) of ``response`` (a raw body or a
+        parsed one), for ``fields`` (default: every field the format has). ``lengths`` are
+        the request's, used where the body does not carry them and checked where it does."""
+        raise NotImplementedError
+
+    def encode(self, request: EngineRequest) -> bytes:
+        """The body this producer sends for ``request``."""
+        raise NotImplementedError
+
+    def check_start(self, request: EngineRequest) -> None:
+        """A format whose engine has no prompt start serves every row from position 0."""
+        if request.start and not self.prompt_start:
+            raise ConfigError(
+                f"producer {self.name!r} returns rows from position 0 (its engine has no "
+                f"prompt start): serve every row, found start {request.start}"
+            )
+
+    def request_options(self, request: EngineRequest) -> dict[str, Any]:
+        """The options a client knows for ``request`` (its start, the model's shape), for a
+        loader source of :meth:`encode`'s body."""
+        names = option_names(self.options)
+        known = {
+            "start": request.start,
+            "num_layers": request.routes.shape[1],
+            "topk": request.routes.shape[2],
+        }
+        return {name: value for name, value in known.items() if name in names}
+
+    def __repr__(self) -> str:
+        return f"<producer format {self.name!r}: {self.producer} {self.versions}>"

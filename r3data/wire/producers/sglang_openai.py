@@ -1,0 +1,168 @@
+"""SGLang 0.5.12-0.5.23 OpenAI endpoints: the first sequence's routes in a response-level ``sglext``.
+
+``/v1/chat/completions`` and ``/v1/completions`` with ``"return_routed_experts": true``
+(sglang wheels: srt/entrypoints/openai/protocol.py ``SglExt``, a field of the responses and
+their stream chunks, never of a choice; serving_chat.py ``_build_chat_response`` and
+serving_completions.py ``_build_completion_response`` build it "from first ret_item";
+serving_chat.py ``_generate_chat_stream``):
+
+- ``sglext.routed_experts``: base64 of flat int32 ids, as on ``/generate``, for the **first
+  sequence only**: with ``n > 1`` or several prompts the other choices' routes are not sent.
+- Rows cover ``[start, prompt + completion - 1)``, ``start`` the request's
+  ``routed_experts_start_len`` (forwarded from 0.5.12; 0.5.9-0.5.11: see
+  :mod:`~r3data.wire.producers.sglang_openai_v059`). ``usage`` gives the lengths when the
+  response has one choice.
+- A chat stream sends no routes with its content chunks, then one extra chunk with
+  ``"choices": []`` and ``sglext.routed_experts``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import orjson
+
+from r3data.errors import WireFormatError
+from r3data.validate import nonnegative_int
+from r3data.wire.anchors import anchored_pos
+from r3data.wire.producers.base import (
+    NO_LENGTHS,
+    ROUTES_FIELD,
+    ChoiceRows,
+    EngineRequest,
+    Lengths,
+    ProducerFormat,
+    ShapeOptions,
+)
+from r3data.wire.producers.common import (
+    Stream,
+    is_stream,
+    optional_position,
+    parse_response,
+    placed_lengths,
+    rows_meta,
+    select_choices,
+    stream_events,
+)
+from r3data.wire.producers.sglang import SglangOptions, flat_int32_base64, flat_int32_rows
+
+__all__ = ["FORMAT", "SglangOpenaiFormat"]
+
+EXT = "sglext"
+
+
+def _assemble(raw: Any, what: str) -> dict[str, Any]:
+    """One response from a chat stream: the choices seen, the one ``sglext`` and the usage."""
+    indices: set[int] = set()
+    merged: dict[str, Any] = {}
+    for number, event in enumerate(stream_events(raw, what)):
+        chunk = parse_response(event, (ROUTES_FIELD,))
+        if not isinstance(chunk, Mapping) or not isinstance(chunk.get("choices"), list):
+            raise WireFormatError(f"{what} event {number}: expected a chunk with a 'choices' list")
+        for part in chunk["choices"]:
+            index = part.get("index") if isinstance(part, Mapping) else None
+            indices.add(nonnegative_int(f"{what} event {number} index", index, WireFormatError))
+        if chunk.get(EXT) is not None:
+            if EXT in merged:
+                raise WireFormatError(f"{what} event {number}: a second '{EXT}' chunk")
+            merged[EXT] = chunk[EXT]
+        if chunk.get("usage") is not None:
+            merged["usage"] = chunk["usage"]
+    choices = max(indices, default=0) + 1
+    return {**merged, "choices": [{"index": i} for i in range(choices)]}
+
+
+def _has_ext_routes(doc: object) -> bool:
+    ext = doc.get(EXT) if isinstance(doc, Mapping) else None
+    return isinstance(ext, Mapping) and isinstance(ext.get(ROUTES_FIELD), str)
+
+
+class SglangOpenaiFormat(ProducerFormat):
+    name = "sglang-openai"
+    producer = "SGLang"
+    versions = "0.5.12-0.5.23 (OpenAI chat and completions: response-level sglext; chat stream)"
+    options = SglangOptions
+    spliced = (ROUTES_FIELD,)
+
+    def start_of(self, options: SglangOptions) -> int:
+        return options.start
+
+    def recognise(self, doc: Any) -> bool:
+        events = doc if isinstance(doc, Stream) else (doc,)
+        return any(_has_ext_routes(event) for event in events)
+
+    def decode(
+        self,
+        response: Any,
+        options: ShapeOptions,
+        lengths: Lengths = NO_LENGTHS,
+        fields: frozenset[str] | None = None,
+    ) -> list[ChoiceRows]:
+        what_body = f"{self.name} response"
+        if is_stream(response):
+            parsed = _assemble(response, f"{self.name} stream")
+        else:
+            parsed = parse_response(response, self.spliced)
+        chosen = select_choices(parsed, options.choice, what_body)
+        ext = parsed.get(EXT)
+        value = ext.get(ROUTES_FIELD) if isinstance(ext, Mapping) else None
+        found: tuple[int | None, int | None] = (None, None)
+        usage = parsed.get("usage")
+        if isinstance(usage, Mapping) and len(parsed["choices"]) == 1:
+            found = (
+                optional_position(
+                    usage.get("prompt_tokens"), "usage.prompt_tokens", WireFormatError
+                ),
+                optional_position(
+                    usage.get("completion_tokens"), "usage.completion_tokens", WireFormatError
+                ),
+            )
+        start = self.start_of(options)
+        out = []
+        for index, _ in chosen:
+            what = f"{self.name} {EXT}.{ROUTES_FIELD}"
+            if index:
+                out.append(
+                    ChoiceRows(index, (), (f"{what} for choice {index} (first sequence only)",))
+                )
+                continue
+            if value is None:
+                out.append(ChoiceRows(index, (), (what,)))
+                continue
+            prompt, completion = placed_lengths(found, lengths, options.role, what)
+            meta = rows_meta(self.name, options, index, prompt, completion)
+            rows = flat_int32_rows(value, options, start, meta, what)
+            anchored_pos(rows.rows, prompt, completion, start, what=what)
+            out.append(ChoiceRows(index, (rows,)))
+        return out
+
+    def encode(self, request: EngineRequest) -> bytes:
+        """A ``/v1/chat/completions`` body for one sample (field order as SGLang's)."""
+        self.check_start(request)
+        body = {
+            "id": "r3data-synth",
+            "object": "chat.completion",
+            "created": 0,
+            "model": "r3data-synth",
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": "", "tool_calls": None},
+                    "logprobs": None,
+                    "finish_reason": "length",
+                    "matched_stop": None,
+                }
+            ],
+            "usage": {
+                "prompt_tokens": request.prompt_len,
+                "total_tokens": request.prompt_len + request.completion_len,
+                "completion_tokens": request.completion_len,
+            },
+            "metadata": {"weight_version": "default"},
+            EXT: {ROUTES_FIELD: flat_int32_base64(request.routes)},
+        }
+        return orjson.dumps(body)
+
+
+FORMAT = SglangOpenaiFormat()
