@@ -103,6 +103,11 @@ class ConfigError(R3DataError, ValueError):
     """A configuration value (environment variable, argument) is invalid."""
 
 
+class UsageError(ConfigError, TypeError):
+    """An object is used in a way it does not support (``len`` of a stream of batches, a
+    sampler over them); a ``TypeError`` too, as Python's own would be."""
+
+
 def with_context(exc: Exception, context: str) -> Exception:
     """``exc`` with ``context`` (e.g. ``"sample 'abc'"``) in front of its message.
 

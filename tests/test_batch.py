@@ -142,7 +142,9 @@ def test_copy_shares_fields_and_cat_refuses_mixed_dtypes():
 def test_invalid_batches():
     with pytest.raises(PackedError, match="field 'b' must hold B=2 samples, found 3"):
         TensorBatch({"a": torch.zeros(2), "b": [1, 2, 3]})
-    with pytest.raises(PackedError, match=r"must be a torch\.Tensor, PackedTensor, PackedRagged or list"):
+    with pytest.raises(
+        PackedError, match=r"must be a torch\.Tensor, PackedTensor, PackedRagged or list"
+    ):
         TensorBatch({"a": (1, 2)})
     with pytest.raises(PackedError, match="batch dimension"):
         TensorBatch({"a": torch.tensor(1.0)})

@@ -122,6 +122,17 @@ class TokenLayout:
         if self.layers is not None and not isinstance(self.layers, ModelLayers):
             raise LayoutError(f"layers must be a ModelLayers, found {type(self.layers).__name__}")
 
+    def __str__(self) -> str:
+        """The rank in a few words, for messages: ``tp 1/2 (SP), cp 0/2, THD``."""
+        parts = [f"tp {self.tp_rank}/{self.tp_size}" + (" (SP)" if self.sequence_parallel else "")]
+        parts += [
+            f"{n} {r}/{s}"
+            for n, r, s in (("cp", self.cp_rank, self.cp_size), ("pp", self.pp_rank, self.pp_size))
+            if s > 1
+        ]
+        parts.append("THD" if self.packed else f"BSHD {self.padding_side}")
+        return f"layout ({', '.join(parts)})"
+
     # --- derived sizes --------------------------------------------------------------------
 
     @property

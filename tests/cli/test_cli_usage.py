@@ -106,14 +106,14 @@ def test_bad_arguments_and_paths_give_one_line_and_exit_code_2(case, paths, caps
 def test_an_error_raised_in_a_loader_thread_is_reported_on_one_line():
     samples = [{"id": "bad", "requests": []}]
     with pytest.raises(R3DataError) as info:
-        list(loader(samples, batch_size=1, workers=2))
+        list(loader(samples, batch_size=1, collate={"workers": 2}))
     # the original exception, its own message; the worker's frames in its traceback
     assert "Traceback" not in str(info.value)
     error, frames = info.value, []
     while error is not None:  # the sample's context wraps the error raised where it happened
         frames += [f.name for f in traceback.extract_tb(error.__traceback__)]
         error = error.__cause__
-    assert "as_rollout" in frames
+    assert "_rollout" in frames
     line = error_line(info.value)
     assert "\n" not in line
     assert line.startswith("r3data: error: sample 'bad' (index 0): ")
