@@ -22,14 +22,23 @@ __all__ = ["as_options", "checked_keywords", "options", "unknown_names"]
 T = TypeVar("T")
 
 
-def unknown_names(what: str, given: Iterable[str], valid: Iterable[str]) -> None:
-    """Raise a :class:`ConfigError` naming every name of ``given`` that is not in ``valid``."""
+def unknown_names(
+    what: str,
+    given: Iterable[str],
+    valid: Iterable[str],
+    moved: Mapping[str, str] | None = None,
+) -> None:
+    """Raise a :class:`ConfigError` naming every name of ``given`` that is not in ``valid``;
+    ``moved`` says where a former option went."""
     valid = sorted(valid)
     unknown = sorted(set(given) - set(valid))
     if not unknown:
         return
     close = difflib.get_close_matches(unknown[0], valid, n=1)
-    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    if moved and unknown[0] in moved:
+        hint = f" (now {moved[unknown[0]]})"
+    else:
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
     raise ConfigError(
         f"{what}: unknown option {', '.join(map(repr, unknown))}{hint}; valid options: "
         f"{', '.join(valid)}"
@@ -70,14 +79,21 @@ def as_options(cls: type[T], value: T | Mapping[str, Any] | None, name: str) -> 
     )
 
 
-def checked_keywords(function: Callable[..., T]) -> Callable[..., T]:
-    """``function`` whose unknown keyword arguments raise :class:`ConfigError` (named)."""
-    code = function.__code__
-    valid = code.co_varnames[code.co_argcount : code.co_argcount + code.co_kwonlyargcount]
+def checked_keywords(
+    moved: Mapping[str, str] | None = None,
+) -> Callable[[Callable[..., T]], Callable[..., T]]:
+    """A decorator: the function's unknown keyword arguments raise :class:`ConfigError`
+    (named, with the closest valid one, or where ``moved`` says a former one went)."""
 
-    @functools.wraps(function)
-    def checked(*args: Any, **kwargs: Any) -> T:
-        unknown_names(f"{function.__name__}()", kwargs, valid)
-        return function(*args, **kwargs)
+    def decorate(function: Callable[..., T]) -> Callable[..., T]:
+        code = function.__code__
+        valid = code.co_varnames[code.co_argcount : code.co_argcount + code.co_kwonlyargcount]
 
-    return checked
+        @functools.wraps(function)
+        def checked(*args: Any, **kwargs: Any) -> T:
+            unknown_names(f"{function.__name__}()", kwargs, valid, moved)
+            return function(*args, **kwargs)
+
+        return checked
+
+    return decorate

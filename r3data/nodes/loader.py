@@ -143,7 +143,21 @@ def _check_ranks(
         )
 
 
-@checked_keywords
+MOVED = {
+    "trace_options": "trace=TraceOptions(...), screen=ScreenOptions(...) and num_experts=",
+    "fields": "collate=CollateOptions(fields=...)",
+    "workers": "collate=CollateOptions(workers=...)",
+    "pin_memory": "collate=CollateOptions(pin_memory=...)",
+    "buffer_pool": "collate=CollateOptions(buffer_pool=...)",
+    "placeholder": "trace=TraceOptions(placeholder=...)",
+    "on_gap": "trace=TraceOptions(on_gap=...)",
+    "topk": "trace=TraceOptions(topk=...)",
+    "payload_fs": "payload_root=PayloadRoot(path, fs)",
+}
+"""Where the options of earlier releases went (named in the error a former one gets)."""
+
+
+@checked_keywords(MOVED)
 def loader(
     samples: Sequence[Any] | Iterable[Any] | BaseNode[Any],
     *,
