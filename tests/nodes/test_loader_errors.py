@@ -66,7 +66,8 @@ def test_a_misspelt_option_is_a_config_error_naming_it_and_the_valid_ones(make, 
     with pytest.raises(ConfigError) as info:
         make()
     message = str(info.value)
-    assert named in message and "valid options:" in message
+    assert named in message
+    assert "valid options:" in message
     if hint:
         assert f"did you mean {hint!r}" in message
 
@@ -119,7 +120,8 @@ def test_a_thread_error_arrives_as_its_class_on_one_line_with_the_worker_traceba
     with pytest.raises(TraceError) as info:
         list(loader([sample("ok", 4), wrong], collate={"workers": workers}, **options))
     message = str(info.value)
-    assert "\n" not in message and message.count("wrong") == 1
+    assert "\n" not in message
+    assert message.count("wrong") == 1
     assert message.startswith("sample 'wrong' (index 1): field 'routed_experts'")
     assert message.endswith("expected expert ids in [0, 8), found 9 at position 1 (layer 0)")
     cause = info.value.__cause__
@@ -204,7 +206,8 @@ def test_token_ids_longer_or_shorter_than_the_trace_warn_by_default_and_raise_wh
         list(loader([longer], batch_size=1, trace=TraceOptions(length_mismatch="raise")))
     caplog.clear()
     (batch,) = loader([longer], batch_size=1, trace={"length_mismatch": "ignore"})
-    assert not caplog.records and not batch.metadata["warnings"]
+    assert not caplog.records
+    assert not batch.metadata["warnings"]
 
 
 def test_engine_bugs_are_logged_once_per_sample_with_counts(caplog):
@@ -217,7 +220,8 @@ def test_engine_bugs_are_logged_once_per_sample_with_counts(caplog):
     with caplog.at_level(logging.WARNING, logger="r3data"):
         (batch,) = loader([buggy, sample("fine", 10)], batch_size=2)
     (record,) = caplog.records
-    assert "sample 'buggy'" in record.getMessage() and "3 route rows" in record.getMessage()
+    assert "sample 'buggy'" in record.getMessage()
+    assert "3 route rows" in record.getMessage()
     assert batch.metadata["stats"].rows_missing == 3
 
 
@@ -240,11 +244,13 @@ def test_dataloader_misuse_gets_one_line_saying_what_to_write():
     with pytest.raises(UsageError) as info:
         list(DataLoader(dataset, batch_size=1))
     assert str(info.value).startswith("RolloutDataset yields collated micro-batches")
-    assert "batch_size=None" in str(info.value) and "\n" not in str(info.value)
+    assert "batch_size=None" in str(info.value)
+    assert "\n" not in str(info.value)
     with pytest.raises(UsageError) as info:
         DistributedSampler(dataset, num_replicas=2, rank=0)
     assert "data_parallel=DataParallel(rank, size)" in str(info.value)
-    assert isinstance(info.value, TypeError) and "\n" not in str(info.value)
+    assert isinstance(info.value, TypeError)
+    assert "\n" not in str(info.value)
     with pytest.raises(ConfigError) as info:
         list(DataLoader(dataset, batch_size=None, num_workers=1))
     assert str(info.value).startswith("RolloutDataset runs its own threads")
