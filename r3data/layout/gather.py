@@ -102,13 +102,15 @@ def expand_batch_major(
     """One ``[B, local_seq, topk]`` tensor per local MoE layer, batch-major (BSHD layouts),
     for routers that flatten ``[B, S, hidden]`` (FSDP, torchtitan-style MoE).
 
-    The default layout is a single rank with right padding to the longest sample (or the
-    rank-local routes' own). Arguments are those of :func:`expand`, the rules for rank-local
-    routes and dense layers included.
+    The default layout is a single rank with right padding to the longest sample (rank-local
+    routes: their own). Arguments are those of :func:`expand`, the rules for rank-local routes
+    and dense layers included.
     """
     topk = _check_routes(routes)
     if layout is None and not isinstance(routes, RankRows):
         layout = TokenLayout(packed=False)
+    elif layout is None and routes.is_whole and routes.layout.packed:
+        layout = TokenLayout(packed=False)  # whole samples read for THD: one BSHD rank
     layout, full, local = _geometry(routes, layout, local, lengths)
     if layout.packed:
         raise LayoutError("expand_batch_major needs a BSHD layout (packed=False), found THD")
@@ -169,6 +171,13 @@ def _geometry(
         raise LayoutError(
             f"lengths {as_lengths(lengths).tolist()[:8]} are not the full lengths these "
             f"rank-local rows were read for, {field.full_lengths.tolist()[:8]}"
+        )
+    if field.selected:
+        raise LayoutError(
+            f"these rank-local rows were selected from the micro-batch they were read for (a "
+            f"slice, a gather or a cat): under {read} a sample's rows depend on the whole "
+            "micro-batch, so they cannot be laid out alone; expand each micro-batch as read "
+            "(loader(..., micro_batches=...) cuts the step)"
         )
     if field.is_whole:
         if local:

@@ -6,6 +6,13 @@ samples: laid out with any other layout, or as if they were whole, they would ro
 token wrongly without an error. ``RankRows`` carries the layout it was cut by and the full
 sample lengths, so that :func:`~r3data.layout.expand` and its siblings read them and refuse
 a mix-up; every batch operation (slices, gathers, ``cat``, ``.to``) keeps them.
+
+Under most layouts a sample's share depends on the whole micro-batch (sequence parallelism
+slices the batch's concatenated stream; BSHD pads to its longest sample), so rows selected
+from the batch they were read for (a slice, a gather, a ``cat`` of several) are no longer any
+batch's rank-local read: they remember it (``selected``) and expanding them raises, unless
+the layout cuts each sample on its own (THD without sequence parallelism, BSHD with a fixed
+``seq_length``, or no split at all).
 """
 
 from __future__ import annotations
@@ -27,7 +34,7 @@ __all__ = ["RankRows"]
 class RankRows(PackedTensor):
     """A :class:`PackedTensor` of rank-local rows, with ``layout`` and ``full_lengths``."""
 
-    __slots__ = ("full_lengths", "layout")
+    __slots__ = ("full_lengths", "layout", "selected")
 
     def __init__(
         self, values: torch.Tensor, cu_seqlens: Any, *, layout: TokenLayout, full_lengths: Any
@@ -43,40 +50,54 @@ class RankRows(PackedTensor):
                 f"this layout's share of samples of full lengths {full.tolist()[:8]} "
                 f"(expected {expected.tolist()[:8]} rows)"
             )
-        self._set(layout, full)
+        self._set(layout, full, selected=False)
 
     @classmethod
-    def of(cls, rows: PackedTensor, layout: TokenLayout, full_lengths: np.ndarray) -> RankRows:
+    def of(
+        cls,
+        rows: PackedTensor,
+        layout: TokenLayout,
+        full_lengths: np.ndarray,
+        *,
+        selected: bool = False,
+    ) -> RankRows:
         """Wrap ``rows`` (already cut by ``layout``: the loader's fill) without a check."""
         wrapped = object.__new__(cls)
         wrapped.values = rows.values
         wrapped._offsets = rows.offsets
         wrapped._device_cu_seqlens = None
-        wrapped._set(layout, np.asarray(full_lengths, np.int64))
+        wrapped._set(layout, np.asarray(full_lengths, np.int64), selected)
         return wrapped
 
-    def _set(self, layout: TokenLayout, full: np.ndarray) -> None:
+    def _set(self, layout: TokenLayout, full: np.ndarray, selected: bool) -> None:
         full = full.copy()
         full.flags.writeable = False
         self.layout = layout
         self.full_lengths = full
+        self.selected = selected and not self.per_sample
 
     @property
     def is_whole(self) -> bool:
         """True when the layout keeps every row (no CP or SP split): the rows are full samples."""
         return self.layout.cp_size == 1 and self.layout.sp_size == 1
 
+    @property
+    def per_sample(self) -> bool:
+        """True when the layout cuts each sample on its own (:attr:`TokenLayout.per_sample`)."""
+        return self.layout.per_sample
+
     # --- every operation keeps layout and full lengths -------------------------------------
 
-    def _like(self, rows: PackedTensor, full: np.ndarray) -> RankRows:
-        return RankRows.of(rows, self.layout, full)
+    def _like(self, rows: PackedTensor, full: np.ndarray, *, selected: bool = True) -> RankRows:
+        return RankRows.of(rows, self.layout, full, selected=selected or self.selected)
 
     def __getitem__(self, index: Any) -> torch.Tensor | RankRows:
         got = super().__getitem__(index)
         if not isinstance(got, PackedTensor) or isinstance(got, RankRows):
             return got  # one sample's rows, or a gather (already RankRows)
         start, stop, _ = index.indices(len(self))  # a contiguous slice
-        return self._like(got, self.full_lengths[start : max(start, stop)])
+        stop = max(start, stop)
+        return self._like(got, self.full_lengths[start:stop], selected=stop - start < len(self))
 
     def gather(self, index: Any) -> RankRows:
         return self._like(super().gather(index), self.full_lengths[pick_indices(index, len(self))])
@@ -92,23 +113,22 @@ class RankRows(PackedTensor):
                     f"{getattr(p, 'layout', type(p).__name__)}"
                 )
         rows = PackedTensor.cat(parts)
-        return RankRows.of(
-            rows,
-            first.layout,
-            np.concatenate([p.full_lengths for p in parts]),  # type: ignore[union-attr]
-        )
+        full = np.concatenate([p.full_lengths for p in parts])  # type: ignore[union-attr]
+        selected = len(parts) > 1 or first.selected  # type: ignore[union-attr]
+        return RankRows.of(rows, first.layout, full, selected=selected)  # type: ignore[union-attr]
 
     def repeat(self, n: int) -> RankRows:
         return self._like(super().repeat(n), np.tile(self.full_lengths, n))
 
     def _with_values(self, values: torch.Tensor) -> RankRows:
-        return self._like(super()._with_values(values), self.full_lengths)
+        return self._like(super()._with_values(values), self.full_lengths, selected=False)
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, RankRows):
             return NotImplemented
         return (
             self.layout == other.layout
+            and self.selected == other.selected
             and np.array_equal(self.full_lengths, other.full_lengths)
             and super().__eq__(other)
         )
@@ -129,11 +149,13 @@ class RankRows(PackedTensor):
                 self.offsets.tolist(),
                 self.layout,
                 self.full_lengths.tolist(),
+                self.selected,
             ),
         )
 
 
 def _rebuild_rank_rows(
-    values: Any, offsets: list[int], layout: TokenLayout, full: list[int]
+    values: Any, offsets: list[int], layout: TokenLayout, full: list[int], selected: bool
 ) -> RankRows:
-    return RankRows.of(PackedTensor(rebuild_tensor(values), offsets), layout, np.array(full))
+    rows = PackedTensor(rebuild_tensor(values), offsets)
+    return RankRows.of(rows, layout, np.array(full, np.int64), selected=selected)

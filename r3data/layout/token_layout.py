@@ -150,6 +150,15 @@ class TokenLayout:
         return (2 * self.cp_size if self.cp_size > 1 else 1) * self.sp_size
 
     @property
+    def per_sample(self) -> bool:
+        """True when a sample's local rows depend on that sample alone: no split, THD without
+        sequence parallelism (SP slices the batch's whole stream), or BSHD with a fixed
+        ``seq_length`` (else the longest sample sets every padded length)."""
+        if self.cp_size == 1 and self.sp_size == 1:
+            return True
+        return self.sp_size == 1 if self.packed else self.seq_length is not None
+
+    @property
     def multiple(self) -> int:
         """The multiple samples are padded to (``pad_multiple`` or the default)."""
         if self.pad_multiple is not None:

@@ -226,6 +226,16 @@ def loader(
             f"retention: expected a PayloadRetention, found {type(retention).__name__}"
         )
     _check_ranks(retention, ranks, layout)
+    if (
+        trace.on_gap == "drop_sample"
+        and layout is not None
+        and not (layout.cp_size == 1 and layout.sp_size == 1)
+    ):
+        raise ConfigError(
+            f"trace.on_gap='drop_sample' with a rank-local {layout}: each rank reads only its "
+            "rows of a sample, so the ranks of one micro-batch could drop different samples; "
+            "use 'drop_routes' (the default) or 'raise'"
+        )
     threads = pool_workers() if collate.workers is None else collate.workers
     source = StepSource(
         samples,
