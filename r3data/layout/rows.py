@@ -104,18 +104,17 @@ class RankRows(PackedTensor):
 
     @staticmethod
     def cat(parts: Sequence[PackedTensor]) -> RankRows:
-        """Concatenate rank-local batches cut by one layout."""
-        first = parts[0] if parts else None
+        """Concatenate rank-local batches cut by one layout (a selection: see the module)."""
+        if not parts or not isinstance(parts[0], RankRows):
+            raise LayoutError("cat: expected RankRows parts, found none")
+        layout = parts[0].layout
         for i, p in enumerate(parts):
-            if not isinstance(p, RankRows) or p.layout != first.layout:  # type: ignore[union-attr]
-                raise LayoutError(
-                    f"cat: part {i} must be RankRows cut by {first.layout}, found "  # type: ignore[union-attr]
-                    f"{getattr(p, 'layout', type(p).__name__)}"
-                )
-        rows = PackedTensor.cat(parts)
-        full = np.concatenate([p.full_lengths for p in parts])  # type: ignore[union-attr]
-        selected = len(parts) > 1 or first.selected  # type: ignore[union-attr]
-        return RankRows.of(rows, first.layout, full, selected=selected)  # type: ignore[union-attr]
+            if not isinstance(p, RankRows) or p.layout != layout:
+                found = p.layout if isinstance(p, RankRows) else type(p).__name__
+                raise LayoutError(f"cat: part {i} must be RankRows cut by {layout}, found {found}")
+        full = np.concatenate([p.full_lengths for p in parts])
+        selected = len(parts) > 1 or parts[0].selected
+        return RankRows.of(PackedTensor.cat(parts), layout, full, selected=selected)
 
     def repeat(self, n: int) -> RankRows:
         return self._like(super().repeat(n), np.tile(self.full_lengths, n))

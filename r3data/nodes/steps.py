@@ -133,18 +133,18 @@ def plan_step(
         cuts = [[s[i : i + micro.size] for i in range(0, len(s), micro.size)] for s in shares]
         count = max(1, max(len(c) for c in cuts))
         return [c + [[] for _ in range(count - len(c))] for c in cuts]
-    budget = micro.max_tokens
-    if lengths.size and int(lengths.max()) > budget:  # type: ignore[operator]
+    budget = int(micro.max_tokens)  # type: ignore[arg-type]
+    if lengths.size and int(lengths.max()) > budget:
         at = int(lengths.argmax())
         raise ConfigError(
             f"MicroBatches.max_tokens={budget}: the sample at position {at} of the step has "
             f"{int(lengths[at])} tokens, more than one micro-batch may hold"
         )
     share_lengths = [lengths[s] for s in shares]
-    count = max(max(1, -(-int(t.sum()) // budget)) for t in share_lengths)  # type: ignore[operator]
+    count = max(max(1, -(-int(t.sum()) // budget)) for t in share_lengths)
     while True:
         plans = [_by_budget(t, count) for t in share_lengths]
-        if all(_fits(p, t, budget) for p, t in zip(plans, share_lengths, strict=True)):  # type: ignore[arg-type]
+        if all(_fits(p, t, budget) for p, t in zip(plans, share_lengths, strict=True)):
             break
         count += 1
     return [
