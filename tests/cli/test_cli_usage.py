@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import subprocess
+import sys
 import traceback
 
 import pytest
 
 from r3data import loader
+from r3data.cli import COMMANDS as CLI_COMMANDS
 from r3data.cli import build_parser, main
 from r3data.cli.common import error_line
 from r3data.errors import R3DataError
@@ -118,3 +121,19 @@ def test_an_error_raised_in_a_loader_thread_is_reported_on_one_line():
     assert "\n" not in line
     assert line.startswith("r3data: error: sample 'bad' (index 0): ")
     assert "token_ids" in line
+
+
+def test_top_level_help_answers_without_importing_torch():
+    code = "import sys; from r3data.cli import main; main(['--help']); print(sorted(sys.modules))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    modules = done.stdout.strip().splitlines()[-1]
+    assert "'torch'" not in modules
+    assert "'numpy'" not in modules
+    for command in COMMANDS:
+        assert command in done.stdout
+
+
+def test_each_commands_one_line_help_is_its_modules_own():
+    (action,) = [a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)]
+    registered = {choice.dest: choice.help for choice in action._choices_actions}
+    assert registered == {name: summary for name, (_, summary) in CLI_COMMANDS.items()}
