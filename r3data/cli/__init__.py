@@ -7,6 +7,7 @@ paths end with a one-line error on stderr and exit code 2.
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Collection
 from importlib import import_module
@@ -62,6 +63,9 @@ def main(argv: list[str] | None = None) -> int:
         return args.run(args)
     except SystemExit as exc:  # --help, or a usage error already printed on one line
         return exc.code if isinstance(exc.code, int) else EXIT_USAGE
+    except BrokenPipeError:  # `r3data inspect --json ... | head`: the reader has seen enough
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no error at exit
+        return 0
     except (R3DataError, OSError) as exc:
         print(error_line(exc), file=sys.stderr)
         return EXIT_USAGE

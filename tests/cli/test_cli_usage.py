@@ -7,6 +7,7 @@ import subprocess
 import sys
 import traceback
 
+import numpy as np
 import pytest
 
 from r3data import loader
@@ -14,6 +15,7 @@ from r3data.cli import COMMANDS as CLI_COMMANDS
 from r3data.cli import build_parser, main
 from r3data.cli.common import error_line
 from r3data.errors import R3DataError
+from r3data.payload import PayloadWriter
 from r3data.synth import MODEL_SHAPES, SyntheticRouter, sglang_response, synth_rollouts
 
 COMMANDS = ("demo", "inspect", "verify", "gc", "bench")
@@ -137,3 +139,16 @@ def test_each_commands_one_line_help_is_its_modules_own():
     (action,) = [a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)]
     registered = {choice.dest: choice.help for choice in action._choices_actions}
     assert registered == {name: summary for name, (_, summary) in CLI_COMMANDS.items()}
+
+
+def test_output_into_a_closed_pipe_ends_quietly(tmp_path):
+    """``r3data inspect --json ROOT | head -c 10``: no error line, no traceback, exit code 0."""
+    writer = PayloadWriter(tmp_path)
+    for _ in range(300):  # more JSON than a pipe buffers
+        writer.write(0, {"routed_experts": np.ones((2, 2, 2), np.uint8)})
+    command = [sys.executable, "-m", "r3data.cli", "inspect", "--json", str(tmp_path)]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert process.stdout.read(10)
+    process.stdout.close()
+    assert process.wait(timeout=60) == 0
+    assert process.stderr.read() == b""
