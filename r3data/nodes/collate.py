@@ -38,10 +38,10 @@ import torch
 
 from r3data.batch import PerSample, TensorBatch
 from r3data.buffers import BufferPool
-from r3data.errors import SegmentError
+from r3data.errors import SegmentError, with_message
 from r3data.layout.rows import RankRows
 from r3data.nodes.fill import fill_field
-from r3data.nodes.sample import name_sample, renamed
+from r3data.nodes.sample import name_sample
 from r3data.nodes.screen import ScreenOptions
 from r3data.nodes.source import MicroBatch
 from r3data.nodes.stitcher import StitchedRollout
@@ -195,4 +195,4 @@ class CollateRollouts:
                 raise
             sample = kept[index]
             message = name_sample(str(exc), sample.sample.sample_id, sample.index)
-            raise renamed(exc, message) from exc
+            raise with_message(exc, message) from exc

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from r3data.errors import TraceError
+from r3data.errors import TraceError, with_message
 from r3data.nodes.options import TraceOptions
 from r3data.payload.segment import PayloadSegment
 from r3data.trace import Trace, TraceBuilder
@@ -204,24 +204,6 @@ def name_sample(message: str, sample_id: str, index: int) -> str:
     return f"{name}: {message}"
 
 
-def renamed(exc: BaseException, message: str) -> BaseException:
-    """An exception of ``exc``'s class with ``message``, chained to ``exc`` (its traceback);
-    ``exc`` itself with ``message`` as a note when its class takes no plain message (a
-    ``KeyError`` quotes it, a ``SystemExit`` would take it for its exit code)."""
-    new = None
-    if isinstance(exc, Exception):
-        try:
-            new = type(exc)(message)
-        except Exception:
-            new = None
-    if new is None or str(new) != message:
-        if hasattr(exc, "add_note"):
-            exc.add_note(message)
-        return exc
-    new.__cause__ = exc
-    return new
-
-
 def as_rollout(obj: Any, index: int, trace: TraceOptions | None = None) -> RolloutSample:
     """Normalise a dict or dataclass sample; ``index`` names it when it has no id. Errors keep
     their class and name the sample once: ``sample 'id' (index i): ...``."""
@@ -236,7 +218,7 @@ def as_rollout(obj: Any, index: int, trace: TraceOptions | None = None) -> Rollo
     try:
         return _rollout(obj, sample_id, trace or TraceOptions())
     except Exception as exc:
-        raise renamed(exc, name_sample(str(exc), sample_id, index)) from exc
+        raise with_message(exc, name_sample(str(exc), sample_id, index)) from exc
 
 
 def _rollout(obj: Any, sample_id: str, trace: TraceOptions) -> RolloutSample:

@@ -8,9 +8,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from r3data.errors import ConfigError, TraceError
+from r3data.errors import ConfigError, TraceError, with_message
 from r3data.nodes.options import TraceOptions
-from r3data.nodes.sample import RolloutSample, as_rollout, name_sample, renamed
+from r3data.nodes.sample import RolloutSample, as_rollout, name_sample
 from r3data.payload.retention import PayloadRetention
 from r3data.trace import ROUTES_FIELD, StitchedSample, Trace, stitch
 
@@ -56,7 +56,7 @@ class StitchRollout:
         try:
             return self._stitched(index, sample, step)
         except Exception as exc:
-            raise renamed(exc, name_sample(str(exc), sample.sample_id, index)) from exc
+            raise with_message(exc, name_sample(str(exc), sample.sample_id, index)) from exc
 
     def _stitched(self, index: int, sample: RolloutSample, step: int | None) -> StitchedRollout:
         if self.retention is not None and sample.files:
