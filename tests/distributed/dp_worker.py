@@ -94,11 +94,21 @@ def _train(root, samples, last_step, layout, dp, state=None, stop_after=None):
     return records, None, retention.metrics().files_deleted
 
 
+class Stream:
+    """The samples as a stream: iterable again, but no length and no indexing."""
+
+    def __init__(self, samples):
+        self.samples = samples
+
+    def __iter__(self):
+        return iter(self.samples)
+
+
 def run(rank: int, world: int, store: str, job: str, results) -> None:
     try:
         dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
         with open(job, "rb") as f:
-            roots, samples, last_step = pickle.load(f)
+            roots, samples, last_step, (stream, stream_last) = pickle.load(f)
         dp = DataParallel(rank=rank // CP, size=DP)
         layout = TokenLayout(cp_size=CP, cp_rank=rank % CP)
         whole, _, deleted = _train(roots[0], samples, last_step, layout, dp)
@@ -106,11 +116,13 @@ def run(rank: int, world: int, store: str, job: str, results) -> None:
             roots[1], samples, last_step, layout, dp, stop_after=0
         )
         rest, _, deleted_after = _train(roots[1], samples, last_step, layout, dp, state=state)
+        streamed, _, deleted_streamed = _train(roots[2], Stream(stream), stream_last, layout, dp)
         report = {
             "coords": (rank // CP, rank % CP),
             "whole": whole,
             "resumed": first + rest,
-            "deleted": (deleted, deleted_before + deleted_after),
+            "stream": [sid for record in streamed for sid in record[3]],
+            "deleted": (deleted, deleted_before + deleted_after, deleted_streamed),
             "left": [sum(len(n) for _, _, n in os.walk(root)) for root in roots],
         }
         dist.barrier()

@@ -22,25 +22,27 @@ SAMPLES, GROUPS = 16, 4
 LAYERS, TOPK, EXPERTS = 3, 2, 32
 
 
-def write_samples(root):
+def write_samples(root, across_steps=True):
     """GRPO-like groups: the first turn of samples g, g+4, g+8, g+12 sits in one file (read by
-    both steps and both DP ranks); each second turn in a file of its own."""
+    both steps and both DP ranks; ``across_steps=False``: of samples 2g and 2g+1, one step);
+    each second turn in a file of its own."""
     rng = np.random.default_rng(0)
     writer = PayloadWriter(root)
     lengths = rng.integers(12, 40, SAMPLES)
     prompts = [int(n) // 2 for n in lengths]
+    group_of = [i % GROUPS if across_steps else i // 2 for i in range(SAMPLES)]
     groups = []
-    for g in range(GROUPS):
-        members = range(g, SAMPLES, GROUPS)
+    for g in sorted(set(group_of)):
+        members = [i for i in range(SAMPLES) if group_of[i] == g]
         rows = [
             rng.integers(0, EXPERTS, (prompts[i], LAYERS, TOPK)).astype(np.uint8) for i in members
         ]
         (segment,) = writer.write(0, {"routed_experts": np.concatenate(rows)})
-        groups.append((segment, [r.shape[0] for r in rows]))
+        groups.append((segment, members, [r.shape[0] for r in rows]))
     samples, last_step = [], {}
     for i, n in enumerate(int(x) for x in lengths):
-        segment, sizes = groups[i % GROUPS]
-        start = sum(sizes[: i // GROUPS])
+        segment, members, sizes = groups[group_of[i]]
+        start = sum(sizes[: members.index(i)])
         first = shift([segment.clipped(start, start + prompts[i])], -start)[0]
         rows = rng.integers(0, EXPERTS, (n - 1 - prompts[i], LAYERS, TOPK)).astype(np.uint8)
         (second,) = writer.write(0, {"routed_experts": rows}, pos=prompts[i])
@@ -60,11 +62,12 @@ def write_samples(root):
 
 
 def spawn_ranks(tmp_path) -> dict[int, dict]:
-    roots = [str(tmp_path / "uninterrupted"), str(tmp_path / "resumed")]
+    roots = [str(tmp_path / name) for name in ("uninterrupted", "resumed", "stream")]
     samples, last_step = write_samples(roots[0])
     shutil.copytree(roots[0], roots[1])
+    stream = write_samples(roots[2], across_steps=False)
     job = tmp_path / "job.pkl"
-    job.write_bytes(pickle.dumps((roots, samples, last_step)))
+    job.write_bytes(pickle.dumps((roots, samples, last_step, stream)))
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
     args = (WORLD, str(tmp_path / "store"), str(job), results)
@@ -93,13 +96,13 @@ def spawn_ranks(tmp_path) -> dict[int, dict]:
                 process.join()
     if errors:
         pytest.fail("\n".join(f"rank {rank}:\n{trace}" for rank, trace in sorted(errors.items())))
-    return reports, len(last_step)
+    return reports, (len(last_step), len(stream[1]))
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(DEADLINE_S + 30)
 def test_dp2_cp2_ranks_resume_to_the_same_bytes_and_share_one_root_safely(tmp_path):
-    reports, files = spawn_ranks(tmp_path)
+    reports, (files, stream_files) = spawn_ranks(tmp_path)
     for rank, report in reports.items():
         # a checkpoint after step 0 and a resume of every rank: the same micro-batches, bytes
         assert report["resumed"] == report["whole"], rank
@@ -124,6 +127,10 @@ def test_dp2_cp2_ranks_resume_to_the_same_bytes_and_share_one_root_safely(tmp_pa
         first = step * dp_worker.BATCH_SIZE
         assert every == sorted(f"s{i}" for i in range(first, first + dp_worker.BATCH_SIZE))
     deleter = reports[0]
-    assert deleter["deleted"] == (files, files)  # every file deleted once, in each run
-    assert all(r["deleted"] == (0, 0) for rank, r in reports.items() if rank)
-    assert deleter["left"] == [0, 0]
+    # every file deleted once in each run: up front claims (a list) and a stream's, whose
+    # claims the other ranks send to rank 0 at each update
+    assert deleter["deleted"] == (files, files, stream_files)
+    assert all(r["deleted"] == (0, 0, 0) for rank, r in reports.items() if rank)
+    assert deleter["left"] == [0, 0, 0]
+    streamed = sorted(sid for r in reports.values() if r["coords"][1] == 0 for sid in r["stream"])
+    assert streamed == sorted(f"s{i}" for i in range(SAMPLES))
