@@ -109,7 +109,10 @@ def run(rank: int, world: int, store: str, job: str, results) -> None:
         dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
         with open(job, "rb") as f:
             roots, samples, last_step, (stream, stream_last) = pickle.load(f)
-        dp = DataParallel(rank=rank // CP, size=DP)
+        dp_groups = [dist.new_group([cp + CP * d for d in range(DP)]) for cp in range(CP)]
+        dp = DataParallel.from_torch(dp_groups[rank % CP])  # this rank's data-parallel group
+        if dp != DataParallel(rank=rank // CP, size=DP):
+            raise AssertionError(f"DataParallel.from_torch gave {dp}")
         layout = TokenLayout(cp_size=CP, cp_rank=rank % CP)
         whole, _, deleted = _train(roots[0], samples, last_step, layout, dp)
         first, state, deleted_before = _train(

@@ -9,7 +9,9 @@ import numpy as np
 import pytest
 
 from r3data import loader
-from r3data.nodes import MicroBatches
+from r3data.errors import ConfigError
+from r3data.layout import TokenLayout
+from r3data.nodes import DataParallel, MicroBatches
 from r3data.payload import PayloadRetention, PayloadWriter, shift
 
 LAYERS, TOPK, EXPERTS = 2, 2, 16
@@ -65,3 +67,14 @@ def test_a_late_sample_reads_a_file_shared_with_an_earlier_step(tmp_path, worker
     assert read == len(samples)
     assert retention.metrics().files_deleted == len(samples) + 1
     retention.close()
+
+
+def test_several_ranks_on_one_root_need_a_retention_group(tmp_path):
+    retention = PayloadRetention(str(tmp_path), max_off_policy_steps=1, fresh=False)
+    with pytest.raises(ConfigError, match="several ranks read this payload root"):
+        loader([], batch_size=2, data_parallel=DataParallel(rank=1, size=2), retention=retention)
+    layout = TokenLayout(cp_size=2, cp_rank=1)
+    with pytest.raises(ConfigError, match="give every rank PayloadRetention"):
+        loader([], batch_size=2, layout=layout, retention=retention)
+    with pytest.raises(ConfigError, match=r"needs an initialised torch\.distributed"):
+        PayloadRetention(str(tmp_path), max_off_policy_steps=1, fresh=False, group=object())
