@@ -37,7 +37,7 @@ def run(samples, **options) -> list[TensorBatch]:
 # --- the plan ------------------------------------------------------------------------------
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=40, deadline=None)
 @given(
     lengths=st.lists(st.integers(1, 50), min_size=1, max_size=40),
     dp=st.integers(1, 4),
