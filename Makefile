@@ -98,3 +98,24 @@ $(S3_WEED):
 
 clean-s3:
 	rm -rf $(S3_VENV) $(S3_LOG)
+
+# torchtitan for tests/replay/test_torchtitan_moe_layer.py. Its own requirements would
+# downgrade huggingface_hub and fsspec in .venv (breaking s3fs), and it imports triton at
+# import time, so it goes without dependencies into its own folder, which the test puts on
+# sys.path. A failed install is logged and leaves no stamp (retried next run); the test then
+# skips, or fails under R3DATA_REQUIRE_INTEGRATION=1.
+TITAN_DIR ?= .cache/torchtitan
+TITAN_SPEC ?= torchtitan==0.3.0 tyro==1.0.17 docstring_parser==0.18.0 spmd_types==0.2.3 triton==3.9.0
+TITAN_STAMP := $(TITAN_DIR)/.r3data-installed
+TITAN_LOG := $(TITAN_DIR)-install.log
+
+.PHONY: titan-env
+titan-env: $(TITAN_STAMP)
+test: $(TITAN_STAMP)
+
+$(TITAN_STAMP): $(STAMP)
+	@echo "installing torchtitan into $(TITAN_DIR) (once; log in $(TITAN_LOG))"
+	@mkdir -p .cache && { rm -rf $(TITAN_DIR) && $(PY) -m pip install --quiet --no-deps \
+	  --target $(TITAN_DIR) $(TITAN_SPEC) && touch $(TITAN_STAMP); } > $(TITAN_LOG) 2>&1 \
+	|| { echo "torchtitan not installed; last lines of $(TITAN_LOG):"; tail -n 5 $(TITAN_LOG); \
+	     rm -rf $(TITAN_DIR); }

@@ -10,7 +10,9 @@ Printed and written as JSON: bytes and seconds of each arm, and the one-thread p
 throughput relative to one plain memcpy of the same bytes into a warm buffer, in this run.
 
 Targets at the typical RL distribution (shortest rollout 1/16 of the longest): packed bytes
-equal the real rows exactly; packed+pool time <= 0.5x padded+pool; fill >= 0.5x memcpy.
+equal the real rows exactly; packed time <= 0.5x padded time, both on recycled buffers (the
+headline: the same allocator on both sides; the padded arm on fresh ``torch.zeros`` buffers
+is reported too); fill >= 0.5x memcpy.
 """
 
 from __future__ import annotations
@@ -31,7 +33,11 @@ from r3data.trace import FieldInfo, StitchedField
 from r3data.wire.rows import InlineRows
 
 RESULTS = Path(__file__).parent / "results" / "bench_collate.json"
-TARGETS = {"packed_bytes_vs_real": 1.0, "packed_pool_vs_padded_pool": 0.5, "fill_vs_memcpy": 0.5}
+TARGETS = {
+    "packed_bytes_vs_real": 1.0,
+    "packed_pool_vs_padded_pool_recycled": 0.5,
+    "fill_vs_memcpy": 0.5,
+}
 
 
 def padded_collate(
@@ -152,16 +158,18 @@ def main(argv: list[str] | None = None) -> dict:
         report["met"] = {
             "packed_bytes_vs_real": ratios["packed_bytes_vs_real"]
             == TARGETS["packed_bytes_vs_real"],
-            "packed_pool_vs_padded_pool": ratios["packed_pool_vs_padded_pool"]
-            <= TARGETS["packed_pool_vs_padded_pool"],
+            "packed_pool_vs_padded_pool_recycled": ratios["packed_pool_vs_padded_pool_recycled"]
+            <= TARGETS["packed_pool_vs_padded_pool_recycled"],
             "fill_vs_memcpy": ratios["fill_vs_memcpy"] >= TARGETS["fill_vs_memcpy"],
         }
     write_report(report, args.out)
     for kind, row in report["distributions"].items():
         r, t = row["ratios"], row["seconds"]
         print(
-            f"{kind:>11}: packed+pool {t['packed_pool']:.3f}s vs padded+pool {t['padded_pool']:.3f}s "
-            f"({r['packed_pool_vs_padded_pool']:.2f}x), fill {r['fill_vs_memcpy']:.2f}x memcpy, "
+            f"{kind:>11}: packed {t['packed_pool']:.3f}s vs padded {t['padded_pool_recycled']:.3f}s, "
+            f"both recycled ({r['packed_pool_vs_padded_pool_recycled']:.2f}x; vs fresh "
+            f"torch.zeros {r['packed_pool_vs_padded_pool']:.2f}x), fill "
+            f"{r['fill_vs_memcpy']:.2f}x memcpy, "
             f"bytes packed/padded {row['bytes']['packed'] / row['bytes']['padded']:.2f}"
         )
     if "met" in report:

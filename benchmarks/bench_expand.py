@@ -1,4 +1,4 @@
-"""Expand one rank's routes: :func:`r3data.layout.expand` vs a plain copy of the output bytes.
+"""Expand one rank's routes: :func:`r3data.layout.expand` vs a one-pass widen of the same ids.
 
 The batch holds ``--sequences`` samples (default 256, lengths uniform in [512, 4096]) of uint8
 routes, 48 layers x top-8, packed back to back. One rank of a TP 2 x CP 2 grid with sequence
@@ -7,16 +7,19 @@ micro-batch, and as BSHD (seq-major) micro-batches of ``--micro-batch`` sequence
 
 Timed side by side in one run, interleaved, median of ``--repeats``:
 
-- copy: ``clone()`` of a tensor the size of the output (allocation plus copy, as ``expand``
-  allocates its output too), and ``copy_`` into a preallocated tensor, for reference; on the
-  CPU also a numpy copy (numpy memory, which gets transparent huge pages from 4 MiB where the
-  kernel's mode is ``madvise`` or ``always``, like ``expand``'s CPU output);
+- widen: the baseline: uint8 ids as many as the output holds, widened to int32 in one pass
+  into memory from the same allocator ``expand``'s output comes from (on the CPU numpy's,
+  which gets transparent huge pages from 4 MiB where the kernel allows; on a GPU torch's),
+  allocation included, as ``expand`` allocates its output too;
+- for reference: ``clone()`` of an int32 tensor the size of the output (it reads 4x the bytes
+  of the uint8 input and, on the CPU, takes 4 KiB pages), ``copy_`` into a preallocated one,
+  and a numpy copy;
 - ours: ``expand(routes, layout)``.
 
 Peak extra memory of ``expand`` (output included) is the process's resident high-water mark
 above its resident size before the call (``/proc/self/clear_refs`` resets the mark) on the
-CPU, or ``torch.cuda.max_memory_allocated`` on a GPU. Targets: >= 0.5x the copy's throughput,
-peak extra memory <= 1.2x the output size.
+CPU, or ``torch.cuda.max_memory_allocated`` on a GPU. Targets: >= 0.8x the widen's
+throughput, THD and BSHD alike; peak extra memory <= 1.2x the output size.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ from r3data.benchmarking import time_interleaved, write_report
 from r3data.layout import TokenLayout, expand
 from r3data.packed import PackedTensor
 
-TARGETS = {"copy_throughput_ratio": 0.5, "peak_extra_ratio": 1.2}
+TARGETS = {"widen_throughput_ratio": 0.8, "peak_extra_ratio": 1.2}
 DEFAULT_OUT = Path(__file__).parent / "results" / "bench_expand.json"
 _M_MMAP_THRESHOLD = -3
 
@@ -119,11 +122,20 @@ def bench_layout(
     output_bytes = sum(sizes)
     sources = [torch.ones(size // 4, dtype=torch.int32, device=device) for size in sizes]
     targets = [torch.empty_like(source) for source in sources]
+    narrow = [torch.ones(size // 4, dtype=torch.uint8, device=device) for size in sizes]
+
+    def widen(ids: torch.Tensor) -> Any:
+        if device.type == "cpu":  # numpy's allocator, as expand's CPU output
+            out = np.empty(ids.shape[0], np.int32)
+            np.copyto(out, ids.numpy())
+            return out
+        return ids.to(torch.int32)
 
     def expand_all() -> list[list[torch.Tensor]]:
         return [expand(routes, layout) for routes in micro_batches]
 
     cases = {
+        "widen": lambda: [widen(ids) for ids in narrow],
         "clone": lambda: [source.clone() for source in sources],
         "copy_into": lambda: [t.copy_(s) for t, s in zip(targets, sources, strict=True)],
         "expand": expand_all,
@@ -134,7 +146,7 @@ def bench_layout(
     seconds = time_interleaved(cases, repeats, sync=sync)
     median = {case: statistics.median(values) for case, values in seconds.items()}
     peak = peak_extra_bytes(expand_all, device)
-    ratio = median["clone"] / median["expand"]
+    ratio = median["widen"] / median["expand"]
     peak_ratio = None if peak is None else peak / output_bytes
     return {
         "layout": name,
@@ -144,7 +156,8 @@ def bench_layout(
         "seconds_median": median,
         "seconds_all": seconds,
         "expand_gib_per_s": output_bytes / median["expand"] / 2**30,
-        "copy_throughput_ratio": ratio,
+        "widen_throughput_ratio": ratio,
+        "clone_throughput_ratio": median["clone"] / median["expand"],
         "copy_into_throughput_ratio": median["copy_into"] / median["expand"],
         "numpy_copy_throughput_ratio": median["numpy_copy"] / median["expand"]
         if "numpy_copy" in median
@@ -152,7 +165,7 @@ def bench_layout(
         "peak_extra_bytes": peak,
         "peak_extra_ratio": peak_ratio,
         "met": {
-            "copy_throughput_ratio": ratio >= TARGETS["copy_throughput_ratio"],
+            "widen_throughput_ratio": ratio >= TARGETS["widen_throughput_ratio"],
             "peak_extra_ratio": peak_ratio is not None
             and peak_ratio <= TARGETS["peak_extra_ratio"],
         },
@@ -213,9 +226,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         print(
             f"{r['layout']:>16}: {r['local_tokens']:>9} tokens, "
             f"{r['output_bytes'] / 2**20:8.1f} MiB, expand {r['expand_gib_per_s']:6.2f} GiB/s, "
-            f"{r['copy_throughput_ratio']:.2f}x clone "
-            f"(target >= {TARGETS['copy_throughput_ratio']}), "
-            f"{r['copy_into_throughput_ratio']:.2f}x copy_, "
+            f"{r['widen_throughput_ratio']:.2f}x the one-pass widen "
+            f"(target >= {TARGETS['widen_throughput_ratio']}), "
+            f"{r['clone_throughput_ratio']:.2f}x clone, {r['copy_into_throughput_ratio']:.2f}x copy_, "
             + ("" if numpy_copy is None else f"{numpy_copy:.2f}x numpy copy, ")
             + f"peak extra {peak} of output (target <= {TARGETS['peak_extra_ratio']})"
         )

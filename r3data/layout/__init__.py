@@ -4,16 +4,18 @@ Pure geometry over host integers and one gather on the routes' device: no files,
 megatron import.
 """
 
-from r3data.layout.gather import expand, expand_batch_major, expand_mask
+from r3data.layout.gather import Fill, RoundRobin, expand, expand_batch_major, expand_mask
 from r3data.layout.rows import RankRows
 from r3data.layout.stages import ModelLayers
 from r3data.layout.token_layout import PAD, LayerAxis, TokenLayout
 
 __all__ = [
     "PAD",
+    "Fill",
     "LayerAxis",
     "ModelLayers",
     "RankRows",
+    "RoundRobin",
     "TokenLayout",
     "expand",
     "expand_batch_major",

@@ -13,13 +13,17 @@ of consecutive rows, or a gather of scattered rows through a small staging block
 accelerators a gather of a bounded chunk of rows at a time. There is no padded full-batch
 rectangle and no full-size intermediate. Padding tokens get ``fill``, by default
 ``arange(topk)``: the all-to-all dispatcher assumes exactly ``tokens * topk`` distinct
-assignments, so a padding row must never repeat an expert.
+assignments, so a padding row must never repeat an expert. ``RoundRobin(num_experts)``
+instead gives each padding token its own run of ``topk`` experts by its place in the padded
+batch, so padding spreads over all experts, and over expert-parallel ranks, whichever
+rank holds it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import numpy as np
@@ -32,7 +36,22 @@ from r3data.layout.token_layout import PAD, LayerAxis, TokenLayout, as_lengths
 from r3data.packed import PackedTensor
 from r3data.tensor_buffer import bit_view
 
-Fill = Literal["distinct"] | Sequence[int] | torch.Tensor
+
+@dataclass(frozen=True)
+class RoundRobin:
+    """Padding fill: the padding token at place ``p`` of the padded batch (every sample
+    padded, before CP and SP split it) gets experts ``(p * topk + arange(topk)) %
+    num_experts``: distinct in each row, spread round-robin over all experts."""
+
+    num_experts: int
+
+    def __post_init__(self) -> None:
+        n = self.num_experts
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise LayoutError(f"RoundRobin.num_experts must be an int >= 1, found {n!r}")
+
+
+Fill = Literal["distinct"] | RoundRobin | Sequence[int] | torch.Tensor
 
 #: On accelerators, rows gathered at once stay under this many bytes (and 1/8 of the output).
 CHUNK_BYTES = 64 << 20
@@ -75,8 +94,8 @@ def expand(
 
     Dense layers: without the model's layer pattern (``TokenLayout(layers=ModelLayers(...))``,
     stated once; a rank-local batch carries its layout's), every entry of an ``"all"`` layer
-    axis is taken for an MoE layer, and routes whose layer is zero in every row (what engines
-    send for a dense layer) raise instead of being replayed as expert 0.
+    axis is taken for an MoE layer, and top-k >= 2 routes whose layer is zero in every row
+    (what engines send for a dense layer) raise instead of being replayed as expert 0.
     """
     topk = _check_routes(routes)
     dtype = _output_dtype(dtype)
@@ -86,6 +105,8 @@ def expand(
     layers = _moe_layers(routes, layout, layer_axis)
     _check_ids_fit(routes.values, dtype)
     buffer = _gather(routes.values, grid, layers, fill_row, dtype, batch_major=False)
+    if isinstance(fill, RoundRobin):
+        _spread_padding(buffer, grid, layout.token_grid(layout.padded_lengths(full)), fill)
     return list(buffer.view(grid.size, len(layers), topk).unbind(1))
 
 
@@ -120,6 +141,9 @@ def expand_batch_major(
     layers = _moe_layers(routes, layout, layer_axis)
     _check_ids_fit(routes.values, dtype)
     buffer = _gather(routes.values, grid, layers, fill_row, dtype, batch_major=True)
+    if isinstance(fill, RoundRobin):
+        places = layout.token_grid(layout.padded_lengths(full))
+        _spread_padding(buffer, grid.T, places.T, fill)
     return list(buffer.unbind(2))
 
 
@@ -229,8 +253,12 @@ def _moe_layers(
 
 
 def _zero_layers(values: torch.Tensor) -> tuple[int, ...]:
-    """Layers whose entries are zero in every row (candidates from the first row: one pass)."""
-    if not values.shape[0]:
+    """Layers whose entries are zero in every row (candidates from the first row: one pass).
+
+    A top-k >= 2 MoE row names k distinct experts, so it is never all zero; with top-1 a
+    layer whose tokens all picked expert 0 cannot be told from a dense one: none is refused.
+    """
+    if not values.shape[0] or values.shape[2] < 2:
         return ()
     bits = bit_view(values)
     candidates = torch.nonzero(~bits[0].bool().any(dim=-1)).reshape(-1)
@@ -298,6 +326,15 @@ def _output_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def _fill_row(fill: Fill, topk: int, dtype: torch.dtype) -> torch.Tensor:
+    if isinstance(fill, RoundRobin):
+        if topk > fill.num_experts:
+            raise LayoutError(
+                f"RoundRobin needs top-{topk} distinct experts of {fill.num_experts}, "
+                f"found more picks than experts"
+            )
+        if fill.num_experts - 1 > torch.iinfo(dtype).max:
+            raise LayoutError(f"fill ids must fit {dtype}, found {fill.num_experts - 1}")
+        return torch.arange(topk)
     if isinstance(fill, str):
         if fill != "distinct":
             raise LayoutError(
@@ -366,6 +403,22 @@ def _gather(
     else:
         _copy_on_device(flat, index, values, layers, fill)
     return buffer
+
+
+def _spread_padding(
+    buffer: torch.Tensor, grid: np.ndarray, places: np.ndarray, fill: RoundRobin
+) -> None:
+    """Overwrite the padding rows of ``buffer`` (token-major as ``grid``) round-robin by
+    each token's place in the padded batch (``places``: the grid of the padded lengths)."""
+    pads = np.flatnonzero(grid.reshape(-1) == PAD)
+    if not pads.size:
+        return
+    flat = buffer.view(grid.size, *buffer.shape[-2:])
+    topk = flat.shape[-1]
+    place = torch.from_numpy(places.reshape(-1)[pads])
+    rows = (place[:, None] * topk + torch.arange(topk)) % fill.num_experts
+    at = torch.from_numpy(pads).to(flat.device)
+    flat[at] = rows.to(flat.device, flat.dtype).unsqueeze(1).expand(-1, flat.shape[1], -1)
 
 
 def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -190,7 +190,7 @@ class CollateRollouts:
                 pool=self.pool,
             )
         except Exception as exc:
-            index = getattr(exc, "r3data_index", None)
+            index = getattr(exc, "r3data_sample", None)
             if index is None or index >= len(kept):
                 raise
             sample = kept[index]

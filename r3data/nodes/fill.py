@@ -3,17 +3,17 @@
 For each field the pieces of every sample's plan (:func:`r3data.trace.stitch`) are executed
 once, in parallel on the shared pool, into one buffer allocated at its final size:
 
-- inline rows are copied, base64 rows decoded straight into their slice (through a cache-sized
-  bounce), by-handle rows read straight into it: one read plan for the batch, every file
-  opened once, adjacent ranges of a file in one ``preadv``, checksummed chunk by chunk;
+- inline rows are copied, base64 rows decoded straight into their slice
+  (:func:`r3data.wire.blob.decode_base64_into`), by-handle rows read straight into it: one
+  read plan for the batch, every file opened once (its claims checked against its size before
+  anything is allocated), adjacent ranges of a file in one ``preadv``, checksummed chunk by
+  chunk;
 - route rows are screened (:mod:`r3data.nodes.screen`) while still in cache: a large piece
   chunk by chunk as it lands, small pieces together in one pass over their rows;
 - placeholders are written last, in a few vectorised assignments for the whole batch;
 - rows the screen finds missing are a gap, handled by ``on_gap`` as stitching handles one.
 
-Ragged fields (sampling masks) are filled the same way into CSR: values and row offsets.
-Nothing sized by an untrusted claim is allocated before the claim is checked against its
-file's size.
+Ragged fields (sampling masks) are filled into CSR by :mod:`r3data.nodes.ragged_fill`.
 """
 
 from __future__ import annotations
@@ -21,18 +21,26 @@ from __future__ import annotations
 import math
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
-import torch
 
-from r3data.buffers import BufferPool, empty_rows
+from r3data.buffers import BufferPool
 from r3data.errors import SegmentError, TraceError, TraceGapError
-from r3data.nodes.screen import ScreenOptions, screen_rows
+from r3data.nodes.fill_common import (
+    MAX_BUFFER_BYTES,
+    FilledField,
+    allocate,
+    check_sizes,
+    named,
+    torch_dtype,
+)
+from r3data.nodes.ragged_fill import fill_ragged
+from r3data.nodes.screen import RowFlags, ScreenOptions, screen_rows
 from r3data.packed import PackedTensor, aranges
 from r3data.packed_ragged import PackedRagged
 from r3data.parallel import fill_rows, pool_workers
-from r3data.payload.reader import OpenFiles, PayloadReader, RangeRead, values_range
+from r3data.payload.reader import OpenFiles, PayloadReader, RangeRead
 from r3data.payload.segment import PayloadSegment
 from r3data.ragged import RaggedRows
 from r3data.spans import format_spans, merge
@@ -41,29 +49,13 @@ from r3data.wire.rows import EncodedRows, InlineRows
 
 __all__ = ["MAX_BUFFER_BYTES", "FilledField", "fill_field", "materialize", "torch_dtype"]
 
-MAX_BUFFER_BYTES = 1 << 40
-"""No field's buffer is larger than this (1 TiB): a claim above it is refused unread."""
-
 _SMALL = 256 << 10
 """Pieces below this many bytes are screened together after the fill, not one by one."""
 _JOB_BYTES = 4 << 20
+_LANE_BYTES = 16 << 20
+"""A second thread pays for itself from about this many bytes of a field (below, handing the
+jobs out costs more than it wins)."""
 """Inline pieces are cut into jobs of about this many bytes (parallel, cache-friendly)."""
-
-
-def torch_dtype(dtype: np.dtype) -> torch.dtype:
-    return torch.from_numpy(np.empty(0, dtype=dtype)).dtype
-
-
-@dataclass
-class FilledField:
-    """One field of a batch: its values, which rows are engine rows, and what the screen
-    changed (a statistics delta, samples to drop, warnings)."""
-
-    values: PackedTensor | PackedRagged
-    valid: np.ndarray
-    stats: StitchStats = field(default_factory=StitchStats)
-    dropped: list[int] = field(default_factory=list)
-    warnings: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,7 +152,7 @@ class _FixedFill:
                             self.placed.append(_Placed(piece.source, lo, sample, real=False))
                 else:
                     if piece.row_shape != self.row_shape:
-                        raise _at(
+                        raise named(
                             SegmentError(
                                 f"field {self.name!r}: expected rows of shape {self.row_shape}, "
                                 f"found {piece.row_shape} at position {piece.pos}"
@@ -173,7 +165,7 @@ class _FixedFill:
         for placed in self.placed:
             if type(placed.piece) is PayloadSegment:
                 if self.reader is None:
-                    raise _at(
+                    raise named(
                         SegmentError(
                             f"field {self.name!r}: a by-handle piece needs a payload reader"
                         ),
@@ -186,7 +178,8 @@ class _FixedFill:
         """The fill's work, bound to the allocated buffer :attr:`out`: file reads first (the
         files ``opened`` to check their sizes are read without opening them again)."""
         ranges: list[RangeRead] = []
-        jobs: list[Callable[[], None]] = []
+        placed_ranges: list[_Placed] = []
+        tasks: list[tuple[InlineRows | EncodedRows, np.ndarray, _Placed, int, bool]] = []
         for placed in self.placed:
             piece, rows = placed.piece, placed.piece.rows
             if rows == 0:
@@ -213,22 +206,24 @@ class _FixedFill:
                         on_bytes=None if sink is None else sink.advance,
                     )
                 )
+                placed_ranges.append(placed)
                 continue
             step = max(1, _JOB_BYTES // max(self.row_bytes, 1))
             for first in range(0, rows, step):
                 stop = min(first + step, rows)
                 part = piece.clipped(piece.pos + first, piece.pos + stop)
-                target = dest[first:stop]
-                jobs.append(
-                    lambda part=part, target=target, placed=placed, first=first, big=sink: (
-                        self._copy(part, target, placed, first, big is not None)
-                    )
-                )
+                tasks.append((part, dest[first:stop], placed, first, sink is not None))
+        jobs = [lambda group=group: self._copy_all(group) for group in _grouped(tasks)]
         if ranges:
-            jobs = self.reader.file_jobs(ranges, opened) + jobs
+            samples = {id(r): p.sample for r, p in zip(ranges, placed_ranges, strict=True)}
+            jobs = [_naming(job, samples) for job in self.reader.file_jobs(ranges, opened)] + jobs
         return jobs
 
     # --- execution ----------------------------------------------------------------------------
+
+    def _copy_all(self, tasks: list) -> None:
+        for task in tasks:
+            self._copy(*task)
 
     def _copy(
         self,
@@ -247,7 +242,7 @@ class _FixedFill:
                 if sink is not None:
                     sink.advance(dest.nbytes)
         except Exception as exc:
-            raise _at(exc, placed.sample) from None
+            raise named(exc, placed.sample) from None
 
     def convert_staged(self) -> None:
         """Screen rows that arrived in another dtype, then convert them into the buffer
@@ -259,7 +254,7 @@ class _FixedFill:
                 dest = self.out[placed.lo : placed.lo + placed.piece.rows]
                 np.copyto(dest, staged, casting="unsafe" if narrowing else "safe")
             except Exception as exc:
-                raise _at(exc, placed.sample) from None
+                raise named(exc, placed.sample) from None
 
     # --- screening ----------------------------------------------------------------------------
 
@@ -272,7 +267,7 @@ class _FixedFill:
         if flags.too_large is not None:
             row, entry, value = flags.too_large
             layer = entry // self.row_shape[-1] if len(self.row_shape) > 1 else 0
-            raise _at(
+            raise named(
                 TraceError(
                     f"field {self.name!r}{placed.where()}: expected expert ids in "
                     f"[0, {self.screen.num_experts}), found {value} at position "
@@ -285,7 +280,7 @@ class _FixedFill:
             return
         if zero is not None and self.screen.zero_rows == "raise":
             at = placed.piece.pos + first + np.flatnonzero(zero)
-            raise _at(
+            raise named(
                 TraceError(
                     f"field {self.name!r}{placed.where()}: route rows at positions "
                     f"{at[:8].tolist()} are zero in every layer (an engine bug)"
@@ -305,27 +300,48 @@ class _FixedFill:
         )
 
     def screen_small(self) -> None:
-        """Screen the small pieces together, one pass per run of adjacent batch rows; only a
-        run with a finding is screened again piece by piece, for exact positions (the
-        placeholder rows between pieces are screened too, and ignored)."""
+        """Screen the small pieces together: one pass per run of batch rows they fill, the
+        placeholder rows between them screened too and their findings ignored; only a run
+        with a finding in an engine row is screened again piece by piece, for exact
+        positions. A placeholder's own source row is screened alone."""
         if not self.small or self.screen is None:
             return
-        order = sorted(self.small, key=lambda p: p.lo)
+        for placed in self.small:
+            if not placed.real:
+                self.check(self.out[placed.lo : placed.lo + placed.piece.rows], placed)
+        order = sorted((p for p in self.small if p.real), key=lambda p: p.lo)
+        if not order:
+            return
+        real = self.valid()
         starts = np.array([p.lo for p in order], np.int64)
-        for lo, hi in merge((p.lo, p.lo + p.piece.rows) for p in order):
-            flags = screen_rows(self.out[lo:hi], self.screen)
-            if flags.zero is None and flags.negative is None and flags.too_large is None:
+        for lo, hi in _joined((p.lo, p.lo + p.piece.rows) for p in order):
+            if not self._finds(screen_rows(self.out[lo:hi], self.screen), real[lo:hi], lo, hi):
                 continue
             for placed in order[
                 int(np.searchsorted(starts, lo)) : int(np.searchsorted(starts, hi))
             ]:
                 self.check(self.out[placed.lo : placed.lo + placed.piece.rows], placed)
 
+    def _finds(self, flags: RowFlags, real: np.ndarray, lo: int, hi: int) -> bool:
+        """Whether ``flags`` of batch rows ``[lo, hi)`` found anything in an engine row."""
+        for mask in (flags.zero, flags.negative):
+            if mask is not None and (mask & real).any():
+                return True
+        if flags.too_large is None:
+            return False
+        if real[flags.too_large[0]]:
+            return True
+        return screen_rows(self.out[lo:hi][real], self.screen).too_large is not None
+
+    def valid(self) -> np.ndarray:
+        """Bool per batch row: True where a source (an engine row) fills it."""
+        return np.repeat(np.array(self.real, bool), np.array(self.rows, np.int64))
+
     # --- after the fill -----------------------------------------------------------------------
 
     def finish(self, topk: int | None, on_gap: OnGap, sample_ids: Sequence[str]) -> FilledField:
         """Placeholders, and ``on_gap`` for rows the screen found missing."""
-        valid = np.repeat(np.array(self.real, bool), np.array(self.rows, np.int64))
+        valid = self.valid()
         filled = FilledField(values=None, valid=valid)  # type: ignore[arg-type]
         drop_routes: list[int] = []
         if self.flags.missing:
@@ -361,7 +377,7 @@ class _FixedFill:
                 f"(zero in every layer, an engine bug, or holding a negative id: no route)"
             )
             if on_gap == "raise":
-                raise _at(TraceGapError(message), sample)
+                raise named(TraceGapError(message), sample)
             if on_gap == "drop_sample":
                 filled.dropped.append(sample)
                 filled.warnings.append(f"{message}; sample dropped")
@@ -427,6 +443,32 @@ class _Sink:
             self.screened = rows
 
 
+def _joined(spans, gap: int = 64) -> list[tuple[int, int]]:
+    """Ordered spans merged, and joined across holes of at most ``gap`` rows."""
+    out: list[tuple[int, int]] = []
+    for lo, hi in merge(spans):
+        if out and lo - out[-1][1] <= gap:
+            out[-1] = (out[-1][0], hi)
+        else:
+            out.append((lo, hi))
+    return out
+
+
+def _grouped(tasks: list) -> list[list]:
+    """Copy tasks in groups of about :data:`_JOB_BYTES` (a large piece alone, many small ones
+    together): one job each, so small samples do not pay a job's overhead apiece."""
+    groups: list[list] = []
+    size = _JOB_BYTES
+    for task in tasks:
+        nbytes = task[1].nbytes
+        if size + nbytes > _JOB_BYTES:
+            groups.append([])
+            size = 0
+        groups[-1].append(task)
+        size += nbytes
+    return groups
+
+
 def _repeats_previous(placeholder: PlaceholderRows, previous: object) -> bool:
     """Whether the row ``placeholder`` repeats is the last of the piece just before it (so it
     is in the buffer already, screened): true unless a rank-local cut took that piece away."""
@@ -443,43 +485,19 @@ def _spans(positions: np.ndarray) -> list[tuple[int, int]]:
     return merge((int(p), int(p) + 1) for p in positions)
 
 
-def _at(exc: Exception, sample: int) -> Exception:
-    """``exc`` tagged with the batch index of the sample it happened in."""
-    exc.r3data_index = sample  # type: ignore[attr-defined]
-    return exc
+def _naming(job: Callable[[], None], samples: dict[int, int]) -> Callable[[], None]:
+    """``job`` (one file's reads), whose failure names the sample of the range it failed in."""
 
+    def run() -> None:
+        try:
+            job()
+        except Exception as exc:
+            failed = getattr(exc, "r3data_range", None)
+            if failed is not None and id(failed) in samples:
+                named(exc, samples[id(failed)])
+            raise
 
-def _check_sizes(
-    reader: PayloadReader,
-    segments: list[PayloadSegment],
-    samples: dict[int, int],
-    keep: OpenFiles | None = None,
-) -> None:
-    """``reader.check_sizes``; a failure names the sample of the segment that failed."""
-    try:
-        reader.check_sizes(segments, keep)
-    except Exception as exc:
-        failed = getattr(exc, "r3data_segment", None)
-        if failed is not None and id(failed) in samples:
-            _at(exc, samples[id(failed)])
-        raise
-
-
-def _allocate(
-    shape: tuple[int, ...],
-    dtype: np.dtype,
-    *,
-    name: str,
-    pin_memory: bool,
-    pool: BufferPool | None,
-) -> torch.Tensor:
-    nbytes = math.prod(shape) * dtype.itemsize
-    if nbytes > MAX_BUFFER_BYTES:
-        raise SegmentError(
-            f"field {name!r}: its rows would take {nbytes} bytes ({list(shape)} of {dtype}), "
-            f"more than the {MAX_BUFFER_BYTES} any batch buffer may"
-        )
-    return empty_rows(shape, torch_dtype(dtype), pin_memory=pin_memory, pool=pool)
+    return run
 
 
 def fill_field(
@@ -499,12 +517,12 @@ def fill_field(
 
     ``screen`` (route fields) screens every engine row; ``dtype`` is the buffer's (pieces of
     another dtype are converted, narrowing only after their ids were screened against
-    ``num_experts``). Failures carry the sample's batch index (``exc.r3data_index``).
+    ``num_experts``). Failures carry the batch index of their sample (``exc.r3data_sample``).
     """
     ids = sample_ids if sample_ids is not None else [str(i) for i in range(len(fields))]
     workers = pool_workers() if workers is None else workers
     if fields and fields[0].ragged:
-        return _fill_ragged(name, fields, dtype, reader, workers, pin_memory, pool)
+        return fill_ragged(name, fields, dtype, reader, workers, pin_memory, pool)
     row_shapes = {f.row_shape for f in fields}
     if len(row_shapes) > 1:
         raise SegmentError(
@@ -517,12 +535,13 @@ def fill_field(
     try:
         if handles:  # claims are checked against the files before anything is allocated
             segments = [p.piece for p in fill.placed if id(p.piece) in handles]
-            _check_sizes(reader, segments, handles, opened)
+            check_sizes(reader, segments, handles, opened)
         shape = (int(fill.offsets[-1]), *fill.row_shape)
-        values = _allocate(shape, dtype, name=name, pin_memory=pin_memory, pool=pool)
+        values = allocate(shape, dtype, name=name, pin_memory=pin_memory, pool=pool)
         fill.out = values.numpy()
         jobs = fill.jobs(opened)
-        fill_rows(lambda i: jobs[i](), len(jobs), workers)
+        lanes = min(workers, max(1, fill.out.nbytes // _LANE_BYTES))  # small batches: one
+        fill_rows(lambda i: jobs[i](), len(jobs), lanes)
     finally:
         opened.close()
     fill.convert_staged()
@@ -530,86 +549,6 @@ def fill_field(
     filled = fill.finish(fields[0].topk if fields else None, on_gap, ids)
     filled.values = PackedTensor(values, fill.offsets)
     return filled
-
-
-def _fill_ragged(
-    name: str,
-    fields: Sequence[StitchedField],
-    dtype: np.dtype,
-    reader: PayloadReader | None,
-    workers: int,
-    pin_memory: bool,
-    pool: BufferPool | None,
-) -> FilledField:
-    """Ragged rows into CSR: the row lengths first (index tables and padded rows are read for
-    them), then every value once into one buffer."""
-    pieces = [(sample, piece) for sample, f in enumerate(fields) for piece in f.pieces]
-    handles = {id(p): sample for sample, p in pieces if type(p) is PayloadSegment}
-    if handles:
-        if reader is None:
-            raise SegmentError(f"field {name!r}: a by-handle piece needs a payload reader")
-        _check_sizes(reader, [p for _, p in pieces if id(p) in handles], handles)
-    first: list[RangeRead] = []  # index tables (ragged) or the rows themselves (padded)
-    for _, piece in pieces:
-        if type(piece) is PayloadSegment and piece.rows:
-            where = (piece.index, piece.nbytes) if piece.ragged else (piece.offset, piece.nbytes)
-            first.append(RangeRead(piece, *where, crc=None if piece.ragged else piece.crc32c))
-    if first:
-        reader.read_ranges(first)
-    runs: list[RaggedRows | RangeRead | int] = []  # per piece: its rows, a values range, or empty
-    tables = iter(first)
-    for _, piece in pieces:
-        if type(piece) is PlaceholderRows:
-            runs.append(piece.rows)
-        elif type(piece) is PayloadSegment:
-            if not piece.rows:
-                runs.append(0)
-            elif piece.ragged:
-                runs.append(next(tables))
-            else:
-                padded = next(tables).array().view(piece.dtype).reshape(piece.rows, *piece.shape)
-                runs.append(RaggedRows.from_padded(padded, what=f"{piece.file} {name!r}"))
-        else:
-            runs.append(piece.array)
-    lengths: list[np.ndarray] = []
-    reads: list[tuple[RangeRead, np.ndarray]] = []
-    for i, run in enumerate(runs):
-        if isinstance(run, int):
-            lengths.append(np.zeros(run, np.int64))
-        elif isinstance(run, RaggedRows):
-            lengths.append(run.lengths)
-        else:
-            values, index = values_range(run)
-            reads.append((values, index))
-            runs[i] = values
-            lengths.append(np.diff(index))
-    row_lengths = np.concatenate(lengths) if lengths else np.zeros(0, np.int64)
-    row_offsets = np.zeros(row_lengths.size + 1, np.int64)
-    np.cumsum(row_lengths, out=row_offsets[1:])
-    values = _allocate((int(row_offsets[-1]),), dtype, name=name, pin_memory=pin_memory, pool=pool)
-    out = values.numpy()
-    cursor = 0
-    copies: list[tuple[np.ndarray, np.ndarray]] = []
-    for run, length in zip(runs, lengths, strict=True):
-        n = int(length.sum())
-        dest = out[cursor : cursor + n]
-        cursor += n
-        if isinstance(run, RaggedRows):
-            copies.append((dest, run.compact()[0]))
-        elif isinstance(run, RangeRead):
-            run.dest = memoryview(dest.view(np.uint8))
-    if reads:
-        if any(np.dtype(r.segment.dtype) != dtype for r, _ in reads):
-            raise SegmentError(f"field {name!r}: ragged rows by handle must be {dtype}")
-        reader.read_ranges([r for r, _ in reads])
-    fill_rows(lambda i: np.copyto(*copies[i], casting="safe"), len(copies), workers)
-    sample_rows = np.zeros(len(fields) + 1, np.int64)
-    np.cumsum([sum(p.rows for p in f.pieces) for f in fields], out=sample_rows[1:])
-    valid = np.concatenate(
-        [np.full(p.rows, type(p) is not PlaceholderRows) for _, p in pieces] or [np.zeros(0, bool)]
-    )
-    rows = PackedTensor(values, row_offsets)
-    return FilledField(values=PackedRagged(rows, sample_rows), valid=valid)
 
 
 def materialize(

@@ -1,11 +1,13 @@
 """``loader``: the whole pipeline from training samples to this rank's micro-batches.
 
-``StepSource -> Mapper(stitch every sample) -> Prefetcher -> Mapper(fill the batch) ->
-Prefetcher``, wrapped in a ``torchdata.nodes.Loader`` whose ``state_dict()`` resumes exactly
-after the last micro-batch the trainer received. Work is per micro-batch, not per sample, and
-in two stages on their own threads: while one micro-batch fills (copies, decodes and reads
-that release the GIL and are bound by memory bandwidth), the next is stitched (Python,
-holding the GIL).
+``StepSource -> Mapper(stitch every sample, then fill the micro-batch) -> Prefetcher``, wrapped
+in a ``torchdata.nodes.Loader`` whose ``state_dict()`` resumes exactly after the last
+micro-batch the trainer received. Work is per micro-batch, not per sample, on one background
+thread while the trainer computes; the fill spreads its copies, decodes and reads over the
+shared pool. Stitching (Python, holding the GIL) and filling are not overlapped with each
+other: a fill thread waiting for the GIL behind a stitching thread loses more (every one of its
+many short handovers costs a switch interval) than the overlap would win on the memory
+bandwidth the fill is bound by.
 
 A failure anywhere travels as a value (:class:`_Failed`) through the stages that follow and
 is raised on the trainer's thread: the original exception class, its message first and on one
@@ -268,10 +270,7 @@ def loader(
     def stitched(micro: MicroBatch[tuple[int, Any]]) -> MicroBatch[Any]:
         return micro.with_items([stitch(item, micro.step) for item in micro.items])
 
-    node: BaseNode[Any] = Mapper(_Guarded(source), _Stage(stitched))
-    if prefetch:  # the next batch is stitched (Python) while this one fills (copies, reads)
-        node = Prefetcher(node, prefetch_factor=1)
-    node = Mapper(node, _Stage(fill))
+    node: BaseNode[Any] = Mapper(_Guarded(source), _Stage(lambda micro: fill(stitched(micro))))
     if prefetch:
         node = Prefetcher(node, prefetch_factor=prefetch)
     return Loader(Mapper(node, _delivered), restart_on_stop_iteration=False)

@@ -66,15 +66,26 @@ def _words(flat: np.ndarray) -> np.ndarray:
     return raw
 
 
+def _below(ored: np.ndarray, dtype: np.dtype, limit: int) -> bool:
+    """Whether every id is below ``limit``, from the bitwise OR of the rows' words: exact for
+    unsigned ids and a power-of-two ``limit`` (no id has a bit at or above it)."""
+    if dtype.kind != "u" or limit & (limit - 1):
+        return False
+    every = np.bitwise_or.reduce(ored)
+    return int(np.bitwise_or.reduce(np.frombuffer(every.tobytes(), dtype))) < limit
+
+
 def screen_rows(rows: np.ndarray, options: ScreenOptions) -> RowFlags:
-    """Screen ``rows`` (``[n, *row_shape]``, C-contiguous) in as few passes as the dtype needs."""
+    """Screen ``rows`` (``[n, *row_shape]``, C-contiguous): one pass over the bytes (the OR of
+    each row's words) in the usual case, another only for what it cannot settle."""
     n = rows.shape[0]
     if n == 0 or rows.size == 0:
         return RowFlags(None, None, None)
     flat = rows.reshape(n, -1)
+    ored = np.bitwise_or.reduce(_words(flat), axis=1)
     zero = None
     if options.zero_rows != "keep":
-        zero = ~_words(flat).any(axis=1)
+        zero = ored == 0
         if not zero.any():
             zero = None
     negative = None
@@ -82,7 +93,12 @@ def screen_rows(rows: np.ndarray, options: ScreenOptions) -> RowFlags:
         negative = flat.min(axis=1) < 0
     too_large = None
     limit = options.num_experts
-    if limit is not None and limit - 1 < np.iinfo(flat.dtype).max and int(flat.max()) >= limit:
+    if (
+        limit is not None
+        and limit - 1 < np.iinfo(flat.dtype).max
+        and not _below(ored, flat.dtype, limit)
+        and int(flat.max()) >= limit
+    ):
         row, entry = np.unravel_index(int(np.argmax(flat >= limit)), flat.shape)
         too_large = (int(row), int(entry), int(flat[row, entry]))
     return RowFlags(zero, negative, too_large)

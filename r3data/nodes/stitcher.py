@@ -12,7 +12,8 @@ from r3data.errors import ConfigError, TraceError, with_message
 from r3data.nodes.options import TraceOptions
 from r3data.nodes.sample import RolloutSample, as_rollout, name_sample
 from r3data.payload.retention import PayloadRetention
-from r3data.trace import ROUTES_FIELD, StitchedSample, Trace, stitch
+from r3data.trace import ROUTES_FIELD, StitchedSample, Trace
+from r3data.trace.stitch import check_stitch_options, stitch_checked
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +50,9 @@ class StitchRollout:
     def __post_init__(self) -> None:
         if not isinstance(self.trace, TraceOptions):
             raise ConfigError(f"trace: expected TraceOptions, found {type(self.trace).__name__}")
+        trace = self.trace
+        options = check_stitch_options(self.fields, trace.placeholder, trace.on_gap, trace.topk)
+        object.__setattr__(self, "_options", options)  # checked once, for every sample
 
     def __call__(self, item: tuple[int, Any], step: int | None = None) -> StitchedRollout:
         index, raw = item
@@ -73,14 +77,7 @@ class StitchRollout:
             )
             logger.warning(warning)
             return StitchedRollout(index, sample, None, (*warnings, warning))
-        stitched = stitch(
-            sample.trace,
-            sample.sample_len,
-            fields=tuple(self.fields),
-            placeholder=self.trace.placeholder,
-            on_gap=self.trace.on_gap,
-            topk=self.trace.topk,
-        )
+        stitched = stitch_checked(sample.trace, sample.sample_len, self._options)
         return StitchedRollout(index, sample, stitched, warnings)
 
     def _length_warnings(self, sample: RolloutSample, index: int) -> tuple[str, ...]:

@@ -4,20 +4,24 @@ Handles come from inference servers over the network. Each one is first resolved
 ``..`` above the root, no absolute path or URL elsewhere). On a *local-backed* root (any
 filesystem whose paths are OS paths: ``LocalFileSystem``, its subclasses, a ``DirFileSystem``
 over one) every open, directory and deletion then goes through the kernel: the path is opened
-relative to a fresh descriptor of the root, and the descriptor's own path (symlinks resolved,
-as the kernel holds it) must lie inside the root's, so nothing is remembered that a rename or a
-swapped symlink could invalidate. A file is opened ``O_PATH`` first and must be a regular file
-before it is opened to read, so a FIFO cannot block a read and a device is never opened. This
-needs Linux's ``/proc/self/fd``.
+relative to a fresh descriptor of the root with ``openat2(RESOLVE_BENEATH)``, which refuses
+any resolution that leaves it; what it refuses (an absolute symlink, which may still lead
+inside) and everything on kernels without ``openat2`` is opened plainly, and the descriptor's
+own path, symlinks resolved as the kernel holds it, must then lie inside the root's,
+so nothing is remembered that a rename or a swapped symlink could invalidate. A file is opened
+``O_PATH`` first and must be a regular file before it is opened to read, so a FIFO cannot
+block a read and a device is never opened. This needs Linux's ``/proc/self/fd``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import os
 import posixpath
 import stat
+import sys
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -143,6 +147,46 @@ def _fsspec_errors(url: str, doing: str) -> Iterator[None]:
         raise
     except Exception as exc:  # a client library's own errors are I/O failures here
         raise PayloadReadError(f"{doing}: {type(exc).__name__}: {exc}") from exc
+
+
+class _OpenHow(ctypes.Structure):
+    _fields_ = (("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64), ("resolve", ctypes.c_uint64))
+
+
+_SYS_OPENAT2 = 437  # the same number on every Linux architecture
+_RESOLVE_BENEATH_ONLY = 0x02 | 0x08  # RESOLVE_NO_MAGICLINKS | RESOLVE_BENEATH
+_openat2_missing = sys.platform != "linux"
+
+
+def _openat2(root_fd: int, rel: str, flags: int) -> int | None:
+    """``openat2(root_fd, rel, flags, RESOLVE_BENEATH)``: the kernel refuses (``EXDEV``) any
+    resolution leaving ``root_fd``; None on a kernel without the call."""
+    global _openat2_missing
+    if _openat2_missing:
+        return None
+    how = _OpenHow(flags, 0, _RESOLVE_BENEATH_ONLY)
+    fd = _LIBC.syscall(_SYS_OPENAT2, root_fd, os.fsencode(rel), ctypes.byref(how), 24)
+    if fd >= 0:
+        return fd
+    code = ctypes.get_errno()
+    if code in (errno.ENOSYS, errno.EPERM) and not _probe_openat2():
+        _openat2_missing = True
+        return None
+    raise OSError(code, os.strerror(code), rel)
+
+
+def _probe_openat2() -> bool:
+    """Whether ``openat2`` works here at all (seccomp filters may refuse it)."""
+    how = _OpenHow(os.O_PATH | os.O_CLOEXEC, 0, 0)
+    fd = _LIBC.syscall(_SYS_OPENAT2, -100, b"/", ctypes.byref(how), 24)  # AT_FDCWD
+    if fd >= 0:
+        os.close(fd)
+        return True
+    return False
+
+
+_LIBC = ctypes.CDLL(None, use_errno=True)
+_LIBC.syscall.restype = ctypes.c_long
 
 
 def _fd_path(fd: int) -> str:
@@ -391,14 +435,25 @@ class PayloadRoot:
         unless the kernel's own path of what was opened lies inside the root's."""
         root_fd = os.open(self._os_path, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
-            fd = os.open(rel, flags, dir_fd=root_fd)
             try:
-                real, root_real = _fd_path(fd), _fd_path(root_fd)
-                if not _inside(real, root_real):
-                    raise PayloadHandleError(
-                        f"{what} resolves through a symlink to {real!r}, outside the root "
-                        f"{self.url}"
-                    )
+                fd = _openat2(root_fd, rel, flags)
+            except OSError as exc:
+                if exc.errno != errno.EXDEV:
+                    raise
+                fd = None  # an absolute symlink, say: judged by where it really leads
+            if fd is None:
+                fd = os.open(rel, flags, dir_fd=root_fd)
+                try:
+                    real, root_real = _fd_path(fd), _fd_path(root_fd)
+                    if not _inside(real, root_real):
+                        raise PayloadHandleError(
+                            f"{what} resolves through a symlink to {real!r}, outside the root "
+                            f"{self.url}"
+                        )
+                except BaseException:
+                    os.close(fd)
+                    raise
+            try:
                 yield fd
             finally:
                 os.close(fd)

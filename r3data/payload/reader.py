@@ -234,11 +234,16 @@ class PayloadReader:
         ends: dict[str, tuple[int, PayloadSegment]] = {}
         for s in segments:
             end = s.index + s.nbytes if s.ragged else s.offset + s.nbytes
-            name = self.root.relative(s.file)
+            try:
+                name = self.root.relative(s.file)
+            except Exception as exc:
+                exc.r3data_segment = s  # type: ignore[attr-defined]  # which claim failed
+                raise
             if name not in ends or end > ends[name][0]:
                 ends[name] = (end, s)
         groups = list(ends.items())
-        fill_rows(lambda i: self._check_size(*groups[i], keep), len(groups), self.workers)
+        workers = 1 if self.root.local_backed else self.workers  # an open is microseconds here
+        fill_rows(lambda i: self._check_size(*groups[i], keep), len(groups), workers)
 
     def _check_size(
         self, name: str, claim: tuple[int, PayloadSegment], keep: OpenFiles | None
@@ -291,10 +296,16 @@ class PayloadReader:
         raise self._failed(name, s.offset, failure, attempt)
 
     def _read_file(self, name: str, ranges: list[RangeRead], handle: Any = None) -> None:
+        """Read ``ranges`` of one file; a failure carries the range it happened in
+        (``exc.r3data_range``), so a caller can name what needed it."""
         ranges.sort(key=lambda r: r.offset)
+        run: list[RangeRead] = ranges[:1]
         try:
             for run in _runs(ranges):
                 handle = self._read_run(name, handle, run)
+        except Exception as exc:
+            exc.r3data_range = next((r for r in run if r.done < r.nbytes), run[0])  # type: ignore[attr-defined]
+            raise
         finally:
             if handle is not None:
                 handle.close()

@@ -23,7 +23,6 @@ import math
 from bisect import bisect_left
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from types import MappingProxyType
 from typing import Literal
 
 import numpy as np
@@ -35,6 +34,8 @@ from r3data.validate import checked_int, nonnegative_int
 
 __all__ = [
     "GAP_POLICIES",
+    "check_stitch_options",
+    "stitch_checked",
     "OnGap",
     "Placeholder",
     "PlaceholderRows",
@@ -176,7 +177,7 @@ class StitchedField:
         return self._valid
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(frozen=True, eq=False, slots=True)
 class StitchedSample:
     """A sample's stitched fields; ``valid`` is the first field's (the routes by default)."""
 
@@ -264,6 +265,13 @@ def stitch(
     if isinstance(trace, TraceBuilder):
         trace = trace.build()
     n = nonnegative_int("sample_len", sample_len, TraceError)
+    return stitch_checked(trace, n, check_stitch_options(fields, placeholder, on_gap, topk))
+
+
+def check_stitch_options(
+    fields: Sequence[str], placeholder: object, on_gap: object, topk: object
+) -> tuple[tuple[str, ...], Placeholder, OnGap, int | None]:
+    """``stitch``'s options, checked once (a loader stitches every sample with the same)."""
     if placeholder not in ("repeat_previous", "distinct"):
         raise ConfigError(
             f"placeholder: expected 'repeat_previous' or 'distinct', found {placeholder!r}"
@@ -271,33 +279,43 @@ def stitch(
     check_on_gap(on_gap)
     if topk is not None:
         checked_int("topk", topk, minimum=1)
-    names = [fields] if isinstance(fields, str) else list(fields)
+    names = (fields,) if isinstance(fields, str) else tuple(fields)
     if not names or len(set(names)) != len(names):
-        raise ConfigError(f"fields: expected distinct field names, found {names!r}")
+        raise ConfigError(f"fields: expected distinct field names, found {list(names)!r}")
+    return names, placeholder, on_gap, topk  # type: ignore[return-value]
+
+
+def stitch_checked(
+    trace: Trace, n: int, options: tuple[tuple[str, ...], Placeholder, OnGap, int | None]
+) -> StitchedSample | None:
+    """:func:`stitch` of a built trace with options :func:`check_stitch_options` returned."""
+    names, placeholder, on_gap, topk = options
     warnings = list(trace.warnings)
-    stats = StitchStats(samples=1)
+    counts = [0, 0, 0, 0, 0]  # rows captured, placeholders, gaps, rows dropped, bytes
     stitched: dict[str, StitchedField] = {}
     for field in names:
-        result = _stitch_field(trace, field, n, placeholder, on_gap, topk)
+        result = _stitch_field(trace, field, n, placeholder, on_gap, topk, counts)
         if result is None:
             return None
-        stitched[field], field_stats, warning = result
-        stats += field_stats
+        stitched[field], warning = result
         if warning:
             warnings.append(warning)
-    return StitchedSample(
-        trace_id=trace.trace_id,
-        sample_len=n,
-        fields=MappingProxyType(stitched),
-        stats=stats,
-        warnings=tuple(warnings),
-    )
+    captured, placeholders, gaps, dropped, nbytes = counts
+    stats = StitchStats(1, 0, captured, placeholders, gaps, dropped, 0, nbytes)
+    return StitchedSample(trace.trace_id, n, stitched, stats, tuple(warnings))
 
 
 def _stitch_field(
-    trace: Trace, field: str, n: int, placeholder: Placeholder, on_gap: OnGap, topk: int | None
-) -> tuple[StitchedField, StitchStats, str | None] | None:
-    """One field's pieces, statistics and warning; None when the sample is dropped."""
+    trace: Trace,
+    field: str,
+    n: int,
+    placeholder: Placeholder,
+    on_gap: OnGap,
+    topk: int | None,
+    counts: list[int],
+) -> tuple[StitchedField, str | None] | None:
+    """One field's pieces and warning (its statistics added to ``counts``); None when the
+    sample is dropped."""
     real = _window(trace.pieces.get(field, ()), n)
     holes = complement([(p.pos, p.end) for p in real], 0, n)
     gaps = intersect(holes, trace.expected(field)) if holes else []
@@ -324,12 +342,10 @@ def _stitch_field(
     routes = field == trace.routes_field
     kind = ("distinct" if gaps else placeholder) if routes else "fill"
     captured = sum(p.rows for p in real)
-    stats = StitchStats(
-        rows_captured=captured,
-        placeholders=n - captured,
-        gaps=len(gaps),
-        rows_dropped=dropped,
-        bytes=sum(p.nbytes for p in real),
-    )
+    counts[0] += captured
+    counts[1] += n - captured
+    counts[2] += len(gaps)
+    counts[3] += dropped
+    counts[4] += sum(p.nbytes for p in real)
     pieces = tuple(_filled(real, n, field, kind)) if holes else tuple(real)
-    return StitchedField(field, pieces, info, n, topk if routes else None), stats, warning
+    return StitchedField(field, pieces, info, n, topk if routes else None), warning

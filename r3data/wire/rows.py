@@ -195,12 +195,11 @@ class EncodedRows:
         if (lo, hi) == (self.pos, self.end):
             return self
         part = object.__new__(EncodedRows)
-        for name in EncodedRows.__slots__:
-            setattr(part, name, getattr(self, name))
+        part.field, part.data, part.dtype = self.field, self.data, self.dtype
+        part.row_shape, part.meta, part.what = self.row_shape, self.meta, self.what
         part.pos, part.rows = lo, hi - lo
         part.skip = self.skip + (lo - self.pos) * self.row_bytes
-        if self._array is not None:
-            part._array = self._array[lo - self.pos : hi - self.pos]
+        part._array = None if self._array is None else self._array[lo - self.pos : hi - self.pos]
         return part
 
     def __repr__(self) -> str:

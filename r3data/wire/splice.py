@@ -4,8 +4,8 @@ A response carrying routes is mostly base64 (a 120 MiB body can hold 90 MiB of r
 ``orjson.loads`` on it would build one huge ``str`` per blob, then decoding copies it again.
 :func:`load_packed_body` instead finds every registered field's blob in the raw bytes and
 decodes it at once (while it is still in cache) into its final buffer, parses the body with
-each blob replaced by an integer placeholder (a per-call random 16-digit base plus the blob's
-index, so no value in the body can pass for one), then checks every decoded blob against the
+each blob replaced by an integer placeholder (a 16-digit base, drawn at random per process
+and fresh for each body, plus the blob's index: no value in a body can know it), then checks every decoded blob against the
 shape and dtype its envelope claims. Nothing is sized by a claim: the decoded blobs are 3/4 of
 their base64, and the spliced copy is the rest of the body.
 
@@ -39,6 +39,7 @@ are deterministic; only the transport that produced the bytes is worth retrying.
 from __future__ import annotations
 
 import bisect
+import itertools
 import mmap
 import re
 import secrets
@@ -46,10 +47,11 @@ from collections.abc import Iterable
 from functools import lru_cache
 from typing import Any, NamedTuple
 
+import numpy as np
 import orjson
 
 from r3data.errors import ConfigError, WireFormatError
-from r3data.wire.blob import Blob, decode_base64, decoded_length
+from r3data.wire.blob import Blob, decode_base64_into, decoded_length
 from r3data.wire.dtypes import DTypeLike
 from r3data.wire.envelope import array_from_buffer, check_nbytes, envelope_spec
 
@@ -62,14 +64,20 @@ _OPENERS = b"[{"
 _CONTAINERS = frozenset({dict, list})
 
 
+_BASES = itertools.count(secrets.randbelow(9 * 10**15) + 10**15, 10**6)
+"""Placeholder bases: random per process, a fresh one per body (nothing in a body can know it)."""
+
+
 class _Blob(NamedTuple):
-    """The base64 blob of ``field`` at ``raw[start:end]`` (between quotes), decoded (or, when
-    nothing is decoded, a :class:`Blob` view of its characters)."""
+    """The base64 blob of ``field`` at ``raw[start:end]`` (between quotes): a :class:`Blob` view
+    of its characters, replaced by its decoded bytes when the body is decoded; ``bare`` when it
+    is a field's whole value (not an envelope's ``data``)."""
 
     field: str
     start: int
     end: int
-    decoded: bytearray | Blob
+    decoded: bytearray | np.ndarray | Blob
+    bare: bool
 
 
 @lru_cache(maxsize=64)
@@ -115,15 +123,14 @@ class _Scanner:
 
     def scan(self) -> list[_Blob]:
         pos = 0
-        with memoryview(self.raw) as self.view:
-            while (match := self.pattern.search(self.raw, pos)) is not None:
-                if _is_key_position(self.raw, match.start()):
-                    pos = self._value(match.group(1).decode(), match.end())
-                else:
-                    pos = match.start() + 1
+        while (match := self.pattern.search(self.raw, pos)) is not None:
+            if _is_key_position(self.raw, match.start()):
+                pos = self._value(match.group(1).decode(), match.end())
+            else:
+                pos = match.start() + 1
         return self.blobs
 
-    def _blob(self, field: str, quote: int) -> int:
+    def _blob(self, field: str, quote: int, *, bare: bool = False) -> int:
         end = self.raw.find(b'"', quote + 1)
         if end < 0:
             raise WireFormatError(
@@ -131,19 +138,20 @@ class _Scanner:
                 f"of a {len(self.raw)}-byte body"
             )
         what = f"field {field!r} base64 string at byte {quote}"
-        if self.decode:
-            decoded: bytearray | Blob = decode_base64(self.view[quote + 1 : end], what=what)
-        else:
-            chars = memoryview(self.raw)[quote + 1 : end]  # outlives the scan's own view
-            decoded_length(chars, what)
-            decoded = Blob(chars, what)
-        self.blobs.append(_Blob(field, quote + 1, end, decoded))
+        chars = memoryview(self.raw)[quote + 1 : end]
+        size = decoded_length(chars, what)
+        decoded: bytearray | np.ndarray | Blob = Blob(chars, what)
+        if self.decode:  # now, while the characters are in cache, into a buffer of its own
+            decoded = bytearray(size) if bare else np.empty(size, np.uint8)
+            target = np.frombuffer(decoded, np.uint8) if bare else decoded
+            decode_base64_into(chars, target, what=what)
+        self.blobs.append(_Blob(field, quote + 1, end, decoded, bare))
         return end + 1
 
     def _value(self, field: str, pos: int) -> int:
         head = self.raw[pos : pos + 1]
         if head == b'"':
-            return self._blob(field, pos)
+            return self._blob(field, pos, bare=True)
         if head == b"{":
             return self._object(field, pos)
         if self.raw[pos : pos + 4] == b"null":
@@ -372,7 +380,7 @@ def load_packed_body(
     if not names:
         raise ConfigError("load_packed_body fields: expected at least one field name")
     blobs = _Scanner(raw, _key_pattern(names), decode).scan()
-    base = secrets.randbelow(9 * 10**15) + 10**15
+    base = next(_BASES)
     root = _parse(raw, blobs, base)
     _Resolver(blobs, base, allowed_dtypes).walk(root, frozenset(names))
     return root

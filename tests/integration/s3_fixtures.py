@@ -14,19 +14,9 @@ from typing import Any
 
 import pytest
 import s3_server
-from realparts import unavailable
+from realparts import say, unavailable
 
 _running: dict[str, s3_server.SeaweedServer] = {}
-
-
-def _say(config: pytest.Config, text: str) -> None:
-    """A line on the terminal, past pytest's output capture."""
-    reporter = config.pluginmanager.get_plugin("terminalreporter")
-    capture = config.pluginmanager.get_plugin("capturemanager")
-    if reporter is None or capture is None:
-        return
-    with capture.global_and_fixture_disabled():
-        reporter.write_line(text)
 
 
 @pytest.fixture(scope="session", name="s3")
@@ -48,13 +38,13 @@ def s3_fixture(
     server = s3_server.start(tmp_path_factory.mktemp("seaweedfs"))
     _running["server"] = server
     failed_before = request.session.testsfailed
-    _say(request.config, f"\nSeaweedFS ready in {server.started_s:.1f} s at {server.endpoint}")
+    say(request.config, f"\nSeaweedFS ready in {server.started_s:.1f} s at {server.endpoint}")
     yield server
     status = server.stop()
     del _running["server"]
     if request.session.testsfailed > failed_before:
-        _say(request.config, server.tail(60))
-    _say(request.config, f"SeaweedFS stopped (exit {status}); log kept at {server.log_path}")
+        say(request.config, server.tail(60))
+    say(request.config, f"SeaweedFS stopped (exit {status}); log kept at {server.log_path}")
 
 
 @pytest.fixture(name="s3_fs")

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import tiny_moe
 import vllm_server
-from realparts import unavailable
+from realparts import say, unavailable
 
 CACHE_ENV = "R3DATA_TEST_CACHE"
 """Where built test artefacts are cached (default ``<repo>/.cache``, gitignored)."""
@@ -26,16 +26,6 @@ _running: dict[str, vllm_server.VllmServer] = {}
 
 def cache_root() -> Path:
     return Path(os.environ.get(CACHE_ENV, vllm_server.REPO / ".cache"))
-
-
-def _say(config: pytest.Config, text: str) -> None:
-    """A line on the terminal, past pytest's output capture."""
-    reporter = config.pluginmanager.get_plugin("terminalreporter")
-    capture = config.pluginmanager.get_plugin("capturemanager")
-    if reporter is None or capture is None:
-        return
-    with capture.global_and_fixture_disabled():
-        reporter.write_line(text)
 
 
 @pytest.fixture(scope="session", name="tiny_moe_checkpoint")
@@ -66,10 +56,10 @@ def vllm_fixture(
     server = vllm_server.start(tiny_moe_checkpoint, log_path)
     _running["server"] = server
     failed_before = request.session.testsfailed
-    _say(request.config, f"\nvLLM server ready in {server.started_s:.1f} s at {server.base_url}")
+    say(request.config, f"\nvLLM server ready in {server.started_s:.1f} s at {server.base_url}")
     yield server
     status = server.stop()
     del _running["server"]
     if request.session.testsfailed > failed_before:
-        _say(request.config, server.tail(80))
-    _say(request.config, f"vLLM server stopped (exit {status}); log kept at {log_path}")
+        say(request.config, server.tail(80))
+    say(request.config, f"vLLM server stopped (exit {status}); log kept at {log_path}")

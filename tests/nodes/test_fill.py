@@ -359,7 +359,7 @@ def test_fill_refuses_wrong_shapes_and_missing_reader(tmp_path):
             ],
             dtype=np.dtype(np.uint8),
         )
-    assert info.value.r3data_index == 1
+    assert info.value.r3data_sample == 1
 
 
 def test_no_temporary_of_a_blob_is_made_while_decoding_into_place():

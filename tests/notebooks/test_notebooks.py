@@ -67,3 +67,20 @@ def test_layout_and_replay(tmp_path):
     assert summary["loop_steps"] == 2
     assert summary["loop_files_left"] == 0
     assert plots == 2
+
+
+@pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="needs r3data[hf]")
+def test_huggingface_replay(tmp_path):
+    summary, plots = execute("04_huggingface_replay.ipynb", tmp_path)
+    assert summary["routes_equal"] is True
+    assert 0.0 <= summary["max_logit_diff"] < 1e-5  # only the last tokens' placeholders differ
+    exact = summary["drifted_exact"]
+    assert exact[0] == exact[1] == 1.0  # layers before the drifted one agree fully
+    assert summary["drifted_worst_layer"] == 2
+    assert exact[2] < 1.0
+    assert summary["replayed_equal"] is True
+    assert summary["unreplayed_exact"] < 1.0
+    rates = summary["replace_rates"]
+    assert rates == sorted(rates)  # a stricter ratio replaces more
+    assert rates[-1] > 0.0
+    assert plots == 1

@@ -16,7 +16,13 @@ def test_bench_wire_quick(tmp_path):
         ["--quick", "--choices", "2", "--tokens", "32", "--repeats", "1", "--out", str(out)]
     )
     assert json.loads(out.read_text()) == result
-    assert set(result["seconds_best"]) == {"naive", "floor", "ours", "ours_two_fields"}
+    assert set(result["seconds_best"]) == {
+        "naive",
+        "naive_stdlib",
+        "floor",
+        "ours",
+        "ours_two_fields",
+    }
     for key in ("speedup_vs_naive", "ratio_to_floor", "second_field_ratio", "peak_extra_ratio"):
         assert result[key] > 0
     assert result["decoded_bytes"] == 2 * 32 * 48 * 8

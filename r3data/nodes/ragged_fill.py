@@ -1,0 +1,102 @@
+"""The fill of a ragged field (sampling masks): rows of varying width into CSR, every value
+copied once. Row lengths come first (by-handle index tables, and the -1-padded rows some
+producers write, are read for them), then every value lands in one buffer."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from r3data.buffers import BufferPool
+from r3data.errors import SegmentError
+from r3data.nodes.fill_common import FilledField, allocate, check_sizes
+from r3data.packed import PackedTensor
+from r3data.packed_ragged import PackedRagged
+from r3data.parallel import fill_rows
+from r3data.payload.reader import PayloadReader, RangeRead, values_range
+from r3data.payload.segment import PayloadSegment
+from r3data.ragged import RaggedRows
+from r3data.trace.stitch import PlaceholderRows, StitchedField
+
+__all__ = ["fill_ragged"]
+
+
+def fill_ragged(
+    name: str,
+    fields: Sequence[StitchedField],
+    dtype: np.dtype,
+    reader: PayloadReader | None,
+    workers: int,
+    pin_memory: bool,
+    pool: BufferPool | None,
+) -> FilledField:
+    """Ragged rows into CSR: the row lengths first (index tables and padded rows are read for
+    them), then every value once into one buffer."""
+    pieces = [(sample, piece) for sample, f in enumerate(fields) for piece in f.pieces]
+    handles = {id(p): sample for sample, p in pieces if type(p) is PayloadSegment}
+    if handles:
+        if reader is None:
+            raise SegmentError(f"field {name!r}: a by-handle piece needs a payload reader")
+        check_sizes(reader, [p for _, p in pieces if id(p) in handles], handles)
+    first: list[RangeRead] = []  # index tables (ragged) or the rows themselves (padded)
+    for _, piece in pieces:
+        if type(piece) is PayloadSegment and piece.rows:
+            where = (piece.index, piece.nbytes) if piece.ragged else (piece.offset, piece.nbytes)
+            first.append(RangeRead(piece, *where, crc=None if piece.ragged else piece.crc32c))
+    if first:
+        reader.read_ranges(first)
+    runs: list[RaggedRows | RangeRead | int] = []  # per piece: its rows, a values range, or empty
+    tables = iter(first)
+    for _, piece in pieces:
+        if type(piece) is PlaceholderRows:
+            runs.append(piece.rows)
+        elif type(piece) is PayloadSegment:
+            if not piece.rows:
+                runs.append(0)
+            elif piece.ragged:
+                runs.append(next(tables))
+            else:
+                padded = next(tables).array().view(piece.dtype).reshape(piece.rows, *piece.shape)
+                runs.append(RaggedRows.from_padded(padded, what=f"{piece.file} {name!r}"))
+        else:
+            runs.append(piece.array)
+    lengths: list[np.ndarray] = []
+    reads: list[tuple[RangeRead, np.ndarray]] = []
+    for i, run in enumerate(runs):
+        if isinstance(run, int):
+            lengths.append(np.zeros(run, np.int64))
+        elif isinstance(run, RaggedRows):
+            lengths.append(run.lengths)
+        else:
+            values, index = values_range(run)
+            reads.append((values, index))
+            runs[i] = values
+            lengths.append(np.diff(index))
+    row_lengths = np.concatenate(lengths) if lengths else np.zeros(0, np.int64)
+    row_offsets = np.zeros(row_lengths.size + 1, np.int64)
+    np.cumsum(row_lengths, out=row_offsets[1:])
+    values = allocate((int(row_offsets[-1]),), dtype, name=name, pin_memory=pin_memory, pool=pool)
+    out = values.numpy()
+    cursor = 0
+    copies: list[tuple[np.ndarray, np.ndarray]] = []
+    for run, length in zip(runs, lengths, strict=True):
+        n = int(length.sum())
+        dest = out[cursor : cursor + n]
+        cursor += n
+        if isinstance(run, RaggedRows):
+            copies.append((dest, run.compact()[0]))
+        elif isinstance(run, RangeRead):
+            run.dest = memoryview(dest.view(np.uint8))
+    if reads:
+        if any(np.dtype(r.segment.dtype) != dtype for r, _ in reads):
+            raise SegmentError(f"field {name!r}: ragged rows by handle must be {dtype}")
+        reader.read_ranges([r for r, _ in reads])
+    fill_rows(lambda i: np.copyto(*copies[i], casting="safe"), len(copies), workers)
+    sample_rows = np.zeros(len(fields) + 1, np.int64)
+    np.cumsum([sum(p.rows for p in f.pieces) for f in fields], out=sample_rows[1:])
+    valid = np.concatenate(
+        [np.full(p.rows, type(p) is not PlaceholderRows) for _, p in pieces] or [np.zeros(0, bool)]
+    )
+    rows = PackedTensor(values, row_offsets)
+    return FilledField(values=PackedRagged(rows, sample_rows), valid=valid)

@@ -1,0 +1,89 @@
+"""RaggedRows and PackedRagged: CSR rows on the host and in a batch, against plain lists."""
+
+from __future__ import annotations
+
+import pickle
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from r3data import TensorBatch
+from r3data.errors import PackedError
+from r3data.packed_ragged import PackedRagged
+from r3data.ragged import RaggedRows
+
+rows_strategy = st.lists(st.lists(st.integers(0, 1000), max_size=6), max_size=8)
+samples_strategy = st.lists(rows_strategy, max_size=5)
+
+
+def _ragged(rows: list[list[int]]) -> RaggedRows:
+    return RaggedRows.from_rows(rows)
+
+
+@settings(max_examples=60, deadline=None)
+@given(rows_strategy, st.integers(0, 8), st.integers(0, 8))
+def test_ragged_rows_round_trip_and_slice_like_lists(rows, lo, hi):
+    ragged = _ragged(rows)
+    assert ragged.rows == len(rows)
+    assert ragged.lengths.tolist() == [len(r) for r in rows]
+    padded = ragged.padded()
+    assert padded.shape == (len(rows), max((len(r) for r in rows), default=0))
+    assert RaggedRows.from_padded(padded) == ragged
+    part = ragged[lo:hi]
+    want = rows[lo:hi]
+    assert part.lengths.tolist() == [len(r) for r in want]
+    values, offsets = part.compact()
+    assert values.tolist() == [v for r in want for v in r]
+    assert offsets[0] == 0
+    assert np.shares_memory(part.values, ragged.values) or not part.values.size
+
+
+def test_ragged_rows_refuse_what_is_not_csr():
+    with pytest.raises(PackedError, match="non-decreasing"):
+        RaggedRows(np.arange(4), [0, 3, 2])
+    with pytest.raises(PackedError, match="summing to the 4 values"):
+        RaggedRows.from_lengths(np.arange(4), [1, 2])
+    with pytest.raises(PackedError, match="row 1 has -1 before a kept id"):
+        RaggedRows.from_padded([[1, 2], [-1, 3]])
+    with pytest.raises(PackedError, match="more than max_cells 4"):
+        _ragged([[1, 2, 3], [4]]).padded(max_cells=4)
+
+
+@settings(max_examples=40, deadline=None)
+@given(samples_strategy, st.data())
+def test_packed_ragged_batch_algebra_matches_per_sample_lists(samples, data):
+    packed = PackedRagged.from_samples([_ragged(s) for s in samples], np.int32)
+    assert len(packed) == len(samples)
+    assert packed.lengths.tolist() == [len(s) for s in samples]
+    for i, sample in enumerate(samples):
+        got = packed[i]
+        assert got.lengths.tolist() == [len(r) for r in sample]
+        assert got.compact()[0].tolist() == [v for r in sample for v in r]
+    picks = data.draw(st.lists(st.integers(0, max(len(samples) - 1, 0)), max_size=6))
+    if samples:
+        gathered = packed.gather(picks)
+        assert [gathered[j].lengths.tolist() for j in range(len(picks))] == [
+            [len(r) for r in samples[p]] for p in picks
+        ]
+    lo = data.draw(st.integers(0, len(samples)))
+    assert packed[lo:] == PackedRagged.from_samples([_ragged(s) for s in samples[lo:]], np.int32)
+    both = PackedRagged.cat([packed, packed])
+    assert len(both) == 2 * len(samples)
+    assert pickle.loads(pickle.dumps(packed, protocol=5)) == packed
+    padded = packed.padded(fill=-1)
+    widest = max((len(r) for s in samples for r in s), default=0)
+    assert padded.row_shape == (widest,)
+    assert packed.values.numel() == sum(len(r) for s in samples for r in s)  # each id once
+
+
+def test_a_batch_holds_ragged_fields_aligned_with_the_rest():
+    masks = PackedRagged.from_samples([_ragged([[1, 2], [3]]), _ragged([[4], [], [5, 6, 7]])])
+    batch = TensorBatch({"mask": masks, "score": torch.tensor([0.5, 1.5])})
+    picked = batch.gather([1])
+    assert picked["mask"][0].lengths.tolist() == [1, 0, 3]
+    assert float(picked["score"][0]) == 1.5
+    assert TensorBatch.cat([batch, batch])["mask"].lengths.tolist() == [2, 3, 2, 3]
+    assert batch.slice(1, 2)["mask"].total_rows == 3
