@@ -220,9 +220,7 @@ def _drain_step(samples: list[dict[str, Any]], options: dict[str, Any]) -> int:
 
 def _drain(samples: list[dict[str, Any]], root: str, batch: int) -> int:
     count = 0
-    for b in loader(
-        samples, batch_size=batch, payload_root=root, prefetch=0, trace_options={"num_experts": 128}
-    ):
+    for b in loader(samples, batch_size=batch, payload_root=root, prefetch=0, num_experts=128):
         count += b.batch_size
         del b
     return count
@@ -243,12 +241,12 @@ def main(argv: list[str] | None = None) -> dict:
     with tempfile.TemporaryDirectory(prefix="r3data-bench-loader-") as root:
         samples, route_bytes, tokens = _step(args, root)
         options = {"batch_size": len(samples), "payload_root": root, "prefetch": 0}
-        options["trace_options"] = {"num_experts": MODEL_SHAPES["qwen3-30b-a3b"].num_experts}
+        options["num_experts"] = MODEL_SHAPES["qwen3-30b-a3b"].num_experts
         peak = _rss_peak_extra(lambda: next(iter(loader(samples, **options))))
         latency = iter(loader(samples * (2 * args.repeats + 2), **options))
         del next(latency)["routed_experts"]  # the first batch, faults and all, out of the way
         pool = BufferPool()
-        run_options = {**options, "prefetch": 2, "buffer_pool": pool}
+        run_options = {**options, "prefetch": 2, "collate": {"buffer_pool": pool}}
         _drain_step(samples * args.batches, run_options)  # the pool's buffers faulted in
         blobs, ranges = floor_parts(samples, root)
         warm = np.ones(route_bytes + sum(len(b) for b in blobs), np.uint8)

@@ -2,12 +2,15 @@
 
 Each field is a ``torch.Tensor`` whose first dimension is B, a ``PackedTensor`` with B
 segments, a ``PackedRagged`` (ragged rows: sampling masks) with B samples, or a list of B
-Python objects (ids, metadata per sample). Every operation keeps the
-fields aligned: selecting samples selects them in every field.
+Python objects (ids). Every operation keeps the fields aligned: selecting samples selects them
+in every field and in the metadata that is per sample (:class:`PerSample`).
 """
 
 from __future__ import annotations
 
+import functools
+import numbers
+import operator
 from collections.abc import Iterator, Mapping, MutableMapping, Sequence
 from typing import Any
 
@@ -21,6 +24,76 @@ from r3data.tensor_buffer import bit_view, rebuild_tensor, tensor_buffer
 
 Field = torch.Tensor | PackedTensor | PackedRagged | list
 _PACKED = (PackedTensor, PackedRagged)
+
+
+class PerSample(tuple):
+    """A metadata value with one entry per sample: selecting samples selects its entries,
+    ``cat`` joins them."""
+
+    __slots__ = ()
+
+
+def _aggregate(value: Any) -> bool:
+    """A value that adds up over parts: statistics (anything with ``+`` that is not a number,
+    a string or an array), lists and tuples (of names, warnings)."""
+    if isinstance(value, PerSample):
+        return False
+    if isinstance(value, list | tuple):
+        return True
+    return hasattr(value, "__add__") and not isinstance(
+        value, numbers.Number | str | bytes | np.ndarray | torch.Tensor
+    )
+
+
+def _merge(values: list[Any]) -> Any:
+    first = values[0]
+    if isinstance(first, PerSample):
+        return PerSample(item for v in values for item in v)
+    if isinstance(first, list):
+        return [item for v in values for item in v]
+    if isinstance(first, tuple):
+        return tuple(dict.fromkeys(item for v in values for item in v))
+    return functools.reduce(operator.add, values)
+
+
+def merge_metadata(parts: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """The metadata of batches concatenated: :class:`PerSample` values and lists joined, tuples
+    joined without repeats (file names), statistics summed, other values kept where every part
+    agrees and left out where they differ (the micro-batch index of each part, say)."""
+    merged: dict[str, Any] = {}
+    for key in dict.fromkeys(k for part in parts for k in part):
+        values = [part[key] for part in parts if key in part]
+        kinds = {type(v) for v in values}
+        if (
+            len(values) == len(parts)
+            and len(kinds) == 1
+            and (isinstance(values[0], PerSample) or _aggregate(values[0]))
+        ):
+            merged[key] = _merge(values)
+        elif len(values) == len(parts) and all(_same(v, values[0]) for v in values[1:]):
+            merged[key] = values[0]
+    return merged
+
+
+def _same(a: Any, b: Any) -> bool:
+    try:
+        return bool(a == b)
+    except Exception:  # arrays and tensors compare elementwise
+        return a is b
+
+
+def _picked(metadata: dict[str, Any], picks: np.ndarray | slice) -> dict[str, Any]:
+    """``metadata`` of the samples ``picks`` (only :class:`PerSample` values change)."""
+    if not any(isinstance(v, PerSample) for v in metadata.values()):
+        return metadata
+    return {
+        k: (
+            PerSample(v[picks] if isinstance(picks, slice) else (v[i] for i in picks.tolist()))
+            if isinstance(v, PerSample)
+            else v
+        )
+        for k, v in metadata.items()
+    }
 
 
 def _field_size(name: str, value: Field) -> int:
@@ -51,6 +124,8 @@ class TensorBatch(MutableMapping[str, Field]):
     """A mapping of named fields that all hold the same number B of samples, plus metadata.
 
     Fields may be added or removed (``batch["advantages"] = tensor``) as long as B agrees.
+    ``metadata`` describes the batch: a :class:`PerSample` value is selected with the samples,
+    ``cat`` merges the parts' metadata (:func:`merge_metadata`) and ``chunk`` splits it.
     """
 
     def __init__(
@@ -70,6 +145,12 @@ class TensorBatch(MutableMapping[str, Field]):
                 raise PackedError(
                     f"field {name!r} must hold B={batch_size} samples, found {size} "
                     f"(sizes: {sizes})"
+                )
+        for name, value in self.metadata.items():
+            if isinstance(value, PerSample) and len(value) != batch_size:
+                raise PackedError(
+                    f"metadata {name!r} is per sample: it must hold B={batch_size} entries, "
+                    f"found {len(value)}"
                 )
         self.batch_size = batch_size
 
@@ -117,25 +198,42 @@ class TensorBatch(MutableMapping[str, Field]):
         if step != 1:
             return self.gather(np.arange(start, stop, step))
         stop = max(start, stop)
-        return self._with({k: v[start:stop] for k, v in self._fields.items()}, stop - start)
+        return self._with(
+            {k: v[start:stop] for k, v in self._fields.items()},
+            stop - start,
+            _picked(self.metadata, slice(start, stop)),
+        )
 
     def gather(self, index: Any) -> TensorBatch:
         """Samples picked by an index list or a boolean mask (a copy)."""
         picks = pick_indices(index, self.batch_size)
-        return self._with({k: _pick(v, picks) for k, v in self._fields.items()}, picks.size)
+        return self._with(
+            {k: _pick(v, picks) for k, v in self._fields.items()},
+            picks.size,
+            _picked(self.metadata, picks),
+        )
 
     def chunk(self, n: int) -> list[TensorBatch]:
-        """At most ``n`` consecutive views of ceil(B / n) samples (as ``torch.chunk``)."""
+        """At most ``n`` consecutive views of ceil(B / n) samples (as ``torch.chunk``).
+
+        :class:`PerSample` metadata is split with the samples; what adds up (statistics,
+        lists, tuples) goes with the first part (the others get it empty), so that
+        ``cat(batch.chunk(n))`` has the batch's metadata; other values go with every part.
+        """
         if not isinstance(n, int) or n < 1:
             raise PackedError(f"chunk count must be an int >= 1, found {n!r}")
         size = -(-self.batch_size // n) if self.batch_size else 0
         if size == 0:
             return [self]
-        return [self.slice(lo, lo + size) for lo in range(0, self.batch_size, size)]
+        parts = [self.slice(lo, lo + size) for lo in range(0, self.batch_size, size)]
+        empty = {k: type(v)() for k, v in self.metadata.items() if _aggregate(v)}
+        for part in parts[1:]:
+            part.metadata.update(empty)
+        return parts
 
     @staticmethod
     def cat(batches: Sequence[TensorBatch]) -> TensorBatch:
-        """Concatenate batches with the same fields; metadata comes from the first."""
+        """Concatenate batches with the same fields; metadata merged (:func:`merge_metadata`)."""
         if not batches:
             raise PackedError("cat needs at least one TensorBatch, found none")
         keys = list(batches[0])
@@ -144,7 +242,9 @@ class TensorBatch(MutableMapping[str, Field]):
                 raise PackedError(f"cat: batch {i} must have fields {keys}, found {list(b)}")
         fields = {k: _cat([b[k] for b in batches], k) for k in keys}
         return TensorBatch(
-            fields, batches[0].metadata, batch_size=sum(b.batch_size for b in batches)
+            fields,
+            merge_metadata([b.metadata for b in batches]),
+            batch_size=sum(b.batch_size for b in batches),
         )
 
     def repeat(self, n: int) -> TensorBatch:
@@ -171,9 +271,14 @@ class TensorBatch(MutableMapping[str, Field]):
     def _map(self, fn: Any) -> TensorBatch:
         return self._with({k: v if isinstance(v, list) else fn(v) for k, v in self._fields.items()})
 
-    def _with(self, fields: dict[str, Field], batch_size: int | None = None) -> TensorBatch:
+    def _with(
+        self,
+        fields: dict[str, Field],
+        batch_size: int | None = None,
+        metadata: Mapping[str, Any] | None = None,
+    ) -> TensorBatch:
         size = self.batch_size if batch_size is None else batch_size
-        return TensorBatch(fields, self.metadata, batch_size=size)
+        return TensorBatch(fields, self.metadata if metadata is None else metadata, batch_size=size)
 
     # --- comparison, display, pickling ----------------------------------------------------
 

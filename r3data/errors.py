@@ -103,16 +103,26 @@ class ConfigError(R3DataError, ValueError):
     """A configuration value (environment variable, argument) is invalid."""
 
 
-def with_context(exc: Exception, context: str) -> Exception:
-    """``exc`` with ``context`` (e.g. ``"sample 'abc'"``) in front of its message.
+class UsageError(ConfigError, TypeError):
+    """An object is used in a way it does not support (``len`` of a stream of batches, a
+    sampler over them); a ``TypeError`` too, as Python's own would be."""
 
-    An ``R3DataError`` becomes a new error of the same class (chained to the original), so
-    callers keep catching what they caught; any other exception gets the context as a note.
-    """
-    if isinstance(exc, R3DataError):
-        wrapped = type(exc)(f"{context}: {exc}")
-        wrapped.__cause__ = exc
-        return wrapped
-    if hasattr(exc, "add_note"):
-        exc.add_note(context)
-    return exc
+
+def with_message(exc: BaseException, message: str) -> BaseException:
+    """An exception of ``exc``'s class with ``message`` (e.g. naming the sample first), chained
+    to ``exc`` (whose traceback is where it happened), so callers keep catching what they
+    caught. A class that takes no plain message (a ``KeyError`` quotes it, a ``SystemExit``
+    would take it for its exit code, a constructor with other arguments) keeps ``exc`` itself,
+    with ``message`` as a note."""
+    new = None
+    if isinstance(exc, Exception):
+        try:
+            new = type(exc)(message)
+        except Exception:
+            new = None
+    if new is None or str(new) != message:
+        if hasattr(exc, "add_note"):
+            exc.add_note(message)
+        return exc
+    new.__cause__ = exc
+    return new

@@ -10,9 +10,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from r3data.batch import TensorBatch
+from r3data.batch import PerSample, TensorBatch
 from r3data.errors import PackedError
 from r3data.packed import PackedTensor
+from r3data.trace import StitchStats
 
 
 @st.composite
@@ -165,3 +166,53 @@ def test_invalid_batches():
         batch.repeat(-1)
     with pytest.raises(PackedError, match=r"found 1\.5"):
         batch.repeat_interleave(1.5)
+
+
+# --- metadata across cat and chunk ---------------------------------------------------------
+
+
+def _described(batch_size: int, offset: int = 0) -> TensorBatch:
+    return TensorBatch(
+        {"x": torch.arange(offset, offset + batch_size)},
+        {
+            "step": 4,
+            "micro_batch": offset,
+            "stats": StitchStats(samples=batch_size, gaps=offset),
+            "index": PerSample(range(offset, offset + batch_size)),
+            "files": PerSample((f"f{i}",) for i in range(offset, offset + batch_size)),
+            "warnings": [f"w{offset}"],
+            "dropped_files": ("shared", f"d{offset}"),
+        },
+    )
+
+
+def test_cat_merges_metadata_sums_stats_joins_lists_and_drops_disagreements():
+    merged = TensorBatch.cat([_described(2), _described(3, offset=2)])
+    meta = merged.metadata
+    assert meta["step"] == 4  # every part agrees
+    assert "micro_batch" not in meta  # the parts differ: no one value is right
+    assert meta["stats"] == StitchStats(samples=5, gaps=2)
+    assert meta["index"] == PerSample(range(5))
+    assert isinstance(meta["index"], PerSample)
+    assert meta["warnings"] == ["w0", "w2"]
+    assert meta["dropped_files"] == ("shared", "d0", "d2")
+
+
+@settings(max_examples=30, deadline=None)
+@given(batch_size=st.integers(0, 12), parts=st.integers(1, 5), picks=st.lists(st.integers(0, 11)))
+def test_chunk_splits_per_sample_metadata_and_cat_puts_it_back(batch_size, parts, picks):
+    batch = _described(batch_size)
+    chunks = batch.chunk(parts)
+    for chunk in chunks:
+        assert list(chunk.metadata["index"]) == chunk["x"].tolist()
+        assert [f for (f,) in chunk.metadata["files"]] == [f"f{i}" for i in chunk["x"].tolist()]
+    assert TensorBatch.cat(chunks) == batch  # fields and metadata
+    picks = [p for p in picks if p < batch_size]
+    picked = batch.gather(picks)
+    assert list(picked.metadata["index"]) == picks
+    assert picked.metadata["stats"] == batch.metadata["stats"]  # describes the batch it came from
+
+
+def test_per_sample_metadata_must_match_the_batch_size():
+    with pytest.raises(PackedError, match="metadata 'index' is per sample"):
+        TensorBatch({"x": torch.zeros(2)}, {"index": PerSample([0])})

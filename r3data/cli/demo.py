@@ -7,6 +7,7 @@ import contextlib
 import logging
 import os
 import tempfile
+import warnings
 from collections.abc import Iterator
 
 from r3data.cli.common import count, format_bytes, int_at_least, progress, render_table
@@ -82,15 +83,20 @@ def register(commands: argparse._SubParsersAction) -> None:
 
 @contextlib.contextmanager
 def _library_warnings(shown: bool) -> Iterator[None]:
-    """Silence r3data's logged warnings (the demo's engine bug is expected) unless ``shown``."""
+    """r3data's logged warnings on stderr when ``shown`` (the demo's engine bug is expected,
+    so they are off by default); never megatron-core's notice that Transformer Engine and
+    Apex are missing (the demo replays on the CPU without them, on purpose)."""
     logger = logging.getLogger("r3data")
-    level = logger.level
-    if not shown:
-        logger.setLevel(logging.ERROR)
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("r3data: %(levelname)s: %(message)s"))
+    if shown:
+        logger.addHandler(handler)
     try:
-        yield
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "Transformer Engine and Apex are not installed")
+            yield
     finally:
-        logger.setLevel(level)
+        logger.removeHandler(handler)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -164,9 +170,10 @@ def summary(report: StepReport) -> str:
         ),
         (
             "placeholders and gaps",
-            f"{count(stats.placeholders, 'placeholder row')}, {count(stats.gaps, 'gap')} "
-            f"({count(len(served.zero_route_rollouts), 'rollout')} with all-zero engine "
-            f"routes: {count(stats.rows_dropped, 'row')} dropped, never replayed)",
+            f"{count(stats.placeholders, 'placeholder row')}, {count(stats.gaps, 'gap')}: "
+            f"{count(stats.rows_missing, 'all-zero engine row')} in "
+            f"{count(len(served.zero_route_rollouts), 'rollout')}, "
+            f"{count(stats.rows_dropped, 'good row')} dropped with them; none replayed",
         ),
         (
             "routes checked",

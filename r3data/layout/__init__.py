@@ -4,7 +4,8 @@ Pure geometry over host integers and one gather on the routes' device: no files,
 megatron import.
 """
 
-from r3data.layout.gather import Fill, RoundRobin, dense, expand, expand_mask
+from r3data.layout.gather import Fill, RoundRobin, expand, expand_batch_major, expand_mask
+from r3data.layout.rows import RankRows
 from r3data.layout.stages import ModelLayers
 from r3data.layout.token_layout import PAD, LayerAxis, TokenLayout
 
@@ -13,9 +14,10 @@ __all__ = [
     "Fill",
     "LayerAxis",
     "ModelLayers",
+    "RankRows",
     "RoundRobin",
     "TokenLayout",
-    "dense",
     "expand",
+    "expand_batch_major",
     "expand_mask",
 ]

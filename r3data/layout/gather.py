@@ -1,8 +1,9 @@
 """Expand packed routes into the per-layer, rank-local tensors a trainer's routers replay.
 
 ``expand`` gives Megatron's form: one ``[local_tokens, topk]`` tensor per MoE layer of this
-pipeline stage, tokens in router order (see :class:`~r3data.layout.TokenLayout`). ``dense``
-gives ``[B, local_seq, topk]`` per layer for batch-major routers (FSDP, torchtitan-style MoE).
+pipeline stage, tokens in router order (see :class:`~r3data.layout.TokenLayout`).
+``expand_batch_major`` gives ``[B, local_seq, topk]`` per layer for batch-major routers (FSDP,
+torchtitan-style MoE).
 
 Every row is read once from the packed values into one token-major output buffer
 ``[tokens, layers, topk]`` on the routes' device; the per-layer tensors are views of it (row
@@ -20,6 +21,7 @@ rank holds it.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -28,6 +30,8 @@ import numpy as np
 import torch
 
 from r3data.errors import LayoutError
+from r3data.layout.rows import RankRows
+from r3data.layout.stages import ModelLayers
 from r3data.layout.token_layout import PAD, LayerAxis, TokenLayout, as_lengths
 from r3data.packed import PackedTensor
 from r3data.tensor_buffer import bit_view
@@ -64,12 +68,12 @@ _FILL, _SLICE, _GATHER = 0, 1, 2
 
 def expand(
     routes: PackedTensor,
-    layout: TokenLayout,
+    layout: TokenLayout | None = None,
     *,
     fill: Fill = "distinct",
     dtype: torch.dtype = torch.int32,
     layer_axis: LayerAxis = "all",
-    local: bool = False,
+    local: bool | None = None,
     lengths: Any = None,
 ) -> list[torch.Tensor]:
     """One ``[local_tokens, topk]`` tensor per MoE layer this rank's stage builds, in order.
@@ -81,21 +85,24 @@ def expand(
     decoder layer (``"all"``, as vLLM and SGLang report) or only MoE layers (``"moe"``).
     ``dtype`` is ``torch.int32`` or ``torch.int64``; int64 routes are checked to fit int32.
 
-    Warning: routes from a rank-local read (``r3data.loader(..., layout=...)``) hold only
-    this rank's rows of each sample and must be expanded with ``local=True,
-    lengths=<full sample lengths>`` (e.g. ``batch["token_ids"].lengths``). Without
-    ``lengths`` they are indistinguishable from a batch of shorter samples and would be
-    silently laid out as one; with ``lengths`` but without ``local=True`` they raise
-    :class:`~r3data.errors.LayoutError`. With ``local=True`` segment i holds just the rows
-    of sample i's ``layout.local_ranges(lengths)`` back to back; the result equals expanding
-    the full routes.
+    Routes of a rank-local read (``r3data.loader(..., layout=...)``) are
+    :class:`~r3data.layout.RankRows`: they carry their layout (``layout`` may be left out)
+    and the full sample lengths, and expanding them with another layout, or as full rows
+    (``local=False``, other ``lengths``), raises :class:`~r3data.errors.LayoutError`. Plain
+    packed rows are full samples unless ``local=True, lengths=<full sample lengths>`` say they
+    hold the rows of ``layout.local_ranges(lengths)`` of each sample, back to back.
+
+    Dense layers: without the model's layer pattern (``TokenLayout(layers=ModelLayers(...))``,
+    stated once; a rank-local batch carries its layout's), every entry of an ``"all"`` layer
+    axis is taken for an MoE layer, and top-k >= 2 routes whose layer is zero in every row
+    (what engines send for a dense layer) raise instead of being replayed as expert 0.
     """
     topk = _check_routes(routes)
     dtype = _output_dtype(dtype)
     fill_row = _fill_row(fill, topk, dtype)
-    full = _full_lengths(routes, layout, local, lengths)
+    layout, full, local = _geometry(routes, layout, local, lengths)
     grid = layout.token_grid(full, local=local)
-    layers = layout.moe_layers(routes.row_shape[0], layer_axis)
+    layers = _moe_layers(routes, layout, layer_axis)
     _check_ids_fit(routes.values, dtype)
     buffer = _gather(routes.values, grid, layers, fill_row, dtype, batch_major=False)
     if isinstance(fill, RoundRobin):
@@ -103,30 +110,35 @@ def expand(
     return list(buffer.view(grid.size, len(layers), topk).unbind(1))
 
 
-def dense(
+def expand_batch_major(
     routes: PackedTensor,
     layout: TokenLayout | None = None,
     *,
     fill: Fill = "distinct",
     dtype: torch.dtype = torch.int32,
     layer_axis: LayerAxis = "all",
-    local: bool = False,
+    local: bool | None = None,
     lengths: Any = None,
 ) -> list[torch.Tensor]:
-    """One ``[B, local_seq, topk]`` tensor per local MoE layer, batch-major (BSHD layouts).
+    """One ``[B, local_seq, topk]`` tensor per local MoE layer, batch-major (BSHD layouts),
+    for routers that flatten ``[B, S, hidden]`` (FSDP, torchtitan-style MoE).
 
-    The default layout is a single rank with right padding to the longest sample. Arguments
-    are those of :func:`expand`, its warning about rank-local routes included.
+    The default layout is a single rank with right padding to the longest sample (rank-local
+    routes: their own). Arguments are those of :func:`expand`, the rules for rank-local routes
+    and dense layers included.
     """
-    layout = TokenLayout(packed=False) if layout is None else layout
     topk = _check_routes(routes)
+    if layout is None and not isinstance(routes, RankRows):
+        layout = TokenLayout(packed=False)
+    elif layout is None and routes.is_whole and routes.layout.packed:
+        layout = TokenLayout(packed=False)  # whole samples read for THD: one BSHD rank
+    layout, full, local = _geometry(routes, layout, local, lengths)
     if layout.packed:
-        raise LayoutError("dense needs a BSHD layout (packed=False), found THD")
+        raise LayoutError("expand_batch_major needs a BSHD layout (packed=False), found THD")
     dtype = _output_dtype(dtype)
     fill_row = _fill_row(fill, topk, dtype)
-    full = _full_lengths(routes, layout, local, lengths)
     grid = layout.token_grid(full, local=local)
-    layers = layout.moe_layers(routes.row_shape[0], layer_axis)
+    layers = _moe_layers(routes, layout, layer_axis)
     _check_ids_fit(routes.values, dtype)
     buffer = _gather(routes.values, grid, layers, fill_row, dtype, batch_major=True)
     if isinstance(fill, RoundRobin):
@@ -136,20 +148,124 @@ def dense(
 
 
 def expand_mask(
-    mask: PackedTensor, layout: TokenLayout, *, local: bool = False, lengths: Any = None
+    mask: PackedTensor,
+    layout: TokenLayout | None = None,
+    *,
+    local: bool | None = None,
+    lengths: Any = None,
 ) -> torch.Tensor:
-    """A per-token mask (``[rows]`` or ``[rows, 1]``) in router order; padding is False."""
+    """A per-token mask (``[rows]`` or ``[rows, 1]``) in router order; padding is False.
+    Rank-local masks (``RankRows``) follow the rules of :func:`expand`."""
     if not isinstance(mask, PackedTensor):
         raise LayoutError(f"mask must be a PackedTensor, found {type(mask).__name__}")
     if mask.row_shape not in ((), (1,)):
         raise LayoutError(f"mask rows must be scalars, found row shape {mask.row_shape}")
-    index = layout.token_index(_full_lengths(mask, layout, local, lengths), local=local)
+    layout, full, local = _geometry(mask, layout, local, lengths)
+    index = layout.token_index(full, local=local)
     flat = mask.values.reshape(-1).bool()
     real = index != PAD
     if not real.any():
         return torch.zeros(index.size, dtype=torch.bool, device=flat.device)
     rows = torch.from_numpy(np.where(real, index, 0)).to(flat.device)
     return flat.index_select(0, rows) & torch.from_numpy(real).to(flat.device)
+
+
+# --- where the rows are ----------------------------------------------------------------------
+
+
+def _geometry(
+    field: PackedTensor, layout: TokenLayout | None, local: bool | None, lengths: Any
+) -> tuple[TokenLayout, np.ndarray, bool]:
+    """``(layout, full sample lengths, rows are rank-local)`` for expanding ``field``.
+
+    A :class:`RankRows` says itself how its rows were cut; anything the caller passes must
+    agree with it. Rows cut by a layout that splits nothing are whole samples: any layout may
+    expand them, and the read layout's layer pattern comes with them.
+    """
+    if not isinstance(field, RankRows):
+        if layout is None:
+            raise LayoutError(
+                "expand needs the rank's TokenLayout for full rows (only a rank-local batch "
+                "carries its own)"
+            )
+        local = bool(local)
+        return layout, _full_lengths(field, layout, local, lengths), local
+    read = field.layout
+    if lengths is not None and not np.array_equal(as_lengths(lengths), field.full_lengths):
+        raise LayoutError(
+            f"lengths {as_lengths(lengths).tolist()[:8]} are not the full lengths these "
+            f"rank-local rows were read for, {field.full_lengths.tolist()[:8]}"
+        )
+    if field.selected:
+        raise LayoutError(
+            f"these rank-local rows were selected from the micro-batch they were read for (a "
+            f"slice, a gather or a cat): under {read} a sample's rows depend on the whole "
+            "micro-batch, so they cannot be laid out alone; expand each micro-batch as read "
+            "(loader(..., micro_batches=...) cuts the step)"
+        )
+    if field.is_whole:
+        if local:
+            raise LayoutError(
+                f"local=True, but these rows are whole samples (read for {read}, which splits "
+                "no sequence): expand them as full rows"
+            )
+        layout = _with_layers(read if layout is None else layout, read.layers)
+        return layout, _full_lengths(field, layout, False, field.full_lengths), False
+    if layout is not None and layout != read:
+        raise LayoutError(
+            f"these routes hold the rows of {read}; expanding them for another layout, {layout}, "
+            "would put every token on the wrong rank: read the batch with that layout"
+        )
+    if local is False:
+        raise LayoutError(
+            f"local=False, but these routes hold only the rows of {read} (a rank-local read): "
+            "they cannot be expanded as full samples"
+        )
+    return read, _full_lengths(field, read, True, field.full_lengths), True
+
+
+def _with_layers(layout: TokenLayout, carried: ModelLayers | None) -> TokenLayout:
+    if carried is None or layout.layers == carried:
+        return layout
+    if layout.layers is not None:
+        raise LayoutError(
+            f"the routes were read for layers {carried}, the layout states {layout.layers}"
+        )
+    return dataclasses.replace(layout, layers=carried)
+
+
+def _moe_layers(
+    routes: PackedTensor, layout: TokenLayout, layer_axis: LayerAxis
+) -> tuple[int, ...]:
+    """The layer-axis entries to expand; without a layer pattern, refuse layers that are zero
+    in every row (dense layers, which engines report as zeros) instead of replaying them."""
+    layers = layout.moe_layers(routes.row_shape[0], layer_axis)
+    if layout.layers is None and layer_axis == "all":
+        zero = _zero_layers(routes.values)
+        if zero:
+            raise LayoutError(
+                f"layers {list(zero)} of the routes are zero in every row: dense layers, which "
+                f"have no router; state the model's layer pattern once, "
+                f"TokenLayout(layers=ModelLayers(num_layers={routes.row_shape[0]}, "
+                "moe_layer_freq=...)), or pass routes of MoE layers only with layer_axis='moe'"
+            )
+    return layers
+
+
+def _zero_layers(values: torch.Tensor) -> tuple[int, ...]:
+    """Layers whose entries are zero in every row (candidates from the first row: one pass).
+
+    A top-k >= 2 MoE row names k distinct experts, so it is never all zero; with top-1 a
+    layer whose tokens all picked expert 0 cannot be told from a dense one: none is refused.
+    """
+    if not values.shape[0] or values.shape[2] < 2:
+        return ()
+    bits = bit_view(values)
+    candidates = torch.nonzero(~bits[0].bool().any(dim=-1)).reshape(-1)
+    if not candidates.numel():
+        return ()
+    zero = ~bits.index_select(1, candidates).bool().any(dim=2).any(dim=0)
+    return tuple(candidates[zero].tolist())
 
 
 # --- checks --------------------------------------------------------------------------------

@@ -122,6 +122,17 @@ class TokenLayout:
         if self.layers is not None and not isinstance(self.layers, ModelLayers):
             raise LayoutError(f"layers must be a ModelLayers, found {type(self.layers).__name__}")
 
+    def __str__(self) -> str:
+        """The rank in a few words, for messages: ``tp 1/2 (SP), cp 0/2, THD``."""
+        parts = [f"tp {self.tp_rank}/{self.tp_size}" + (" (SP)" if self.sequence_parallel else "")]
+        parts += [
+            f"{n} {r}/{s}"
+            for n, r, s in (("cp", self.cp_rank, self.cp_size), ("pp", self.pp_rank, self.pp_size))
+            if s > 1
+        ]
+        parts.append("THD" if self.packed else f"BSHD {self.padding_side}")
+        return f"layout ({', '.join(parts)})"
+
     # --- derived sizes --------------------------------------------------------------------
 
     @property
@@ -137,6 +148,15 @@ class TokenLayout:
     def required_multiple(self) -> int:
         """The least multiple every padded length must be: 2*CP (with CP) times TP (with SP)."""
         return (2 * self.cp_size if self.cp_size > 1 else 1) * self.sp_size
+
+    @property
+    def per_sample(self) -> bool:
+        """True when a sample's local rows depend on that sample alone: no split, THD without
+        sequence parallelism (SP slices the batch's whole stream), or BSHD with a fixed
+        ``seq_length`` (else the longest sample sets every padded length)."""
+        if self.cp_size == 1 and self.sp_size == 1:
+            return True
+        return self.sp_size == 1 if self.packed else self.seq_length is not None
 
     @property
     def multiple(self) -> int:

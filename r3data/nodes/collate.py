@@ -13,13 +13,16 @@ or the payload files (:mod:`r3data.nodes.fill`). Fields of the batch, for sample
 
 With a ``layout`` (rank-local reads), stitched fields and their valid masks hold only the rows
 of ``layout.local_ranges(sample lengths)`` of each sample, back to back: by-handle pieces are
-clipped before reading, so a rank reads about 1/(CP x TP) of the batch's bytes. Pass them to
-``r3data.layout.expand(..., local=True, lengths=batch["token_ids"].lengths)``.
+clipped before reading, so a rank reads about 1/(CP x TP) of the batch's bytes. They are
+:class:`~r3data.layout.RankRows`, which carry the layout and the full sample lengths:
+``r3data.layout.expand(batch["routed_experts"])`` reads both (and refuses another layout).
 
-``metadata`` holds ``step`` (the training step of the batch), ``stats``
-(:class:`~r3data.trace.StitchStats`), ``files`` (payload files the kept samples use),
-``dropped`` (ids of samples dropped by ``on_gap="drop_sample"``), ``dropped_files`` and
-``warnings``.
+``metadata`` holds ``step`` (the optimizer step), ``micro_batch`` and ``micro_batches`` (this
+micro-batch's number in the step, and how many the step has on every data-parallel rank),
+``stats`` (:class:`~r3data.trace.StitchStats`), ``index`` and ``files`` (per sample,
+:class:`~r3data.batch.PerSample`: its index in the data and its payload files), ``dropped``
+(ids of samples dropped by ``on_gap="drop_sample"`` or with no rows at all),
+``dropped_files``, ``warnings`` and ``layout``.
 """
 
 from __future__ import annotations
@@ -33,12 +36,14 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from r3data.batch import TensorBatch
+from r3data.batch import PerSample, TensorBatch
 from r3data.buffers import BufferPool
-from r3data.errors import SegmentError, with_context
+from r3data.errors import SegmentError, with_message
+from r3data.layout.rows import RankRows
 from r3data.nodes.fill import fill_field
+from r3data.nodes.sample import name_sample
 from r3data.nodes.screen import ScreenOptions
-from r3data.nodes.steps import BatchSteps
+from r3data.nodes.source import MicroBatch
 from r3data.nodes.stitcher import StitchedRollout
 from r3data.packed import PackedTensor
 from r3data.payload.reader import PayloadReader
@@ -92,33 +97,37 @@ class CollateRollouts:
     on_gap: OnGap = "drop_routes"
     routes_field: str = ROUTES_FIELD
     layout: TokenLayout | None = None
-    steps: BatchSteps | None = None
-    """Records ``metadata["step"]``, the step the batch is trained (and its files kept) for."""
     pool: BufferPool = dataclasses.field(default_factory=BufferPool, compare=False)
     """Recycles the buffers of batches the trainer has dropped."""
 
-    def __call__(self, rollouts: Sequence[StitchedRollout]) -> TensorBatch:
+    def __call__(
+        self, rollouts: Sequence[StitchedRollout] | MicroBatch[StitchedRollout]
+    ) -> TensorBatch:
+        """One batch of ``rollouts``; a :class:`MicroBatch` adds its step to the metadata."""
+        micro = rollouts if isinstance(rollouts, MicroBatch) else None
+        rollouts = micro.items if micro is not None else rollouts
         kept = [r for r in rollouts if r.stitched is not None]
         ids = [r.sample.sample_id for r in kept]
-        ranges = (
-            None
-            if self.layout is None
-            else self.layout.local_ranges([r.sample.sample_len for r in kept])
-        )
+        full_lengths = np.array([r.sample.sample_len for r in kept], np.int64)
+        ranges = None if self.layout is None else self.layout.local_ranges(full_lengths)
         batch_fields: dict = {}
         stats = StitchStats.total(r.stitched for r in rollouts)
         late_drops: set[int] = set()
-        warnings: list[str] = [w for r in kept for w in r.stitched.warnings]
+        warnings = [w for r in rollouts for w in r.warnings]
+        warnings += [w for r in kept for w in r.stitched.warnings]
         for name in self.fields:
             stitched = [
                 _localized(r.stitched[name], None if ranges is None else ranges[i])
                 for i, r in enumerate(kept)
             ]
             filled = self._guarded(kept, name, stitched, ids)
-            batch_fields[name] = filled.values
-            batch_fields[f"{name}_valid"] = PackedTensor(
-                torch.from_numpy(filled.valid), filled.values.offsets
-            )
+            valid = PackedTensor(torch.from_numpy(filled.valid), filled.values.offsets)
+            if self.layout is not None and isinstance(filled.values, PackedTensor):
+                batch_fields[name] = RankRows.of(filled.values, self.layout, full_lengths)
+                valid = RankRows.of(valid, self.layout, full_lengths)
+            else:
+                batch_fields[name] = filled.values
+            batch_fields[f"{name}_valid"] = valid
             stats += filled.stats
             late_drops.update(filled.dropped)
             for warning in filled.warnings:
@@ -142,22 +151,20 @@ class CollateRollouts:
         ]
         metadata = {
             "stats": stats,
-            "files": (),
+            "index": PerSample(r.index for r in kept),
+            "files": PerSample(r.sample.files for r in kept),
             "dropped": [r.sample.sample_id for r in dropped],
             "dropped_files": tuple(sorted({f for r in dropped for f in r.sample.files})),
             "warnings": warnings,
         }
         if self.layout is not None:
             metadata["layout"] = self.layout
-        if self.steps is not None and rollouts:
-            metadata["step"] = self.steps(rollouts[0].index)
+        if micro is not None:
+            metadata.update(step=micro.step, micro_batch=micro.index, micro_batches=micro.count)
         batch = TensorBatch(batch_fields, metadata, batch_size=len(kept))
         if late_drops:
-            stats += StitchStats(samples_dropped=len(late_drops))
             batch = batch.gather([i for i in range(len(kept)) if i not in late_drops])
-            batch.metadata.update(metadata, stats=stats)
-            kept = [r for i, r in enumerate(kept) if i not in late_drops]
-        batch.metadata["files"] = tuple(sorted({f for r in kept for f in r.sample.files}))
+            batch.metadata["stats"] = stats + StitchStats(samples_dropped=len(late_drops))
         return batch
 
     def _dtype(self, name: str, stitched: list[StitchedField]) -> np.dtype:
@@ -187,6 +194,5 @@ class CollateRollouts:
             if index is None or index >= len(kept):
                 raise
             sample = kept[index]
-            raise with_context(  # noqa: B904
-                exc, f"sample {sample.sample.sample_id!r} (index {sample.index})"
-            )
+            message = name_sample(str(exc), sample.sample.sample_id, sample.index)
+            raise with_message(exc, message) from exc

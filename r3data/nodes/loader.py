@@ -1,44 +1,50 @@
-"""``loader``: the whole pipeline from training samples to ``TensorBatch``es.
+"""``loader``: the whole pipeline from training samples to this rank's micro-batches.
 
-``SampleSource -> Batcher -> Mapper(stitch every sample, then fill the batch) ->
-Prefetcher``, wrapped in a ``torchdata.nodes.Loader`` whose ``state_dict()`` resumes exactly
-after the last batch the trainer received. Work is per batch, not per sample, on one
-background thread while the trainer computes; the fill spreads its copies, decodes and reads
-over the shared pool. Stitching (Python, holding the GIL) and filling are not overlapped with
-each other: a fill thread waiting for the GIL behind a stitching thread loses more (every
-one of its many short handovers costs a switch interval) than the overlap would win on the
-memory bandwidth the fill is bound by.
+``StepSource -> Mapper(stitch every sample, then fill the micro-batch) -> Prefetcher``, wrapped
+in a ``torchdata.nodes.Loader`` whose ``state_dict()`` resumes exactly after the last
+micro-batch the trainer received. Work is per micro-batch, not per sample, on one background
+thread while the trainer computes; the fill spreads its copies, decodes and reads over the
+shared pool. Stitching (Python, holding the GIL) and filling are not overlapped with each
+other: a fill thread waiting for the GIL behind a stitching thread loses more (every one of its
+many short handovers costs a switch interval) than the overlap would win on the memory
+bandwidth the fill is bound by.
+
+A failure anywhere travels as a value (:class:`_Failed`) through the stages that follow and
+is raised on the trainer's thread: the original exception class, its message first and on one
+line (naming the sample, field and position), the worker's traceback as its cause. A
+``SystemExit`` or ``KeyboardInterrupt`` in a sample cannot stop a worker thread that the
+pipeline then waits on forever.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from fsspec import AbstractFileSystem
-from torchdata.nodes import Batcher, Loader, Mapper, Prefetcher
+from torchdata.nodes import BaseNode, Loader, Mapper, Prefetcher
 
 from r3data.batch import TensorBatch
 from r3data.buffers import BufferPool
 from r3data.errors import ConfigError
 from r3data.nodes.collate import CollateRollouts
+from r3data.nodes.options import CollateOptions, TraceOptions
 from r3data.nodes.screen import ScreenOptions
-from r3data.nodes.source import SampleSource
-from r3data.nodes.steps import BatchSteps
+from r3data.nodes.source import MicroBatch, StepSource
+from r3data.nodes.steps import DataParallel, MicroBatches, Shuffle
 from r3data.nodes.stitcher import StitchRollout
+from r3data.options import as_options, checked_keywords
 from r3data.parallel import pool_workers
+from r3data.payload.fs import PayloadRoot
 from r3data.payload.reader import PayloadReader
 from r3data.payload.retention import PayloadRetention
-from r3data.trace import ROUTES_FIELD, OnGap, Placeholder
-from r3data.trace.stitch import check_on_gap
 from r3data.validate import checked_int
 
 if TYPE_CHECKING:
     from r3data.layout import TokenLayout
 
-_SCREEN_OPTIONS = ("num_experts", "zero_rows")
-_TRACE_OPTIONS = ("routes_field", "ragged_fields", "last_token_row")
+__all__ = ["loader"]
 
 
 class _Failed:
@@ -51,10 +57,7 @@ class _Failed:
 
 
 class _Stage:
-    """One stage of the pipeline, applied to a batch. A failure travels as a value through the
-    stages that follow, so the trainer gets the original exception (its class, its message,
-    the worker's traceback), not a wrapper's, and a ``SystemExit`` in a sample cannot stop a
-    worker thread that the pipeline then waits on forever."""
+    """One stage of the pipeline, applied to a micro-batch; a failure travels as a value."""
 
     def __init__(self, work: Callable[[Any], Any]) -> None:
         self.work = work
@@ -68,79 +71,206 @@ class _Stage:
             return _Failed(exc)
 
 
+class _Guarded(BaseNode[Any]):
+    """The source, whose failures (a sample that cannot be read, a step that cannot be
+    planned) travel down the pipeline as values like every other stage's."""
+
+    def __init__(self, source: BaseNode[Any]) -> None:
+        super().__init__()
+        self.source = source
+
+    def reset(self, initial_state: dict[str, Any] | None = None) -> None:
+        super().reset(initial_state)
+        self.source.reset(initial_state)
+
+    def next(self) -> Any:
+        try:
+            return self.source.next()
+        except StopIteration:
+            raise
+        except BaseException as exc:
+            return _Failed(exc)
+
+    def get_state(self) -> dict[str, Any]:
+        return self.source.get_state()
+
+
 def _delivered(batch: TensorBatch | _Failed) -> TensorBatch:
     if isinstance(batch, _Failed):
         raise batch.error
     return batch
 
 
+def _shuffle(value: Shuffle | bool | Mapping[str, Any] | None) -> Shuffle | None:
+    if value is None or value is False:
+        return None
+    return Shuffle() if value is True else as_options(Shuffle, value, "shuffle")
+
+
+def _screen(screen: ScreenOptions | Mapping[str, Any] | None, num_experts: int | None):
+    options = as_options(ScreenOptions, screen, "screen")
+    if num_experts is None:
+        return options
+    checked_int("num_experts", num_experts, minimum=1)
+    if options.num_experts not in (None, num_experts):
+        raise ConfigError(
+            f"num_experts={num_experts}, but screen=ScreenOptions(num_experts="
+            f"{options.num_experts}): give it once"
+        )
+    return dataclasses.replace(options, num_experts=num_experts)
+
+
+def _reader(
+    payload_root: str | os.PathLike[str] | PayloadRoot | None, retention: PayloadRetention | None
+) -> PayloadReader | None:
+    root = retention.root if payload_root is None and retention is not None else payload_root
+    if root is None:
+        return None
+    if isinstance(root, PayloadRoot):
+        return PayloadReader(root.path, fs=root.fs)
+    return PayloadReader(root)
+
+
+def _check_ranks(
+    retention: PayloadRetention | None, ranks: DataParallel, layout: TokenLayout | None
+) -> None:
+    shared = ranks.size > 1 or (
+        layout is not None and layout.tp_size * layout.cp_size * layout.pp_size > 1
+    )
+    if retention is not None and shared and retention.group is None:
+        raise ConfigError(
+            "several ranks read this payload root (data-parallel or a parallel layout), but "
+            "the retention has no group: give every rank PayloadRetention(..., group=...) so "
+            "that one rank deletes once all have read each step"
+        )
+
+
+MOVED = {
+    "trace_options": "trace=TraceOptions(...), screen=ScreenOptions(...) and num_experts=",
+    "fields": "collate=CollateOptions(fields=...)",
+    "workers": "collate=CollateOptions(workers=...)",
+    "pin_memory": "collate=CollateOptions(pin_memory=...)",
+    "buffer_pool": "collate=CollateOptions(buffer_pool=...)",
+    "placeholder": "trace=TraceOptions(placeholder=...)",
+    "on_gap": "trace=TraceOptions(on_gap=...)",
+    "topk": "trace=TraceOptions(topk=...)",
+    "payload_fs": "payload_root=PayloadRoot(path, fs)",
+}
+"""Where the options of earlier releases went (named in the error a former one gets)."""
+
+
+@checked_keywords(MOVED)
 def loader(
-    samples: Sequence[Any] | Iterable[Any],
+    samples: Sequence[Any] | Iterable[Any] | BaseNode[Any],
     *,
     batch_size: int,
-    fields: Sequence[str] = (ROUTES_FIELD,),
-    payload_root: str | os.PathLike[str] | None = None,
-    payload_fs: AbstractFileSystem | None = None,
-    retention: PayloadRetention | None = None,
-    workers: int | None = None,
-    pin_memory: bool = False,
-    prefetch: int = 2,
+    micro_batches: MicroBatches | Mapping[str, Any] | None = None,
+    data_parallel: DataParallel | Mapping[str, Any] | None = None,
+    shuffle: Shuffle | bool | Mapping[str, Any] | None = None,
     drop_last: bool = False,
-    placeholder: Placeholder = "repeat_previous",
-    on_gap: OnGap = "drop_routes",
-    topk: int | None = None,
-    trace_options: Mapping[str, Any] | None = None,
     start_step: int = 0,
+    num_experts: int | None = None,
     layout: TokenLayout | None = None,
-    buffer_pool: BufferPool | None = None,
+    payload_root: str | os.PathLike[str] | PayloadRoot | None = None,
+    retention: PayloadRetention | None = None,
+    trace: TraceOptions | Mapping[str, Any] | None = None,
+    screen: ScreenOptions | Mapping[str, Any] | None = None,
+    collate: CollateOptions | Mapping[str, Any] | None = None,
+    prefetch: int = 2,
 ) -> Loader[TensorBatch]:
-    """A resumable loader of :class:`TensorBatch`es (see :mod:`r3data.nodes.collate`).
+    """A resumable loader of this rank's micro-batches (:class:`TensorBatch`, see
+    :mod:`r3data.nodes.collate`), optimizer step after optimizer step.
 
-    ``samples``: dicts or dataclasses (see :mod:`r3data.nodes.sample`), a list or any
-    re-iterable. ``payload_root`` (path or fsspec URL) is needed for by-handle sources.
-    ``workers`` bounds the threads that fill a batch (default: the cgroup-aware CPU count);
-    with ``prefetch`` > 0 the next batches are stitched and filled in the background, two at a
-    time, while the trainer works. With ``retention``, the files of batch k's samples are
-    claimed for step ``start_step + k`` as soon as each sample is stitched (before any read),
-    so the trainer only calls ``retention.on_policy_update(step)``. With ``layout`` each batch
-    is one micro-batch on that rank: stitched fields hold only the rank's rows (rank-local
-    reads). ``trace_options``: ``num_experts`` and ``zero_rows`` screen the routes
-    (:class:`~r3data.nodes.screen.ScreenOptions`); ``routes_field``, ``ragged_fields`` and
-    ``last_token_row`` shape each trace (:class:`~r3data.trace.TraceBuilder`).
-    ``buffer_pool`` recycles batch buffers across loaders (one loader per epoch, say); by
-    default each loader has its own.
+    ``samples``: dicts or dataclasses (see :mod:`r3data.nodes.sample`): a list or any
+    map-style collection, a re-iterable, a torchdata ``BaseNode`` or a stateful iterable
+    (state nested, resumed), the same on every rank. ``batch_size`` samples are one optimizer
+    step's global batch over all ``data_parallel`` ranks (``DataParallel(rank, size)`` or
+    ``DataParallel.from_torch()``); each rank gets a disjoint share balanced by tokens, cut
+    into ``micro_batches`` (``MicroBatches(size=...)`` or ``MicroBatches(max_tokens=...)``;
+    default: one per step), as many on every rank. ``shuffle`` (``True`` or ``Shuffle(seed,
+    epoch)``) permutes a map-style source; ``drop_last`` drops a short last step; steps count
+    from ``start_step``. Every micro-batch records its ``step``, ``micro_batch`` and
+    ``micro_batches`` in its metadata.
+
+    ``num_experts`` refuses ids at or above it and stores routes in the narrowest dtype.
+    ``layout`` (this rank's ``TokenLayout``) makes reads rank-local: stitched fields are
+    :class:`~r3data.layout.RankRows` holding only the rank's rows. ``payload_root`` (path,
+    fsspec URL or ``PayloadRoot``; default: the retention's) is where by-handle sources live.
+    With ``retention``, every payload file is kept until ``retention.on_policy_update(step)``
+    for the last step that reads it (a map-style source's files are claimed up front; a
+    stream's as each sample is stitched, before any read). ``trace``, ``screen`` and
+    ``collate`` take :class:`~r3data.nodes.options.TraceOptions`,
+    :class:`~r3data.nodes.screen.ScreenOptions` and
+    :class:`~r3data.nodes.options.CollateOptions` (or mappings of their fields). With
+    ``prefetch`` > 0 the next micro-batches are stitched and filled in the background.
+
+    A misspelt keyword or option is a :class:`~r3data.errors.ConfigError` naming it.
     """
     checked_int("batch_size", batch_size, minimum=1)
     checked_int("prefetch", prefetch)
-    threads = checked_int("workers", pool_workers() if workers is None else workers, minimum=1)
-    check_on_gap(on_gap)
-    options = dict(trace_options or {})
-    unknown = sorted(set(options) - set(_SCREEN_OPTIONS) - set(_TRACE_OPTIONS))
-    if unknown:
+    checked_int("start_step", start_step)
+    ranks = as_options(DataParallel, data_parallel, "data_parallel")
+    if batch_size % ranks.size:
         raise ConfigError(
-            f"trace_options: unknown {unknown}; expected some of "
-            f"{sorted(_SCREEN_OPTIONS + _TRACE_OPTIONS)}"
+            f"batch_size: expected a multiple of the {ranks.size} data-parallel ranks (each "
+            f"takes an equal share of a step), found {batch_size}"
         )
-    screen = ScreenOptions(**{k: options.pop(k) for k in _SCREEN_OPTIONS if k in options})
-    reader = None if payload_root is None else PayloadReader(payload_root, fs=payload_fs)
-    steps = BatchSteps(batch_size, start_step)
-    stitch = StitchRollout(
-        tuple(fields), placeholder, on_gap, topk, options, retention=retention, steps=steps
+    if not isinstance(drop_last, bool):
+        raise ConfigError(f"drop_last: expected a bool, found {drop_last!r}")
+    micro = (
+        None if micro_batches is None else as_options(MicroBatches, micro_batches, "micro_batches")
     )
-    collate = CollateRollouts(
-        tuple(fields),
-        reader,
-        pin_memory,
+    trace = as_options(TraceOptions, trace, "trace")
+    collate = as_options(CollateOptions, collate, "collate")
+    screen = _screen(screen, num_experts)
+    if retention is not None and not isinstance(retention, PayloadRetention):
+        raise ConfigError(
+            f"retention: expected a PayloadRetention, found {type(retention).__name__}"
+        )
+    _check_ranks(retention, ranks, layout)
+    if (
+        trace.on_gap == "drop_sample"
+        and layout is not None
+        and not (layout.cp_size == 1 and layout.sp_size == 1)
+    ):
+        raise ConfigError(
+            f"trace.on_gap='drop_sample' with a rank-local {layout}: each rank reads only its "
+            "rows of a sample, so the ranks of one micro-batch could drop different samples; "
+            "use 'drop_routes' (the default) or 'raise'"
+        )
+    threads = pool_workers() if collate.workers is None else collate.workers
+    source = StepSource(
+        samples,
+        batch_size=batch_size,
+        dp_rank=ranks.rank,
+        dp_size=ranks.size,
+        micro_batches=micro,
+        shuffle=_shuffle(shuffle),
+        drop_last=drop_last,
+        start_step=start_step,
+        retention=retention,
+    )
+    stitch = StitchRollout(
+        collate.fields,
+        trace,
+        retention=None if source.kind == "map" else retention,  # map-style: claimed up front
+    )
+    fill = CollateRollouts(
+        collate.fields,
+        _reader(payload_root, retention),
+        collate.pin_memory,
         threads,
         screen=screen,
-        on_gap=on_gap,
-        routes_field=options.get("routes_field", ROUTES_FIELD),
+        on_gap=trace.on_gap,
+        routes_field=trace.routes_field,
         layout=layout,
-        steps=steps,
-        pool=BufferPool() if buffer_pool is None else buffer_pool,
+        pool=BufferPool() if collate.buffer_pool is None else collate.buffer_pool,
     )
-    node = Batcher(SampleSource(samples), batch_size, drop_last=drop_last)
-    node = Mapper(node, _Stage(lambda items: collate([stitch(item) for item in items])))
+
+    def stitched(micro: MicroBatch[tuple[int, Any]]) -> MicroBatch[Any]:
+        return micro.with_items([stitch(item, micro.step) for item in micro.items])
+
+    node: BaseNode[Any] = Mapper(_Guarded(source), _Stage(lambda micro: fill(stitched(micro))))
     if prefetch:
         node = Prefetcher(node, prefetch_factor=prefetch)
     return Loader(Mapper(node, _delivered), restart_on_stop_iteration=False)

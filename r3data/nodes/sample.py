@@ -18,7 +18,8 @@ from typing import Any
 
 import numpy as np
 
-from r3data.errors import TraceError
+from r3data.errors import TraceError, with_message
+from r3data.nodes.options import TraceOptions
 from r3data.payload.segment import PayloadSegment
 from r3data.trace import Trace, TraceBuilder
 from r3data.trace.builder import Source
@@ -53,20 +54,17 @@ def _get(obj: Any, *names: str, default: Any = None) -> Any:
     return default
 
 
-def _vector(sample_id: str, name: str, value: Any, length: int | None, dtype: Any) -> np.ndarray:
+def _vector(name: str, value: Any, length: int | None, dtype: Any) -> np.ndarray:
     array = np.asarray(value)
     kinds = {np.int64: "iu", bool: "biu", np.float32: "biuf"}[dtype]
     if array.dtype.kind not in kinds or (dtype is bool and array.size and array.max() > 1):
         expected = {"iu": "integers", "biu": "booleans or 0/1", "biuf": "numbers"}[kinds]
         raise TraceError(
-            f"sample {sample_id!r}: {name} must be {expected}, found dtype {array.dtype}"
+            f"{name} must be {expected}, found dtype {array.dtype}"
             + (f" with values up to {array.max()}" if array.dtype.kind in "iu" else "")
         )
     if array.ndim != 1 or (length is not None and array.shape[0] != length):
-        raise TraceError(
-            f"sample {sample_id!r}: {name} must be 1-D with {length} entries, "
-            f"found shape {array.shape}"
-        )
+        raise TraceError(f"{name} must be 1-D with {length} entries, found shape {array.shape}")
     return array.astype(dtype, copy=False)
 
 
@@ -90,7 +88,7 @@ def _files(sources: Iterable[Any]) -> tuple[str, ...]:
 
 
 def _trace_of(
-    sample_id: str, obj: Any, trace_options: Mapping[str, Any]
+    obj: Any, sample_id: str, trace_options: TraceOptions
 ) -> tuple[Trace, tuple[str, ...]]:
     trace = _get(obj, "trace")
     if isinstance(trace, TraceBuilder):
@@ -99,14 +97,14 @@ def _trace_of(
         return trace, _files(p for pieces in trace.pieces.values() for p in pieces)
     requests = _get(obj, "requests")
     if requests is None:
-        raise TraceError(f"sample {sample_id!r}: expected a 'trace' or 'requests', found neither")
-    builder = TraceBuilder(sample_id, **trace_options)
+        raise TraceError("expected a 'trace' or 'requests', found neither")
+    builder = TraceBuilder(sample_id, **trace_options.builder_options)
     every_source: list[Any] = []
     for number, request in enumerate(requests):
         if not isinstance(request, Mapping) or not {"prompt_len", "completion_len"} <= set(request):
             raise TraceError(
-                f"sample {sample_id!r} request {number}: expected a dict with 'prompt_len', "
-                f"'completion_len' and 'sources', found {request!r:.80}"
+                f"request {number}: expected a dict with 'prompt_len', 'completion_len' and "
+                f"'sources', found {request!r:.80}"
             )
         prompt_len, completion_len = request["prompt_len"], request["completion_len"]
         sources = [
@@ -119,31 +117,92 @@ def _trace_of(
     return builder.build(), _files(every_source)
 
 
-def as_rollout(
-    obj: Any, index: int, trace_options: Mapping[str, Any] | None = None
-) -> RolloutSample:
-    """Normalise a dict or dataclass sample; ``index`` names it when it has no id."""
+def sample_id_of(obj: Any, index: int) -> str:
+    """The sample's ``sample_id`` or ``id``, else its index."""
+    for name in ("sample_id", "id"):
+        value = _get(obj, name)
+        if value is not None:
+            return str(value)
+    return str(index)
+
+
+def sample_length(obj: Any) -> int:
+    """Tokens of a raw sample (``len(token_ids)``) without normalising it; 0 when it has none
+    (the stitch stage then reports what is wrong with it)."""
+    if isinstance(obj, RolloutSample):
+        return obj.sample_len
+    tokens = _get(obj, "token_ids", "input_ids")
+    try:
+        return len(tokens)  # type: ignore[arg-type]
+    except TypeError:
+        return 0
+
+
+def sample_files(obj: Any) -> tuple[str, ...]:
+    """The payload files a raw sample names (by-handle segments, dicts with ``file``, a ready
+    trace's pieces), found without decoding anything; what is malformed is left to the stitch
+    stage, which names it."""
+    if isinstance(obj, RolloutSample):
+        return obj.files
+    trace = _get(obj, "trace")
+    if isinstance(trace, TraceBuilder | Trace):
+        pieces = (trace.build() if isinstance(trace, TraceBuilder) else trace).pieces
+        return _files(p for field in pieces.values() for p in field)
+    files: set[str] = set()
+    requests = _get(obj, "requests")
+    for request in requests if isinstance(requests, list | tuple) else ():
+        sources = request.get("sources", ()) if isinstance(request, Mapping) else ()
+        for source in sources if isinstance(sources, list | tuple) else ():
+            if isinstance(source, PayloadSegment):
+                files.add(source.file)
+            elif isinstance(source, Mapping) and isinstance(source.get("file"), str):
+                files.add(source["file"])
+    return tuple(sorted(files))
+
+
+def name_sample(message: str, sample_id: str, index: int) -> str:
+    """``message`` about one sample, naming it once: ``sample 'id' (index i): ...``.
+
+    A message a lower layer already began with the sample (``sample 'id'``) or its trace
+    (``trace 'id'``, the trace of the sample) gets the loader's name instead of a second one.
+    """
+    name = f"sample {sample_id!r} (index {index})"
+    if message.startswith(name):
+        return message
+    for lead in (f"sample {sample_id!r}", f"trace {sample_id!r}"):
+        if message.startswith(lead):
+            message = message[len(lead) :].lstrip(":").lstrip()
+            break
+    return f"{name}: {message}"
+
+
+def as_rollout(obj: Any, index: int, trace: TraceOptions | None = None) -> RolloutSample:
+    """Normalise a dict or dataclass sample; ``index`` names it when it has no id. Errors keep
+    their class and name the sample once: ``sample 'id' (index i): ...``."""
     if isinstance(obj, RolloutSample):
         return obj
-    if dataclasses.is_dataclass(obj) or isinstance(obj, Mapping):
-        sample_id = str(_get(obj, "sample_id", "id", default=index))
-    else:
+    if not (dataclasses.is_dataclass(obj) or isinstance(obj, Mapping)):
         raise TraceError(
-            f"sample {index}: expected a dict or a dataclass, found {type(obj).__name__}"
+            f"sample {str(index)!r} (index {index}): expected a dict or a dataclass, found "
+            f"{type(obj).__name__}"
         )
+    sample_id = sample_id_of(obj, index)
+    try:
+        return _rollout(obj, sample_id, trace or TraceOptions())
+    except Exception as exc:
+        raise with_message(exc, name_sample(str(exc), sample_id, index)) from exc
+
+
+def _rollout(obj: Any, sample_id: str, trace: TraceOptions) -> RolloutSample:
     tokens = _get(obj, "token_ids", "input_ids")
     if tokens is None:
-        raise TraceError(f"sample {sample_id!r}: expected 'token_ids', found none")
-    token_ids = _vector(sample_id, "token_ids", tokens, None, np.int64)
+        raise TraceError("expected 'token_ids', found none")
+    token_ids = _vector("token_ids", tokens, None, np.int64)
     n = token_ids.shape[0]
     loss_mask = _get(obj, "loss_mask")
-    loss_mask = (
-        np.ones(n, bool)
-        if loss_mask is None
-        else _vector(sample_id, "loss_mask", loss_mask, n, bool)
-    )
+    loss_mask = np.ones(n, bool) if loss_mask is None else _vector("loss_mask", loss_mask, n, bool)
     logprobs = _get(obj, "logprobs")
     if logprobs is not None:
-        logprobs = _vector(sample_id, "logprobs", logprobs, n, np.float32)
-    trace, files = _trace_of(sample_id, obj, trace_options or {})
-    return RolloutSample(sample_id, token_ids, loss_mask, trace, logprobs, files)
+        logprobs = _vector("logprobs", logprobs, n, np.float32)
+    built, files = _trace_of(obj, sample_id, trace)
+    return RolloutSample(sample_id, token_ids, loss_mask, built, logprobs, files)

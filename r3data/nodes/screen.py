@@ -21,6 +21,7 @@ from typing import Literal
 import numpy as np
 
 from r3data.errors import ConfigError
+from r3data.options import options
 from r3data.validate import checked_int
 
 __all__ = ["ZERO_ROWS", "RowFlags", "ScreenOptions", "ZeroRows", "dense_layers", "screen_rows"]
@@ -29,9 +30,10 @@ ZeroRows = Literal["missing", "raise", "keep"]
 ZERO_ROWS = ("missing", "raise", "keep")
 
 
-@dataclass(frozen=True)
+@options
 class ScreenOptions:
-    """How route rows are screened (see the module docstring)."""
+    """How route rows are screened (see the module docstring); a misspelt option is a
+    ``ConfigError``."""
 
     num_experts: int | None = None
     zero_rows: ZeroRows = "missing"

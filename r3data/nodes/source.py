@@ -1,60 +1,226 @@
-"""``SampleSource``: the first node, yielding ``(index, sample)`` with a resumable position."""
+"""``StepSource``: the first node, yielding this rank's micro-batches of every optimizer step.
+
+The source of samples is the whole data, the same on every data-parallel rank: a map-style
+collection (``len`` and indexing; resumed by index, optionally shuffled), a torchdata
+``BaseNode`` or an iterable with ``state_dict``/``load_state_dict`` (a stateful sampler or
+loader; their state is nested in this node's), any other re-iterable (fast-forwarded), or a
+one-shot iterator (which cannot resume). Each step reads the next ``batch_size`` samples, the
+global batch, and plans every rank's share (:func:`~r3data.nodes.steps.plan_step`) from
+their lengths; only this rank's samples go on down the pipeline.
+
+State: the step and micro-batch to yield next, and the nested source's state at the start of
+that step, so a resumed rank reads exactly the micro-batches it has not yielded.
+"""
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Iterable, Iterator, Sequence
-from typing import Any
+from dataclasses import dataclass, replace
+from typing import Any, Generic, TypeVar
 
 from torchdata.nodes import BaseNode
 
 from r3data.errors import ConfigError
+from r3data.nodes.sample import sample_files, sample_length
+from r3data.nodes.steps import MicroBatches, Shuffle, plan_step
+from r3data.payload.retention import PayloadRetention
+
+__all__ = ["MicroBatch", "StepSource"]
+
+T = TypeVar("T")
+U = TypeVar("U")
 
 
-class SampleSource(BaseNode[tuple[int, Any]]):
-    """Samples of a map-style collection (resumed by index) or a re-iterable (fast-forwarded).
+@dataclass(frozen=True, slots=True)
+class MicroBatch(Generic[T]):
+    """One micro-batch of optimizer ``step`` on this rank: number ``index`` of ``count`` (the
+    same count on every data-parallel rank), ``items`` in global sample order."""
 
-    A one-shot iterator (a generator) cannot be resumed: loading a state into one raises.
+    step: int
+    index: int
+    count: int
+    items: list[T]
+
+    def with_items(self, items: list[U]) -> MicroBatch[U]:
+        return replace(self, items=items)  # type: ignore[return-value]
+
+
+def _kind(samples: Any) -> str:
+    if isinstance(samples, BaseNode):
+        return "node"
+    if hasattr(samples, "__len__") and hasattr(samples, "__getitem__"):
+        return "map"
+    if hasattr(samples, "state_dict") and hasattr(samples, "load_state_dict"):
+        return "stateful"
+    if iter(samples) is samples:
+        return "iterator"
+    return "iterable"
+
+
+class StepSource(BaseNode[MicroBatch[tuple[int, Any]]]):
+    """Yields this rank's :class:`MicroBatch`es of ``(sample index, raw sample)``.
+
+    ``batch_size`` samples per optimizer step over all ``dp_size`` ranks; steps are numbered
+    from ``start_step``. A short last step is dropped with ``drop_last``. With a
+    ``retention`` and a map-style source, every payload file a sample names is claimed up
+    front for the last step that reads it (every rank's samples: all references are known),
+    so a file shared by samples of different steps outlives the updates in between.
     """
 
-    NEXT_INDEX_KEY = "next_index"
+    STEP_KEY, MICRO_KEY, SOURCE_KEY = "step", "micro_batch", "source"
 
-    def __init__(self, samples: Sequence[Any] | Iterable[Any]) -> None:
+    def __init__(
+        self,
+        samples: Sequence[Any] | Iterable[Any] | BaseNode[Any],
+        *,
+        batch_size: int,
+        dp_rank: int = 0,
+        dp_size: int = 1,
+        micro_batches: MicroBatches | None = None,
+        shuffle: Shuffle | None = None,
+        drop_last: bool = False,
+        start_step: int = 0,
+        retention: PayloadRetention | None = None,
+    ) -> None:
         super().__init__()
         self.samples = samples
-        self._map_style = hasattr(samples, "__len__") and hasattr(samples, "__getitem__")
-        self._next_index = 0
+        self.kind = _kind(samples)
+        if shuffle is not None and self.kind != "map":
+            raise ConfigError(
+                f"shuffle needs a map-style source (len and indexing), found "
+                f"{type(samples).__name__}: shuffle it upstream"
+            )
+        self.batch_size, self.dp_rank, self.dp_size = batch_size, dp_rank, dp_size
+        self.micro_batches, self.shuffle = micro_batches, shuffle
+        self.drop_last, self.start_step, self.retention = drop_last, start_step, retention
+        self._order: Sequence[int] | None = None
         self._it: Iterator[Any] | None = None
+        self._step = 0  # steps read so far: the next one to plan
+        self._micro = 0  # micro-batches of the current step yielded
+        self._plan: list[list[tuple[int, Any]]] | None = None
+        self._source_state: Any = None  # the nested source's state at the start of _step
+        self._plan_state: Any = None  # ... and at the start of the step being yielded
+
+    # --- state ----------------------------------------------------------------------------
 
     def reset(self, initial_state: dict[str, Any] | None = None) -> None:
         super().reset(initial_state)
-        self._next_index = initial_state[self.NEXT_INDEX_KEY] if initial_state else 0
-        if self._map_style:
-            return
-        self._it = iter(self.samples)
-        if self._next_index and self._it is self.samples:
-            raise ConfigError(
-                f"cannot resume at sample {self._next_index}: the samples are a one-shot "
-                f"iterator ({type(self.samples).__name__}); pass a list or a re-iterable"
-            )
-        for skipped in range(self._next_index):
-            if next(self._it, _END) is _END:
-                raise ConfigError(
-                    f"cannot resume at sample {self._next_index}: the samples end after {skipped}"
-                )
-
-    def next(self) -> tuple[int, Any]:
-        index = self._next_index
-        if self._map_style:
-            if index >= len(self.samples):  # type: ignore[arg-type]
-                raise StopIteration
-            sample = self.samples[index]  # type: ignore[index]
-        else:
-            sample = next(self._it)  # type: ignore[arg-type]
-        self._next_index = index + 1
-        return index, sample
+        state = initial_state or {}
+        self._step = state.get(self.STEP_KEY, 0)
+        self._micro = state.get(self.MICRO_KEY, 0)
+        self._plan = None
+        self._source_state = state.get(self.SOURCE_KEY)
+        self._open()
+        if self.kind == "map" and self.retention is not None and self.retention.deletes:
+            self._claim_every_file()
 
     def get_state(self) -> dict[str, Any]:
-        return {self.NEXT_INDEX_KEY: self._next_index}
+        if self._plan is not None:  # part of a step yielded: resume inside it
+            return {
+                self.STEP_KEY: self._step - 1,
+                self.MICRO_KEY: self._micro,
+                self.SOURCE_KEY: self._plan_state,
+            }
+        return {self.STEP_KEY: self._step, self.MICRO_KEY: 0, self.SOURCE_KEY: self._source_state}
+
+    def _open(self) -> None:
+        """Position the source at the start of step ``self._step``."""
+        if self.kind == "map":
+            count = len(self.samples)  # type: ignore[arg-type]
+            self._order = None if self.shuffle is None else self.shuffle.order(count).tolist()
+            return
+        if self.kind == "node":
+            self.samples.reset(self._source_state)  # type: ignore[union-attr]
+            self._it = self.samples  # type: ignore[assignment]
+            return
+        if self.kind == "stateful":
+            if self._source_state is not None:
+                self.samples.load_state_dict(self._source_state)  # type: ignore[union-attr]
+            self._it = iter(self.samples)
+            return
+        skip = self._step * self.batch_size
+        self._it = iter(self.samples)
+        if skip and self.kind == "iterator":
+            raise ConfigError(
+                f"cannot resume at step {self.start_step + self._step}: the samples are a "
+                f"one-shot iterator ({type(self.samples).__name__}); pass a list, a re-iterable, "
+                "a torchdata BaseNode or a stateful iterable"
+            )
+        for skipped in range(skip):
+            if next(self._it, _END) is _END:
+                raise ConfigError(
+                    f"cannot resume at step {self.start_step + self._step}: the samples end "
+                    f"after {skipped}, before that step's first sample {skip}"
+                )
+
+    def _capture(self) -> None:
+        """Keep the nested source's state at the start of the next step (only a BaseNode or a
+        stateful iterable has one: others are positioned by index or by skipping)."""
+        self._plan_state = self._source_state
+        if self.kind in ("node", "stateful"):
+            self._source_state = self.samples.state_dict()  # type: ignore[union-attr]
+
+    # --- reading --------------------------------------------------------------------------
+
+    def _indices(self, step: int) -> range | list[int]:
+        count = len(self.samples)  # type: ignore[arg-type]
+        lo, hi = step * self.batch_size, min(count, (step + 1) * self.batch_size)
+        if lo >= hi or (self.drop_last and hi - lo < self.batch_size):
+            return range(0)
+        return range(lo, hi) if self._order is None else self._order[lo:hi]
+
+    def _global_batch(self) -> list[tuple[int, Any]]:
+        """The samples of step ``self._step`` with their indices (empty: the data ended)."""
+        if self.kind == "map":
+            return [(i, self.samples[i]) for i in self._indices(self._step)]  # type: ignore[index]
+        first = self._step * self.batch_size
+        batch = []
+        for offset in range(self.batch_size):
+            sample = next(self._it, _END)  # type: ignore[arg-type]
+            if sample is _END:
+                break
+            batch.append((first + offset, sample))
+        if self.drop_last and len(batch) < self.batch_size:
+            return []
+        return batch
+
+    def next(self) -> MicroBatch[tuple[int, Any]]:
+        while self._plan is None:
+            batch = self._global_batch()
+            if not batch:
+                raise StopIteration
+            lengths = [sample_length(raw) for _, raw in batch]
+            shares = plan_step(lengths, self.dp_size, self.micro_batches)
+            self._plan = [[batch[p] for p in micro] for micro in shares[self.dp_rank]]
+            self._step += 1
+            self._capture()
+            if self._micro >= len(self._plan):  # resumed after this step's last micro-batch
+                self._plan, self._micro = None, 0
+        micro = MicroBatch(
+            self.start_step + self._step - 1, self._micro, len(self._plan), self._plan[self._micro]
+        )
+        self._micro += 1
+        if self._micro == len(self._plan):
+            self._plan, self._micro = None, 0
+        return micro
+
+    # --- retention ------------------------------------------------------------------------
+
+    def _claim_every_file(self) -> None:
+        """Claim each file named from the current step on for the last step that names it."""
+        last: dict[str, int] = {}
+        step = self._step
+        while indices := self._indices(step):
+            for i in indices:
+                for name in sample_files(self.samples[i]):  # type: ignore[index]
+                    last[name] = self.start_step + step
+            step += 1
+        by_step: dict[int, list[str]] = defaultdict(list)
+        for name, at in last.items():
+            by_step[at].append(name)
+        for at, names in sorted(by_step.items()):
+            self.retention.claim(at, names)  # type: ignore[union-attr]
 
 
 _END = object()

@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from r3data.errors import ConfigError, with_context
-from r3data.nodes.sample import RolloutSample, as_rollout
-from r3data.nodes.steps import BatchSteps
+from r3data.errors import ConfigError, TraceError, with_message
+from r3data.nodes.options import TraceOptions
+from r3data.nodes.sample import RolloutSample, as_rollout, name_sample
 from r3data.payload.retention import PayloadRetention
-from r3data.trace import OnGap, Placeholder, StitchedSample
+from r3data.trace import ROUTES_FIELD, StitchedSample, Trace
 from r3data.trace.stitch import check_stitch_options, stitch_checked
 
 logger = logging.getLogger(__name__)
@@ -24,54 +25,76 @@ class StitchedRollout:
     index: int
     sample: RolloutSample
     stitched: StitchedSample | None
+    warnings: tuple[str, ...] = ()
+    """What the stitch stage logged about the sample (a length mismatch, a drop)."""
+
+
+def covered_tokens(trace: Trace) -> int:
+    """Tokens the trace's requests cover: the longest ``prompt_len + completion_len``."""
+    return max((p + c for p, c in trace.requests), default=0)
 
 
 @dataclass(frozen=True)
 class StitchRollout:
-    """Maps ``(index, raw sample)`` to a :class:`StitchedRollout`; errors name the sample."""
+    """Maps ``(index, raw sample)`` to a :class:`StitchedRollout`; errors name the sample.
 
-    fields: Sequence[str]
-    placeholder: Placeholder = "repeat_previous"
-    on_gap: OnGap = "drop_routes"
-    topk: int | None = None
-    trace_options: Mapping[str, Any] | None = None
+    With a ``retention``, a sample's payload files are claimed for the optimizer ``step`` of
+    its micro-batch as soon as it is stitched, before any read (a stream's claims; a map-style
+    source claims every file up front, see :class:`~r3data.nodes.source.StepSource`).
+    """
+
+    fields: Sequence[str] = (ROUTES_FIELD,)
+    trace: TraceOptions = dataclasses.field(default_factory=TraceOptions)
     retention: PayloadRetention | None = None
-    """Claims each sample's payload files, as soon as it is stitched, for its batch's step."""
-    steps: BatchSteps | None = None
 
     def __post_init__(self) -> None:
-        if self.retention is not None and self.steps is None:
-            raise ConfigError("StitchRollout with a retention needs steps (BatchSteps)")
-        options = check_stitch_options(self.fields, self.placeholder, self.on_gap, self.topk)
-        object.__setattr__(self, "_options", options)
+        if not isinstance(self.trace, TraceOptions):
+            raise ConfigError(f"trace: expected TraceOptions, found {type(self.trace).__name__}")
+        trace = self.trace
+        options = check_stitch_options(self.fields, trace.placeholder, trace.on_gap, trace.topk)
+        object.__setattr__(self, "_options", options)  # checked once, for every sample
 
-    def __call__(self, item: tuple[int, Any]) -> StitchedRollout:
+    def __call__(self, item: tuple[int, Any], step: int | None = None) -> StitchedRollout:
         index, raw = item
-        sample_id = str(index)
+        sample = as_rollout(raw, index, self.trace)  # its errors name the sample already
         try:
-            sample_id = _raw_id(raw, index)
-            sample = as_rollout(raw, index, self.trace_options)
-            if self.retention is not None and sample.files:
-                # before any update can release them: a file shared with a batch that is not
-                # read yet stays until that batch's step too
-                self.retention.claim(self.steps(index), sample.files)
-            empty = [f for f in self.fields if f not in sample.trace.info]
-            if empty and self.on_gap != "raise":
-                # No row of the field anywhere (e.g. every turn's routes were an engine bug):
-                # nothing to replay and no row shape for placeholders, so the sample is dropped.
-                logger.warning(
-                    "sample %r: no rows of %s in any request; sample dropped", sample_id, empty
-                )
-                return StitchedRollout(index, sample, None)
-            stitched = stitch_checked(sample.trace, sample.sample_len, self._options)
+            return self._stitched(index, sample, step)
         except Exception as exc:
-            raise with_context(exc, f"sample {sample_id!r} (index {index})")  # noqa: B904
-        return StitchedRollout(index, sample, stitched)
+            raise with_message(exc, name_sample(str(exc), sample.sample_id, index)) from exc
 
+    def _stitched(self, index: int, sample: RolloutSample, step: int | None) -> StitchedRollout:
+        if self.retention is not None and sample.files:
+            if step is None:
+                raise ConfigError("StitchRollout with a retention needs the step of each sample")
+            self.retention.claim(step, sample.files)
+        warnings = self._length_warnings(sample, index)
+        empty = [f for f in self.fields if f not in sample.trace.info]
+        if empty and self.trace.on_gap != "raise":
+            # No row of the field anywhere (e.g. every turn's routes were an engine bug):
+            # nothing to replay and no row shape for placeholders, so the sample is dropped.
+            warning = name_sample(
+                f"no rows of {empty} in any request; sample dropped", sample.sample_id, index
+            )
+            logger.warning(warning)
+            return StitchedRollout(index, sample, None, (*warnings, warning))
+        stitched = stitch_checked(sample.trace, sample.sample_len, self._options)
+        return StitchedRollout(index, sample, stitched, warnings)
 
-def _raw_id(raw: Any, index: int) -> str:
-    for name in ("sample_id", "id"):
-        value = raw.get(name) if isinstance(raw, Mapping) else getattr(raw, name, None)
-        if value is not None:
-            return str(value)
-    return str(index)
+    def _length_warnings(self, sample: RolloutSample, index: int) -> tuple[str, ...]:
+        """``token_ids`` longer than the requests cover get placeholders with no gap; shorter
+        ones cut the trace: either way the sample and its trace disagree."""
+        if self.trace.length_mismatch == "ignore" or not sample.trace.requests:
+            return ()
+        covered = covered_tokens(sample.trace)
+        if covered == sample.sample_len:
+            return ()
+        message = (
+            f"{sample.sample_len} token_ids, but its requests cover {covered} tokens "
+            f"({'placeholders after' if sample.sample_len > covered else 'the trace cut at'} "
+            f"position {min(covered, sample.sample_len)})"
+        )
+        if self.trace.length_mismatch == "raise":
+            raise TraceError(f"{message}; expected equal counts (length_mismatch='raise')")
+        warning = name_sample(message, sample.sample_id, index)
+        logger.warning(warning)
+        return (warning,)

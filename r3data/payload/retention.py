@@ -4,6 +4,15 @@ A file may be deleted once the trainer has finished the step whose batch read it
 claims (cancelled rollouts, files from before a resume) are removed by the backstop once their
 policy version is too old for any future batch: with at most ``M`` off-policy steps, a batch for
 step ``s`` uses versions ``>= s - M``.
+
+Several ranks on one root (``group=``, a ``torch.distributed`` process group of every rank
+that reads the root): each rank claims what its own batches read; ``on_policy_update(step)``
+is then a collective: every rank sends its claims and discards since the last update to rank
+0 of the group, the only one that deletes, which releases ``step`` only once every rank has
+called it, that is, has finished reading every batch of that step. A claim a rank makes after
+the update of a step cannot protect a file released by it: a map-style loader claims every
+file for its last step up front, so only a stream whose samples share a file across steps
+relies on the backstop.
 """
 
 from __future__ import annotations
@@ -191,6 +200,12 @@ class PayloadRetention:
     a writer of this run published before retention was set up stays; ``fresh=False`` (a
     resumed run) keeps everything and lets the backstop clear what the old run left. A file the
     wipe may not delete raises :class:`~r3data.errors.PayloadPermissionError`.
+
+    ``group``: a ``torch.distributed`` process group of every rank that reads this root (e.g.
+    ``torch.distributed.group.WORLD``; with NCCL, a gloo group made with ``new_group``). Every
+    rank makes its own ``PayloadRetention`` and calls ``on_policy_update(step)`` after each
+    optimizer step, a collective; rank 0 of the group deletes (and wipes a fresh run), once
+    every rank has finished the step (see the module docstring).
     """
 
     def __init__(
@@ -201,6 +216,7 @@ class PayloadRetention:
         fresh: bool,
         fs: AbstractFileSystem | None = None,
         run_started: float | None = None,
+        group: Any = None,
     ) -> None:
         if not isinstance(fresh, bool):
             raise ConfigError(
@@ -222,14 +238,22 @@ class PayloadRetention:
         self._deleted = (0, 0)
         self._errors = 0
         self._latency = _Latency()
+        self.group = group
+        self._ranks = _Ranks(group) if group is not None else None
+        self._outbox: dict[str, int] = {}  # a rank that does not delete: claims to send
         try:
             self.root.fs.makedirs(self.root.path, exist_ok=True)
         except PermissionError as exc:
             raise PayloadPermissionError(
                 f"payload root {self.root.url} may not be created: {exc}"
             ) from exc
-        if fresh:
+        if fresh and self.deletes:
             _wipe_before(self.root, _process_started() if run_started is None else run_started)
+
+    @property
+    def deletes(self) -> bool:
+        """True on the rank that deletes: the only one, or rank 0 of the group."""
+        return self._ranks is None or self._ranks.rank == 0
 
     def __repr__(self) -> str:
         return f"PayloadRetention({self.root}, max_off_policy_steps={self.max_off_policy_steps})"
@@ -250,10 +274,17 @@ class PayloadRetention:
         step = _check_count("step", step)
         names = self._names(files)
         with self._lock:
+            if not self.deletes:
+                for name in names:
+                    self._outbox[name] = max(step, self._outbox.get(name, step))
+                return
             self._deletion_done.wait_for(lambda: self._deleting.isdisjoint(names))
-            for name in names:
-                self._claims[name] = max(step, self._claims.get(name, step))
-                self._doomed.pop(name, None)
+            self._claim(step, names)
+
+    def _claim(self, step: int, names: Iterable[str]) -> None:
+        for name in names:
+            self._claims[name] = max(step, self._claims.get(name, step))
+            self._doomed.pop(name, None)
 
     def discard(self, files: Iterable[str]) -> None:
         """Delete ``files`` of dropped samples at the next ``on_policy_update``, unless a batch for
@@ -264,8 +295,30 @@ class PayloadRetention:
 
     def on_policy_update(self, step: int) -> None:
         """The trainer finished ``step``: delete what its batches claimed and what was discarded
-        (unless claimed for a later step), and sweep stale versions."""
+        (unless claimed for a later step), and sweep stale versions. With a ``group``, every
+        rank calls it (a collective): rank 0 deletes once all have."""
         bound = min_fresh_version(step + 1, self.max_off_policy_steps)
+        if self._ranks is not None:
+            with self._lock:
+                sent = (step, self._outbox, sorted(self._discarded))
+                self._outbox, self._discarded = {}, set()
+            received = self._ranks.gather(sent)
+            if not self.deletes:
+                return
+            with self._lock:
+                for rank, (their_step, claims, discarded) in enumerate(received):
+                    if their_step != step:
+                        raise ConfigError(
+                            f"payload retention on {self.root.url}: rank {rank} finished step "
+                            f"{their_step} while rank 0 finished {step}; every rank must call "
+                            "on_policy_update with the same step"
+                        )
+                    by_step: dict[int, list[str]] = {}
+                    for name, claimed in claims.items():
+                        by_step.setdefault(claimed, []).append(name)
+                    for claimed, names in by_step.items():
+                        self._claim(claimed, names)
+                    self._discarded.update(discarded)
         now = time.monotonic()
         with self._lock:
             released = [name for name, claimed in self._claims.items() if claimed <= step]
@@ -378,6 +431,28 @@ class PayloadRetention:
                         if since is not None:
                             self._latency.add(finished - since)
         return not failed
+
+
+class _Ranks:
+    """The ranks sharing a root, as a ``torch.distributed`` group (imported only with one)."""
+
+    def __init__(self, group: Any) -> None:
+        import torch.distributed as dist
+
+        if not dist.is_available() or not dist.is_initialized():
+            raise ConfigError(
+                "PayloadRetention(group=...) needs an initialised torch.distributed process group"
+            )
+        self.dist, self.group = dist, group
+        self.rank = dist.get_rank(group)
+        self.size = dist.get_world_size(group)
+        self.root = dist.get_global_rank(group, 0)
+
+    def gather(self, sent: Any) -> list[Any]:
+        """Every rank's ``sent`` on rank 0 (in rank order); an empty list elsewhere."""
+        received: list[Any] | None = [None] * self.size if self.rank == 0 else None
+        self.dist.gather_object(sent, received, dst=self.root, group=self.group)
+        return received or []
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ import torch
 
 from r3data.batch import TensorBatch
 from r3data.errors import ReplayError
-from r3data.layout import PAD, Fill, ModelLayers, TokenLayout, dense, expand
+from r3data.layout import PAD, Fill, ModelLayers, TokenLayout, expand, expand_batch_major
 from r3data.packed import PackedTensor, aranges
 
 __all__ = ["HFInputs", "hf_inputs"]
@@ -112,7 +112,7 @@ class HFInputs(Mapping[str, Any]):
         layout = replace(self.layout, layers=layers)
         if self.packed:
             return expand(routes, layout, fill=fill, layer_axis=layer_axis)
-        per_layer = dense(routes, layout, fill=fill, layer_axis=layer_axis)
+        per_layer = expand_batch_major(routes, layout, fill=fill, layer_axis=layer_axis)
         return [tensor.reshape(-1, tensor.shape[-1]) for tensor in per_layer]
 
     def _check_lengths(self, field: PackedTensor, what: str) -> None:

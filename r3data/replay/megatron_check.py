@@ -118,7 +118,10 @@ def check_replay(
             "skipped", "megatron-core is not installed (pip install 'r3data[megatron]')"
         )
     import torch.distributed as dist
-    from megatron.core import parallel_state
+
+    with warnings.catch_warnings():  # importing megatron warns that Transformer Engine is missing
+        warnings.simplefilter("ignore")
+        from megatron.core import parallel_state
 
     if dist.is_initialized() or parallel_state.model_parallel_is_initialized():
         return ReplayOutcome(

@@ -3,8 +3,8 @@
 Such routers compute ``scores`` ``[tokens, experts]`` and pick ``torch.topk(scores, k)``.
 Replaying swaps the pick for the recorded experts and gathers the trainer's own scores at
 them, so the gates stay differentiable. Feed it one layer of
-:func:`r3data.layout.dense` flattened to ``[B * S, topk]`` (batch-major, as such routers
-flatten ``[B, S, hidden]``).
+:func:`r3data.layout.expand_batch_major` flattened to ``[B * S, topk]`` (batch-major, as such
+routers flatten ``[B, S, hidden]``).
 """
 
 from __future__ import annotations

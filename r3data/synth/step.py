@@ -21,7 +21,7 @@ import torch
 from r3data.batch import TensorBatch
 from r3data.errors import ConfigError
 from r3data.layout import PAD, TokenLayout, expand
-from r3data.nodes import loader
+from r3data.nodes import CollateOptions, MicroBatches, loader
 from r3data.packed import PackedTensor
 from r3data.payload import PayloadRetention, PayloadWriter
 from r3data.replay.megatron_check import ReplayOutcome, check_replay
@@ -171,9 +171,9 @@ def play_step(
 ) -> StepReport:
     """Play one step on ``rollouts`` synthetic rollouts of ``shape`` (see the module doc).
 
-    The loader yields the step's whole batch (claimed by retention for step 0); it is split
-    into ``micro_batches`` micro-batches, each expanded for every rank. ``payload_root`` must be
-    a fresh local directory: retention removes every ``v<k>`` under it. ``engine_bugs`` inline
+    The loader yields the step's batch as ``micro_batches`` micro-batches (every file claimed
+    by retention for step 0), each expanded for every rank. ``payload_root`` must be a fresh
+    local directory: retention removes every ``v<k>`` under it. ``engine_bugs`` inline
     multi-turn rollouts get all-zero routes in their last request (a known engine bug): their
     routes must come out as placeholders, never valid.
     """
@@ -192,14 +192,15 @@ def play_step(
     pipeline = loader(
         served.samples,
         batch_size=rollouts,
-        payload_root=payload_root,
+        micro_batches=MicroBatches(size=-(-rollouts // micro_batches)),
+        num_experts=shape.num_experts,
         retention=retention,
-        workers=workers,
-        trace_options={"num_experts": shape.num_experts},  # SkyRL's int16 stays 2 bytes an id
+        collate=CollateOptions(workers=workers),
     )
     started = time.perf_counter()
-    batch = next(iter(pipeline))
+    micro = list(progress(pipeline, "load", micro_batches))
     load_seconds = time.perf_counter() - started
+    batch = TensorBatch.cat(micro)
 
     routes = batch[ROUTES_FIELD]
     mismatches = _check_routes(
@@ -208,7 +209,6 @@ def play_step(
     layout_errors: list[str] = []
     loads: dict[tuple[int, int], list[int]] = {}
     outcome = ReplayOutcome("skipped", "not asked for")
-    micro = batch.chunk(micro_batches)
     for k, part in enumerate(progress(micro, "train", len(micro))):
         expanded = _expand_ranks(part[ROUTES_FIELD], shape, layout_errors)
         for layout, per_layer, index in expanded:

@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 import argparse
+import subprocess
+import sys
 import traceback
 
+import numpy as np
 import pytest
 
 from r3data import loader
+from r3data.cli import COMMANDS as CLI_COMMANDS
 from r3data.cli import build_parser, main
 from r3data.cli.common import error_line
 from r3data.errors import R3DataError
+from r3data.payload import PayloadWriter
 from r3data.synth import MODEL_SHAPES, SyntheticRouter, sglang_response, synth_rollouts
 
 COMMANDS = ("demo", "inspect", "verify", "gc", "bench")
@@ -106,15 +111,44 @@ def test_bad_arguments_and_paths_give_one_line_and_exit_code_2(case, paths, caps
 def test_an_error_raised_in_a_loader_thread_is_reported_on_one_line():
     samples = [{"id": "bad", "requests": []}]
     with pytest.raises(R3DataError) as info:
-        list(loader(samples, batch_size=1, workers=2))
+        list(loader(samples, batch_size=1, collate={"workers": 2}))
     # the original exception, its own message; the worker's frames in its traceback
     assert "Traceback" not in str(info.value)
     error, frames = info.value, []
     while error is not None:  # the sample's context wraps the error raised where it happened
         frames += [f.name for f in traceback.extract_tb(error.__traceback__)]
         error = error.__cause__
-    assert "as_rollout" in frames
+    assert "_rollout" in frames
     line = error_line(info.value)
     assert "\n" not in line
     assert line.startswith("r3data: error: sample 'bad' (index 0): ")
     assert "token_ids" in line
+
+
+def test_top_level_help_answers_without_importing_torch():
+    code = "import sys; from r3data.cli import main; main(['--help']); print(sorted(sys.modules))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    modules = done.stdout.strip().splitlines()[-1]
+    assert "'torch'" not in modules
+    assert "'numpy'" not in modules
+    for command in COMMANDS:
+        assert command in done.stdout
+
+
+def test_each_commands_one_line_help_is_its_modules_own():
+    (action,) = [a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)]
+    registered = {choice.dest: choice.help for choice in action._choices_actions}
+    assert registered == {name: summary for name, (_, summary) in CLI_COMMANDS.items()}
+
+
+def test_output_into_a_closed_pipe_ends_quietly(tmp_path):
+    """``r3data inspect --json ROOT | head -c 10``: no error line, no traceback, exit code 0."""
+    writer = PayloadWriter(tmp_path)
+    for _ in range(300):  # more JSON than a pipe buffers
+        writer.write(0, {"routed_experts": np.ones((2, 2, 2), np.uint8)})
+    command = [sys.executable, "-m", "r3data.cli", "inspect", "--json", str(tmp_path)]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert process.stdout.read(10)
+    process.stdout.close()
+    assert process.wait(timeout=60) == 0
+    assert process.stderr.read() == b""

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import subprocess
+import sys
 
 import pytest
 
 from r3data.cli import main
+from r3data.cli.demo import summary
 from r3data.synth import MODEL_SHAPES, play_step
 
 MEGATRON = importlib.util.find_spec("megatron") is not None
@@ -87,3 +90,25 @@ def test_a_step_checks_every_row_and_retention_deletes_every_file(shape_name, tm
         == report.ranks[0].local_tokens * len(shape.moe_layer_ids) * shape.topk * 4
     )
     assert report.replay.status == ("verified" if MEGATRON else "skipped")
+
+
+def test_the_gap_line_counts_the_all_zero_rows_and_apart_the_good_rows_dropped(tmp_path):
+    shape = MODEL_SHAPES["qwen3-30b-a3b"]
+    report = play_step(shape, tmp_path / "p", rollouts=4, max_len=2048, replay=False)
+    stats = report.stats
+    assert stats.rows_missing > 0  # the engine bug's rows
+    assert stats.rows_dropped > 0  # the sample's good rows, dropped with them
+    line = next(row for row in summary(report).splitlines() if row.startswith("placeholders"))
+    assert f"{stats.rows_missing:,} all-zero engine rows in 1 rollout" in line
+    assert f"{stats.rows_dropped:,} good rows dropped with them" in line
+
+
+@pytest.mark.slow
+def test_the_demo_prints_no_third_party_warnings():
+    argv = ["demo", "--rollouts", "2", "--max-len", "512", "--micro-batches", "1"]
+    done = subprocess.run(
+        [sys.executable, "-m", "r3data.cli", *argv], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stderr == ""
+    assert "Warning" not in done.stdout

@@ -48,7 +48,7 @@ def request_source(raw: bytes, **options: Any) -> dict[str, Any]:
 
 
 def one_batch(samples: list[dict[str, Any]]) -> r3data.TensorBatch:
-    (batch,) = r3data.loader(samples, batch_size=len(samples), workers=1)
+    (batch,) = r3data.loader(samples, batch_size=len(samples), collate={"workers": 1})
     return batch
 
 

@@ -1,4 +1,4 @@
-"""expand / dense / expand_mask against a per-token reference, on every rank."""
+"""expand / expand_batch_major / expand_mask against a per-token reference, on every rank."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from layout_reference import PAD, rank_rows
 
 from r3data.errors import LayoutError
-from r3data.layout import ModelLayers, TokenLayout, dense, expand, expand_mask, gather
+from r3data.layout import ModelLayers, TokenLayout, expand, expand_batch_major, expand_mask, gather
 from r3data.packed import PackedTensor
 
 DTYPES = {torch.uint8: 256, torch.uint16: 65536, torch.int32: 2**31 - 1}
@@ -110,13 +110,13 @@ def test_expanding_local_rows_equals_expanding_the_full_batch(case):
 
 @settings(max_examples=30, deadline=None)
 @given(case=CASES)
-def test_dense_is_batch_major_with_the_same_tokens(case):
+def test_batch_major_form_holds_the_same_tokens(case):
     routes = random_routes(case["lengths"], case["layers"], case["topk"], case["dtype"])
     for layout in all_ranks(case["tp"], case["cp"], case["sp"], packed=False, side=case["side"]):
         rows = rank_rows(layout, case["lengths"])
         batch = len(case["lengths"])
         seq_major = np.asarray(rows).reshape(-1, batch)
-        got = dense(routes, layout, dtype=case["out"])
+        got = expand_batch_major(routes, layout, dtype=case["out"])
         for tensor, expected in zip(
             got,
             reference(routes, rows, range(case["layers"]), np.arange(case["topk"])),
@@ -221,7 +221,7 @@ def test_expand_mask_follows_the_token_order():
             lambda r: expand(r, TokenLayout(), dtype=torch.float32),
             "torch.int32 or torch.int64 .*found torch.float32",
         ),
-        (lambda r: dense(r, TokenLayout()), "BSHD layout"),
+        (lambda r: expand_batch_major(r, TokenLayout()), "BSHD layout"),
         (lambda r: expand_mask(r, TokenLayout()), r"scalars, found row shape \(3, 2\)"),
         (lambda r: expand_mask(r.values, TokenLayout()), "mask must be a PackedTensor"),
     ],
@@ -261,7 +261,7 @@ def test_lengths_may_be_a_tensor():
     assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("call", [expand, dense])
+@pytest.mark.parametrize("call", [expand, expand_batch_major])
 @pytest.mark.parametrize(
     "dtype", [torch.uint8, torch.int8, torch.int16, torch.uint16, torch.float32, "int32"]
 )
@@ -272,7 +272,7 @@ def test_outputs_are_int32_or_int64_only(call, dtype):
         call(routes, TokenLayout(packed=False), dtype=dtype)
 
 
-@pytest.mark.parametrize("call", [expand, dense])
+@pytest.mark.parametrize("call", [expand, expand_batch_major])
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
 def test_wide_ids_keep_their_values(call, dtype):
     values = torch.tensor([[[300, 65535]], [[65534, 299]]], dtype=torch.uint16)
@@ -282,7 +282,7 @@ def test_wide_ids_keep_their_values(call, dtype):
     assert tensor.reshape(-1, 2)[:2].tolist() == [[300, 65535], [65534, 299]]
 
 
-@pytest.mark.parametrize("call", [expand, dense])
+@pytest.mark.parametrize("call", [expand, expand_batch_major])
 @pytest.mark.parametrize("bad", [2**31, -(2**31) - 1])
 def test_int64_ids_beyond_int32_need_an_int64_output(call, bad):
     values = torch.tensor([[[0, 1]], [[bad, 2]], [[3, 4]]], dtype=torch.int64)
@@ -301,7 +301,7 @@ def test_int64_ids_that_fit_int32_expand_to_int32():
     assert tensor.tolist() == values[:, 0].tolist()
 
 
-@pytest.mark.parametrize("call", [expand, dense])
+@pytest.mark.parametrize("call", [expand, expand_batch_major])
 def test_fill_ids_must_fit_the_output_dtype(call):
     routes = random_routes([3], 1, 2, torch.uint8)
     layout = TokenLayout(packed=False, seq_length=4)
@@ -326,7 +326,7 @@ def test_mixing_up_rank_local_and_full_rows_raises(packed):
     local = rank_local(routes, layout, lengths)
     mask = PackedTensor.from_lengths(torch.ones(sum(lengths), dtype=torch.bool), lengths)
     local_mask = rank_local(mask, layout, lengths)
-    calls = [expand] if packed else [expand, dense]
+    calls = [expand] if packed else [expand, expand_batch_major]
     for call in calls:
         with pytest.raises(LayoutError, match="expand rank-local routes with local=True"):
             call(local, layout, lengths=lengths)

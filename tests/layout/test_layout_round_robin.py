@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from layout_reference import PAD, rank_rows, round_up
 
 from r3data.errors import LayoutError
-from r3data.layout import RoundRobin, TokenLayout, dense, expand
+from r3data.layout import ModelLayers, RoundRobin, TokenLayout, expand, expand_batch_major
 from r3data.packed import PackedTensor
 
 CASES = st.fixed_dictionaries(
@@ -40,6 +40,7 @@ def ranks(case) -> list[TokenLayout]:
             sequence_parallel=case["sp"],
             packed=case["packed"],
             padding_side="right" if case["packed"] else case["side"],
+            layers=ModelLayers(num_layers=1),  # random ids may zero a row: say it is MoE
         )
         for c in range(case["cp"])
         for t in range(case["tp"])
@@ -81,12 +82,13 @@ def test_padding_rows_go_round_robin_by_place_and_real_rows_are_unchanged(case):
     assert all(count == 1 for count in places_seen.values())  # no place on two ranks
 
 
-def test_dense_spreads_padding_the_same_way_and_balances_experts():
+def test_batch_major_form_spreads_padding_the_same_way_and_balances_experts():
     lengths, topk, experts = [3, 10, 1, 7], 2, 6
     routes = PackedTensor.from_lengths(
         torch.zeros(sum(lengths), 1, topk, dtype=torch.uint8), lengths
     )
-    (tensor,) = dense(routes, fill=RoundRobin(experts))  # [B, S, topk], right padded to 10
+    one_moe_layer = TokenLayout(packed=False, layers=ModelLayers(num_layers=1))  # zeros: MoE
+    (tensor,) = expand_batch_major(routes, one_moe_layer, fill=RoundRobin(experts))  # [B, 10, k]
     places = torch.arange(tensor.shape[0] * tensor.shape[1]).view(tensor.shape[:2])
     pads = torch.from_numpy(np.arange(10)[None, :] >= np.array(lengths)[:, None])
     expected = (places[pads, None] * topk + torch.arange(topk)) % experts

@@ -109,7 +109,8 @@ def test_one_planted_fault_is_named_or_harmless_never_a_hang_or_a_mixup(tmp_path
         kind = FAULTS[case % len(FAULTS)]
         samples[bad] = _plant(kind, samples[bad], root, rng)
         workers, prefetch = settings[case % len(settings)]
-        options = {"batch_size": 2, "payload_root": root, "workers": workers, "prefetch": prefetch}
+        options = {"batch_size": 2, "payload_root": root, "collate": {"workers": workers}}
+        options["prefetch"] = prefetch
         seen = []
         error = None
         try:

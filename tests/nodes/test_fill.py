@@ -22,7 +22,7 @@ from r3data.errors import (
     SegmentError,
     TraceError,
     TraceGapError,
-    with_context,
+    with_message,
 )
 from r3data.nodes import ScreenOptions, fill_field
 from r3data.nodes import fill as fill_module
@@ -427,15 +427,18 @@ def test_pool_recycles_a_buffer_only_once_nothing_uses_it():
     assert pool.nbytes <= mapped + 3 * POOL_MIN_BYTES * 1.2
 
 
-def test_with_context_keeps_the_class_and_chains():
+def test_with_message_keeps_the_class_and_chains():
     original = PayloadError("file v1/a.bin: 3 bytes short")
-    wrapped = with_context(original, "sample 'x'")
+    wrapped = with_message(original, "sample 'x': file v1/a.bin: 3 bytes short")
     assert type(wrapped) is PayloadError
     assert str(wrapped) == "sample 'x': file v1/a.bin: 3 bytes short"
     assert wrapped.__cause__ is original
     other = KeyError("k")
-    assert with_context(other, "sample 'y'") is other
-    assert other.__notes__ == ["sample 'y'"]
+    assert with_message(other, "sample 'y': 'k'") is other
+    assert other.__notes__ == ["sample 'y': 'k'"]
+    stop = SystemExit(3)
+    assert with_message(stop, "sample 'z'") is stop
+    assert stop.code == 3
 
 
 def test_buffer_claims_above_the_bound_are_refused_unallocated():

@@ -18,7 +18,7 @@ from r3data.errors import (
     TraceError,
     TraceGapError,
 )
-from r3data.nodes import BatchSteps, RolloutDataset, StitchRollout
+from r3data.nodes import CollateOptions, RolloutDataset, ScreenOptions, StitchRollout, TraceOptions
 from r3data.payload import PayloadRetention, PayloadWriter, shift
 from r3data.trace import TraceBuilder
 from r3data.wire import InlineRows, pack_ndarray
@@ -79,6 +79,11 @@ def make_rollouts(rng: np.random.Generator, count: int, root=None, version: int 
     return samples, expected
 
 
+def files_of(batch: TensorBatch) -> set[str]:
+    """Every payload file of a batch (its metadata lists each sample's)."""
+    return {f for files in batch.metadata["files"] for f in files}
+
+
 def check_batch(batch: TensorBatch, samples, expected, first: int) -> None:
     for b in range(batch.batch_size):
         sample = samples[first + b]
@@ -95,7 +100,13 @@ def check_batch(batch: TensorBatch, samples, expected, first: int) -> None:
 def test_inline_and_by_handle_batches_equal_the_naive_reference(tmp_path, workers):
     samples, expected = make_rollouts(np.random.default_rng(0), 11, root=tmp_path)
     batches = list(
-        loader(samples, batch_size=4, payload_root=tmp_path, workers=workers, prefetch=2)
+        loader(
+            samples,
+            batch_size=4,
+            payload_root=tmp_path,
+            collate=CollateOptions(workers=workers),
+            prefetch=2,
+        )
     )
     assert [b.batch_size for b in batches] == [4, 4, 3]
     for k, batch in enumerate(batches):
@@ -104,7 +115,7 @@ def test_inline_and_by_handle_batches_equal_the_naive_reference(tmp_path, worker
         assert batch["routed_experts"].values.nbytes == sum(
             expected[4 * k + b][0].nbytes for b in range(batch.batch_size)
         )
-    used = {f for b in batches for f in b.metadata["files"]}
+    used = set().union(*(files_of(b) for b in batches))
     on_disk = {
         os.path.relpath(os.path.join(d, f), tmp_path)
         for d, _, names in os.walk(tmp_path)
@@ -117,7 +128,12 @@ def test_inline_and_by_handle_batches_equal_the_naive_reference(tmp_path, worker
 @pytest.mark.parametrize("prefetch", [0, 3])
 def test_resume_at_every_batch_boundary_yields_exactly_the_rest(tmp_path, prefetch):
     samples, _ = make_rollouts(np.random.default_rng(1), 9, root=tmp_path)
-    options = {"batch_size": 2, "payload_root": tmp_path, "workers": 2, "prefetch": prefetch}
+    options = {
+        "batch_size": 2,
+        "payload_root": tmp_path,
+        "collate": CollateOptions(workers=2),
+        "prefetch": prefetch,
+    }
     full = list(loader(samples, **options))
     for cut in range(len(full) + 1):
         first = loader(samples, **options)
@@ -138,7 +154,9 @@ def test_a_missing_file_names_the_sample_and_does_not_hang(tmp_path):
     victim = samples[5]  # by handle, and last of its batch: the error must not blame s3
     segment = victim["requests"][-1]["sources"][0]
     os.remove(tmp_path / segment["file"])
-    batches = iter(loader(samples, batch_size=3, payload_root=tmp_path, workers=2))
+    batches = iter(
+        loader(samples, batch_size=3, payload_root=tmp_path, collate=CollateOptions(workers=2))
+    )
     next(batches)
     with pytest.raises(PayloadNotFoundError, match=r"sample 's5' \(index 5\)") as info:
         next(batches)
@@ -158,7 +176,7 @@ def test_a_bad_sample_names_itself():
         {"id": "bad", "requests": []},
     ]
     with pytest.raises(TraceError, match=r"sample 'bad' \(index 1\).*token_ids"):
-        list(loader(samples, batch_size=2, workers=1))
+        list(loader(samples, batch_size=2, collate=CollateOptions(workers=1)))
 
 
 def test_retention_keeps_each_file_until_the_step_of_its_batch(tmp_path):
@@ -170,14 +188,14 @@ def test_retention_keeps_each_file_until_the_step_of_its_batch(tmp_path):
         assert first.metadata["step"] == 0
         retention.on_policy_update(0)
         retention.wait()
-        for f in first.metadata["files"]:
+        for f in files_of(first):
             assert not (tmp_path / f).exists()
         second = next(it)
         assert second.metadata["step"] == 1
-        assert all((tmp_path / f).exists() for f in second.metadata["files"])
+        assert all((tmp_path / f).exists() for f in files_of(second))
         retention.on_policy_update(1)
         retention.wait()
-        assert not any((tmp_path / f).exists() for f in second.metadata["files"])
+        assert not any((tmp_path / f).exists() for f in files_of(second))
     finally:
         retention.close()
 
@@ -193,8 +211,8 @@ def test_stitching_claims_a_samples_files_for_the_step_of_its_batch(tmp_path):
     }
     retention = PayloadRetention(str(tmp_path), max_off_policy_steps=4, fresh=False)
     try:
-        stitch = StitchRollout(("routed_experts",), retention=retention, steps=BatchSteps(4, 10))
-        stitch((9, sample))  # sample 9 is in batch 2: trained at step 12
+        stitch = StitchRollout(("routed_experts",), retention=retention)
+        stitch((9, sample), 12)  # sample 9 is in a micro-batch of step 12
         for step in (10, 11):
             retention.on_policy_update(step)
             retention.wait()
@@ -230,10 +248,10 @@ def test_a_file_shared_across_batches_outlives_the_first_update(tmp_path, worker
     ]
     retention = PayloadRetention(str(tmp_path), max_off_policy_steps=4, fresh=False)
     try:
-        options = {"batch_size": 4, "payload_root": tmp_path, "workers": workers}
+        options = {"batch_size": 4, "payload_root": tmp_path, "collate": {"workers": workers}}
         it = iter(loader(samples, retention=retention, prefetch=prefetch, **options))
         first = next(it)
-        assert first.metadata["files"] == (segment.file,)
+        assert set(first.metadata["files"]) == {(segment.file,)}
         retention.on_policy_update(0)
         retention.wait()
         second = next(it)  # reads the shared file after the update of step 0
@@ -249,7 +267,7 @@ def test_a_file_shared_across_batches_outlives_the_first_update(tmp_path, worker
 
 def test_dataloader_and_stateful_dataloader_adapters(tmp_path):
     samples, expected = make_rollouts(np.random.default_rng(4), 7, root=tmp_path)
-    options = {"batch_size": 3, "payload_root": tmp_path, "workers": 2}
+    options = {"batch_size": 3, "payload_root": tmp_path, "collate": CollateOptions(workers=2)}
     plain = list(DataLoader(RolloutDataset(samples, **options), batch_size=None))
     assert [b.batch_size for b in plain] == [3, 3, 1]
     check_batch(plain[1], samples, expected, 3)
@@ -317,8 +335,7 @@ def test_sampling_masks_and_widened_routes_collate(tmp_path):
         samples,
         batch_size=2,
         payload_root=tmp_path,
-        fields=("routed_experts", "sampling_mask"),
-        workers=2,
+        collate=CollateOptions(fields=("routed_experts", "sampling_mask"), workers=2),
     )
     routes = batch["routed_experts"]
     assert routes.dtype == torch.uint16
@@ -354,10 +371,10 @@ def test_by_handle_expert_ids_are_checked_once_read(tmp_path):
             "requests": [{"prompt_len": 2, "completion_len": 2, "sources": [segment.to_dict()]}],
         }
     ]
-    options = {"batch_size": 1, "payload_root": tmp_path, "workers": 1}
+    options = {"batch_size": 1, "payload_root": tmp_path, "collate": CollateOptions(workers=1)}
     with pytest.raises(TraceError, match=r"sample 'too-many-experts'.*found 47 at position 1"):
-        list(loader(samples, trace_options={"num_experts": EXPERTS}, **options))
-    (batch,) = loader(samples, trace_options={"num_experts": 64}, **options)
+        list(loader(samples, num_experts=EXPERTS, **options))
+    (batch,) = loader(samples, num_experts=64, **options)
     assert int(batch["routed_experts"].values.max()) == EXPERTS + 7
 
 
@@ -380,7 +397,7 @@ def test_zero_rows_are_missing_rows_by_handle_and_inline_alike(tmp_path, by_hand
             "requests": [{"prompt_len": 3, "completion_len": 4, "sources": [source]}],
         }
     ]
-    options = {"batch_size": 1, "payload_root": tmp_path, "workers": 1}
+    options = {"batch_size": 1, "payload_root": tmp_path, "collate": CollateOptions(workers=1)}
     (batch,) = loader(samples, **options)  # on_gap="drop_routes": every row a placeholder
     routes = batch["routed_experts"][0].numpy()
     assert (routes == np.arange(TOPK)).all()  # distinct experts, never zeros
@@ -388,12 +405,12 @@ def test_zero_rows_are_missing_rows_by_handle_and_inline_alike(tmp_path, by_hand
     stats = batch.metadata["stats"]
     assert (stats.gaps, stats.rows_missing, stats.rows_dropped) == (1, 1, 5)
     with pytest.raises(TraceGapError, match=r"sample 'zeros'.*1 route rows at positions \[2, 3\)"):
-        list(loader(samples, on_gap="raise", **options))
-    (none,) = loader(samples, on_gap="drop_sample", **options)
+        list(loader(samples, trace=TraceOptions(on_gap="raise"), **options))
+    (none,) = loader(samples, trace={"on_gap": "drop_sample"}, **options)
     assert (none.batch_size, none.metadata["dropped"]) == (0, ["zeros"])
     with pytest.raises(TraceError, match=r"sample 'zeros'.*positions \[2\] are zero"):
-        list(loader(samples, trace_options={"zero_rows": "raise"}, **options))
-    (kept,) = loader(samples, trace_options={"zero_rows": "keep"}, **options)
+        list(loader(samples, screen=ScreenOptions(zero_rows="raise"), **options))
+    (kept,) = loader(samples, screen={"zero_rows": "keep"}, **options)
     assert not kept["routed_experts"][0][2].any()
     assert kept["routed_experts_valid"][0].tolist() == [True] * 6 + [False]
 
@@ -409,9 +426,11 @@ def test_num_experts_stores_routes_in_the_compact_dtype():
         "token_ids": np.arange(5),
         "requests": [{"prompt_len": 2, "completion_len": 3, "sources": [source]}],
     }
-    (plain,) = loader([sample], batch_size=1, workers=1)
+    (plain,) = loader([sample], batch_size=1, collate=CollateOptions(workers=1))
     assert plain["routed_experts"].dtype == torch.int32
-    (compact,) = loader([sample], batch_size=1, workers=1, trace_options={"num_experts": EXPERTS})
+    (compact,) = loader(
+        [sample], batch_size=1, collate=CollateOptions(workers=1), num_experts=EXPERTS
+    )
     assert compact["routed_experts"].dtype == torch.uint8
     assert np.array_equal(compact["routed_experts"][0][:4].numpy(), wide)
 
@@ -423,9 +442,9 @@ def test_a_multi_choice_response_needs_a_choice():
     sample = {"id": "two", "token_ids": np.arange(4), "requests": [request]}
     request["sources"] = [{"producer": "prime-rl", "response": response}]
     with pytest.raises(TraceError, match="gave 2 choices for one request"):
-        list(loader([sample], batch_size=1, workers=1))
+        list(loader([sample], batch_size=1, collate=CollateOptions(workers=1)))
     request["sources"] = [{"producer": "prime-rl", "response": response, "choice": 1}]
-    (batch,) = loader([sample], batch_size=1, workers=1)
+    (batch,) = loader([sample], batch_size=1, collate=CollateOptions(workers=1))
     assert batch["routed_experts"].total_rows == 4
 
 
@@ -444,7 +463,7 @@ def test_a_multi_choice_response_needs_a_choice():
 )
 def test_malformed_samples_raise_typed_errors(sample, message):
     with pytest.raises(TraceError, match=message):
-        list(loader([sample], batch_size=1, workers=1))
+        list(loader([sample], batch_size=1, collate=CollateOptions(workers=1)))
 
 
 def test_a_sample_with_no_routes_at_all_is_dropped_unless_gaps_raise(caplog):
@@ -465,12 +484,19 @@ def test_a_sample_with_no_routes_at_all_is_dropped_unless_gaps_raise(caplog):
         "token_ids": np.arange(4),
         "requests": [{"prompt_len": 2, "completion_len": 2}],
     }
-    (batch,) = loader([good, bare], batch_size=2, workers=1)
+    (batch,) = loader([good, bare], batch_size=2, collate=CollateOptions(workers=1))
     assert batch["sample_id"] == ["good"]
     assert batch.metadata["dropped"] == ["bare"]
     assert "no rows of ['routed_experts'] in any request" in caplog.text
     with pytest.raises(TraceGapError, match=r"sample 'bare'.*no rows for positions \[0, 3\)"):
-        list(loader([good, bare], batch_size=2, workers=1, on_gap="raise"))
+        list(
+            loader(
+                [good, bare],
+                batch_size=2,
+                collate=CollateOptions(workers=1),
+                trace=TraceOptions(on_gap="raise"),
+            )
+        )
 
 
 def test_a_ready_trace_with_ids_too_wide_for_the_compact_dtype_is_refused():
@@ -479,7 +505,7 @@ def test_a_ready_trace_with_ids_too_wide_for_the_compact_dtype_is_refused():
     builder = TraceBuilder("ready")
     builder.add_request(2, 2, [InlineRows("routed_experts", ids, 0)])
     sample = {"id": "ready", "token_ids": np.arange(4), "trace": builder}
-    options = {"batch_size": 1, "workers": 1, "trace_options": {"num_experts": EXPERTS}}
+    options = {"batch_size": 1, "collate": CollateOptions(workers=1), "num_experts": EXPERTS}
     with pytest.raises(
         TraceError, match=r"sample 'ready'.*expected expert ids in \[0, 40\), found 300"
     ):
@@ -490,9 +516,13 @@ def test_a_ready_trace_with_ids_too_wide_for_the_compact_dtype_is_refused():
     assert (batch["routed_experts"][0][:3] == 7).all()
 
 
-def test_retention_without_batch_steps_is_a_config_error():
-    with pytest.raises(ConfigError, match="needs steps"):
-        StitchRollout(("routed_experts",), retention=object())
+def test_retention_without_the_step_of_a_sample_is_a_config_error(tmp_path):
+    (segment,) = PayloadWriter(tmp_path).write(0, {"routed_experts": np.ones((3, 2, 2), np.uint8)})
+    sample = {"id": "s", "token_ids": np.arange(4)}
+    sample["requests"] = [{"prompt_len": 2, "completion_len": 2, "sources": [segment]}]
+    retention = PayloadRetention(str(tmp_path), max_off_policy_steps=1, fresh=False)
+    with pytest.raises(ConfigError, match=r"sample 's' \(index 0\): .*needs the step"):
+        StitchRollout(("routed_experts",), retention=retention)((0, sample))
 
 
 def test_worker_processes_are_refused(tmp_path):

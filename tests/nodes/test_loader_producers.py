@@ -22,6 +22,7 @@ from producer_bodies import (
 
 from r3data import loader
 from r3data.errors import ConfigError, EngineRoutesError, TraceGapError, WireFormatError
+from r3data.nodes import CollateOptions, TraceOptions
 from r3data.trace import TraceBuilder
 from r3data.wire import InlineRows
 
@@ -38,9 +39,17 @@ def engine_rows(tokens: int, experts: int = 8, seed: int = 0) -> np.ndarray:
     return rows.astype(np.int64)
 
 
-def one_batch(requests, tokens, **options):
+def one_batch(requests, tokens, *, fields=("routed_experts",), on_gap="drop_routes", **options):
     sample = {"id": "s", "token_ids": np.arange(tokens), "requests": requests}
-    (batch,) = loader([sample], batch_size=1, workers=1, prefetch=0, **options)
+    ragged = tuple(f for f in fields if f != "routed_experts")
+    (batch,) = loader(
+        [sample],
+        batch_size=1,
+        prefetch=0,
+        trace=TraceOptions(on_gap=on_gap, ragged_fields=ragged or ("sampling_mask",)),
+        collate=CollateOptions(fields=fields, workers=1),
+        **options,
+    )
     return batch
 
 
@@ -297,7 +306,7 @@ def test_by_handle_router_payload_with_padded_masks(tmp_path):
     assert masks.row_lengths.tolist() == [0] * 5 + [2, 0, 1]
     assert batch["sampling_mask_valid"][0].tolist() == [False] * 5 + [True, False, True]
     assert masks.padded()[0].numpy()[5:].tolist() == [[3, 9], [-1, -1], [4, -1]]
-    assert set(batch.metadata["files"]) == {"v3/p.bin", "v3/d.bin"}
+    assert set(batch.metadata["files"][0]) == {"v3/p.bin", "v3/d.bin"}
 
 
 # --- prefill/decode roles -----------------------------------------------------------------------

@@ -13,7 +13,7 @@ from fsspec.implementations.memory import MemoryFileSystem
 
 from r3data import loader
 from r3data.layout import TokenLayout, expand
-from r3data.payload import PayloadWriter
+from r3data.payload import PayloadRoot, PayloadWriter
 
 LAYERS, TOPK, EXPERTS = 4, 2, 16
 
@@ -72,7 +72,7 @@ def test_each_rank_reads_its_share_and_expands_like_the_full_batch(packed):
     fs = CountingFS()
     root = f"/local-reads-{packed}"
     samples = by_handle_samples(fs, root, lengths, rng)
-    options = {"batch_size": 6, "payload_root": root, "payload_fs": fs, "workers": 2}
+    options = {"batch_size": 6, "payload_root": PayloadRoot(root, fs), "collate": {"workers": 2}}
     fs.bytes_read = 0
     (full,) = loader(samples, **options)
     full_bytes = fs.bytes_read
@@ -98,8 +98,10 @@ def test_each_rank_reads_its_share_and_expands_like_the_full_batch(packed):
             assert local.metadata["layout"] is layout
             lengths_full = local["token_ids"].lengths
             want = expand(full["routed_experts"], layout)
-            got = expand(local["routed_experts"], layout, local=True, lengths=lengths_full)
+            got = expand(local["routed_experts"])  # the rows carry their layout and lengths
             assert len(got) == LAYERS
+            again = expand(local["routed_experts"], layout, local=True, lengths=lengths_full)
+            assert all(torch.equal(a, b) for a, b in zip(got, again, strict=True))
             for a, b in zip(got, want, strict=True):
                 assert torch.equal(a, b)
             ranges = layout.local_ranges(lengths_full)
@@ -130,8 +132,7 @@ def test_ragged_masks_are_cut_to_the_rank_like_the_routes(tmp_path):
     options = {
         "batch_size": 3,
         "payload_root": tmp_path,
-        "fields": ("routed_experts", "sampling_mask"),
-        "workers": 2,
+        "collate": {"fields": ("routed_experts", "sampling_mask"), "workers": 2},
     }
     (full,) = loader(samples, **options)
     layout = TokenLayout(tp_size=2, tp_rank=1, sequence_parallel=True, cp_size=2, cp_rank=0)

@@ -27,6 +27,8 @@ def execute(name: str, tmp_path: Path) -> tuple[dict, int]:
     ).execute()
     outputs = [out for cell in notebook.cells if cell.cell_type == "code" for out in cell.outputs]
     assert not [out for out in outputs if out.output_type == "error"]
+    warned = [out.text for out in outputs if out.output_type == "stream" and out.name == "stderr"]
+    assert not warned, warned  # no third-party warnings (megatron's, say) either
     plots = sum("image/png" in out.get("data", {}) for out in outputs)
     last = notebook.cells[-1].outputs[-1]["text"].strip().splitlines()[-1]
     return json.loads(last), plots
@@ -62,6 +64,8 @@ def test_layout_and_replay(tmp_path):
         assert sizes["packed"] <= sizes["padded"]
     assert summary["bytes"]["heavy_tail"]["packed"] < summary["bytes"]["uniform"]["packed"]
     assert summary["replay"] == ("verified" if MEGATRON else "skipped")
+    assert summary["loop_steps"] == 2
+    assert summary["loop_files_left"] == 0
     assert plots == 2
 
 

@@ -275,8 +275,8 @@ def samples(batch: TensorBatch, routes: PackedTensor, source: str) -> list[dict]
 
 def load(samples_: list[dict], *, last_token_row: bool = False) -> TensorBatch:
     """The one batch ``r3data.loader`` makes of ``samples_``."""
-    options = {"last_token_row": True} if last_token_row else None
+    trace = {"last_token_row": last_token_row}
     (batch,) = list(
-        r3data.loader(samples_, batch_size=len(samples_), workers=1, trace_options=options)
+        r3data.loader(samples_, batch_size=len(samples_), collate={"workers": 1}, trace=trace)
     )
     return batch

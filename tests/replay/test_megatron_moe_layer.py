@@ -146,7 +146,7 @@ def _engine_batch():
         source = {"producer": "prime-rl", "response": {"choices": [{"routed_experts": envelope}]}}
         request = {"prompt_len": 2, "completion_len": n - 2, "sources": [source]}
         samples.append({"id": f"s{i}", "token_ids": np.arange(n), "requests": [request]})
-    (batch,) = list(r3data.loader(samples, batch_size=len(samples), workers=1))
+    (batch,) = list(r3data.loader(samples, batch_size=len(samples), collate={"workers": 1}))
     return batch
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from r3data.errors import ReplayError
-from r3data.layout import TokenLayout, dense
+from r3data.layout import TokenLayout, expand_batch_major
 from r3data.packed import PackedTensor
 from r3data.replay import replay_topk
 
@@ -29,9 +29,9 @@ def test_gates_stay_differentiable_at_the_replayed_experts():
     assert torch.allclose(gates, logits.softmax(dim=1)[:, [7, 0]])
 
 
-def test_dense_routes_feed_a_batch_major_router():
+def test_batch_major_routes_feed_a_batch_major_router():
     routes = PackedTensor.from_lengths(torch.tensor([[[1, 2]], [[3, 4]], [[5, 6]]]), [2, 1])
-    (layer,) = dense(routes, TokenLayout(packed=False))
+    (layer,) = expand_batch_major(routes, TokenLayout(packed=False))
     scores = torch.rand(2 * 2, 8)  # a [B, S, hidden] router flattens batch-major
     _, indices = replay_topk(scores, layer.reshape(-1, 2))
     assert indices.tolist() == [[1, 2], [3, 4], [5, 6], [0, 1]]

@@ -177,8 +177,8 @@ def test_negative_sglang_ids_never_reach_a_batch_as_expert_ids():
         "token_ids": np.arange(5),
         "requests": [{"prompt_len": 2, "completion_len": 3, "sources": [source]}],
     }
-    for options in ({}, {"num_experts": 8}):
-        (batch,) = loader([sample], batch_size=1, workers=1, trace_options=options)
+    for num_experts in (None, 8):
+        (batch,) = loader([sample], batch_size=1, collate={"workers": 1}, num_experts=num_experts)
         routes = batch["routed_experts"][0].numpy()
         assert (routes >= 0).all()
         assert not batch["routed_experts_valid"][0].any()  # a gap: never replayed

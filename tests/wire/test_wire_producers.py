@@ -358,6 +358,17 @@ def test_skyrl_envelopes_start_at_the_callers_position():
         skyrl_routes({"other": 1})
 
 
+@pytest.mark.parametrize("name", ["skyrl", "skyrl-v1"])
+def test_skyrl_zero_rows_place_nothing(name):
+    """A request from its last position gets no rows; the nested-list form sends ``[]``, which
+    keeps no row shape, so no source is placed (rather than one of the wrong shape)."""
+    entry = FORMATS[name]
+    request = EngineRequest([1, 2], [3], np.zeros((0, 4, 2), np.uint8), start=2)
+    body = entry.encode(request)
+    (choice,) = entry.decode(body, entry.make_options({"start": 2}), Lengths(2, 1))
+    assert [s for s in choice.sources if s.field == "routed_experts"] == []
+
+
 # --- the registry: every format encodes what it decodes; options are typed ----------------------
 
 

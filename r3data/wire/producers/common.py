@@ -354,6 +354,8 @@ def nested_rows(value: object, ndim: int, what: str) -> np.ndarray:
         array = np.asarray(value)
     except (ValueError, TypeError, OverflowError, RecursionError) as err:
         raise WireFormatError(f"{what}: expected nested lists of ints ({err})") from None
+    if array.shape == (0,):  # zero rows: ``tolist()`` of an empty array keeps no inner shape
+        return np.zeros((0,) * ndim, np.uint8)
     if array.ndim != ndim or array.dtype.kind not in "iu":
         raise WireFormatError(
             f"{what}: expected {ndim}-deep nested lists of ints, found shape {array.shape} of "

@@ -36,7 +36,7 @@ import numpy as np
 import orjson
 import pybase64
 
-from r3data.errors import ConfigError, R3DataError, WireFormatError, with_context
+from r3data.errors import ConfigError, R3DataError, WireFormatError, with_message
 from r3data.ragged import RaggedRows
 from r3data.wire.anchors import anchored_pos
 from r3data.wire.blob import Blob, decode_base64
@@ -163,7 +163,7 @@ def _segments(value: object, wanted: frozenset[str] | None, role: str, what: str
         try:
             segment = PayloadSegment.from_dict(entry)
         except R3DataError as exc:
-            raise with_context(exc, f"{what}[{number}]") from None
+            raise with_message(exc, f"{what}[{number}]: {exc}") from None
         if wanted is None or segment.field in wanted:
             out.append(segment)
     return out

@@ -166,9 +166,9 @@ class SkyrlFormat(ProducerFormat):
                 if value is None:
                     missing.append(where)
                 else:
-                    sources.append(
-                        self.route_rows(value, options.start, prompt, completion, meta, where)
-                    )
+                    rows = self.route_rows(value, options.start, prompt, completion, meta, where)
+                    if rows.rows:  # none (a request from its last position): nothing to place
+                        sources.append(rows)
             if (fields is None or SUPPORT_FIELD in fields) and entry.get(SUPPORT_FIELD) is not None:
                 where = f"{what}.{SUPPORT_FIELD}"
                 sources.append(support_rows(entry[SUPPORT_FIELD], prompt, completion, meta, where))
