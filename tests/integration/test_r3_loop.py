@@ -28,7 +28,7 @@ from vllm_fixtures import hf_tiny_moe_fixture, tiny_moe_checkpoint_fixture, vllm
 
 import r3data
 from r3data.packed import PackedTensor
-from r3data.payload import PayloadWriter
+from r3data.payload import PayloadRoot, PayloadWriter
 from r3data.replay import RoutingAgreement, compare_routes, hf_inputs, record, replay
 from r3data.wire import vllm_routes
 
@@ -234,14 +234,15 @@ def test_an_rl_step_routes_the_trainer_as_vllm_routed(
         r3data.loader(
             samples,
             batch_size=BATCH_SIZE,
-            payload_root=s3_root,
-            payload_fs=s3_fs,
-            trace_options={"num_experts": NUM_EXPERTS},
+            payload_root=PayloadRoot(s3_root, fs=s3_fs),
+            num_experts=NUM_EXPERTS,
         )
     )
     assert [batch.batch_size for batch in batches] == [BATCH_SIZE] * (len(samples) // BATCH_SIZE)
     root = s3_root.removeprefix("s3://")
-    read = sorted(f"{root}/{file}" for batch in batches for file in batch.metadata["files"])
+    read = sorted(
+        f"{root}/{file}" for batch in batches for files in batch.metadata["files"] for file in files
+    )
     assert read == written  # every stored sample was read back by handle
 
     engine = []
