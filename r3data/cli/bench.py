@@ -1,8 +1,9 @@
 """``r3data bench``: run every benchmark, write JSON and plots, print ratios against targets.
 
 Benchmarks are scripts in the repository's ``benchmarks/`` folder, not part of the installed
-package: each ``bench_*.py`` is imported by path and its ``main(argv) -> dict`` called with
-``--out <results>/<name>.json`` (and ``--quick``). Reports state their targets as
+package: each ``bench_*.py`` runs in a fresh interpreter (one benchmark's heap, page cache and
+huge pages never slow the next) with ``--out <results>/<name>.json`` (and ``--quick``), and
+its report is read back from that file. Reports state their targets as
 ``targets`` (name -> number) and ``met`` (name -> bool) next to the measured values, at the top
 level or per entry of ``results``; a report whose ``targets`` are booleans gives pass/fail only.
 """
@@ -14,9 +15,9 @@ import datetime
 import json
 import os
 import platform
+import subprocess
 import sys
 import tempfile
-import traceback
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -24,7 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from r3data.benchmarking import CHECKOUT_BENCHMARKS, load_benchmark
+from r3data.benchmarking import CHECKOUT_BENCHMARKS
 from r3data.cli.bench_plots import write_plots
 from r3data.cli.bench_report import SUMMARY, checks, table
 from r3data.cli.common import EXIT_PROBLEMS, progress
@@ -36,7 +37,7 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser = commands.add_parser(
         "bench",
         help="run every benchmark; write JSON and plots; print ratios against targets",
-        description="Run each benchmarks/bench_*.py of a source checkout in this process, "
+        description="Run each benchmarks/bench_*.py of a source checkout in its own process, "
         "write its JSON report and PNG plots (when matplotlib is installed) to the results "
         "folder, and print every measured ratio against its target. Exit code 1 when a "
         "benchmark fails or (full sizes only) misses a target.",
@@ -114,6 +115,25 @@ def machine() -> dict[str, Any]:
     }
 
 
+class BenchmarkFailed(Exception):
+    """A benchmark script exited with an error (its last line of output is the message)."""
+
+
+def run_benchmark(script: Path, out: Path, *, quick: bool) -> dict[str, Any]:
+    """Run ``script`` in a fresh interpreter writing its report to ``out``, its output passed
+    on as it comes; the report."""
+    out.unlink(missing_ok=True)  # a stale report never passes for this run's
+    argv = [sys.executable, str(script), "--out", str(out)] + (["--quick"] if quick else [])
+    last = ""
+    with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as p:
+        for line in p.stdout:  # type: ignore[union-attr]
+            print(line, end="", flush=True)
+            last = line.strip() or last
+    if p.returncode != 0:
+        raise BenchmarkFailed(last or f"exit code {p.returncode}")
+    return json.loads(out.read_text())
+
+
 def run(args: argparse.Namespace) -> int:
     scripts = find_benchmarks(args.benchmarks)
     if args.only:
@@ -135,11 +155,11 @@ def run(args: argparse.Namespace) -> int:
     for script in progress(scripts, "bench", len(scripts)):
         name = bench_name(script)
         print(f"== {name}", flush=True)
-        argv = ["--out", str(results / f"bench_{name}.json")] + (["--quick"] if args.quick else [])
+        out = results / f"bench_{name}.json"
         try:
-            reports[name] = load_benchmark(script).main(argv)
-        except Exception as exc:  # one broken benchmark must not hide the others' results
-            errors[name] = "".join(traceback.format_exception_only(exc)).strip()
+            reports[name] = run_benchmark(script, out, quick=args.quick)
+        except (OSError, ValueError, BenchmarkFailed) as exc:  # the others' results still count
+            errors[name] = str(exc)
             print(f"r3data bench: {name} failed: {errors[name]}", file=sys.stderr)
     found = [c for name, report in reports.items() for c in checks(name, report)]
     summary = {

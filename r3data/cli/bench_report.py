@@ -25,6 +25,11 @@ class Check:
     met: bool
 
     @property
+    def unit(self) -> str:
+        """``" us"`` for a time in microseconds (a name with ``_us``), else ``"x"`` (a ratio)."""
+        return " us" if "_us" in self.name else "x"
+
+    @property
     def margin(self) -> float | None:
         """How far inside (> 1) or outside (< 1) the target the value is."""
         if self.value is None or self.target is None or self.value <= 0 or self.target <= 0:
@@ -85,11 +90,11 @@ def checks(benchmark: str, report: dict[str, Any]) -> list[Check]:
 
 
 def _value(check: Check) -> str:
-    return "-" if check.value is None else f"{check.value:.2f}x"
+    return "-" if check.value is None else f"{check.value:.2f}{check.unit}"
 
 
 def _target(check: Check) -> str:
-    return "-" if check.target is None else f"{check.op} {check.target:g}x".strip()
+    return "-" if check.target is None else f"{check.op} {check.target:g}{check.unit}".strip()
 
 
 def table(found: list[Check]) -> str:

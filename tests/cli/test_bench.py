@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
 from r3data.cli import main
-from r3data.cli.bench_report import Check, checks
+from r3data.cli.bench_report import Check, checks, table
 
 QUICK = ["wire", "collate", "expand"]  # the fastest, and both report schemas
 
@@ -95,3 +96,38 @@ def test_targets_read_from_values_and_met_flags():
         ("bytes_equal", None, True),
         ("faster", None, False),
     ]
+
+
+def test_times_are_tabled_in_microseconds_and_ratios_as_ratios():
+    report = {
+        "fixed_cost_us_inline": 109.4,
+        "ratio": 2.0,
+        "targets": {"fixed_cost_us_inline": 50.0, "ratio": 1.5},
+        "met": {"fixed_cost_us_inline": False, "ratio": False},
+    }
+    lines = table(checks("loader", report)).splitlines()
+    assert lines[2].split()[2:] == ["109.40", "us", "<=", "50", "us", "NO"]
+    assert lines[3].split()[2:] == ["2.00x", "<=", "1.5x", "NO"]
+
+
+def test_each_benchmark_runs_in_its_own_process_and_a_failure_is_reported(tmp_path, capsys):
+    """A benchmark that raises is named with its last line, and the others' reports count."""
+    scripts = tmp_path / "benchmarks"
+    scripts.mkdir()
+    (scripts / "bench_broken.py").write_text("raise SystemExit('broken: no such device')\n")
+    (scripts / "bench_pid.py").write_text(
+        "import json, os, sys\n"
+        "out = sys.argv[sys.argv.index('--out') + 1]\n"
+        "report = {'pid': os.getpid(), 'x': 2.0, 'targets': {'x': 1.0}, 'met': {'x': True}}\n"
+        "open(out, 'w').write(json.dumps(report))\n"
+        "print('measured', flush=True)\n"
+    )
+    results = tmp_path / "results"
+    code = main(["bench", "--benchmarks", str(scripts), "--results", str(results), "--no-plots"])
+    out, err = capsys.readouterr()
+    assert code == 1
+    assert "broken: FAILED: broken: no such device" in out
+    assert "measured" in out
+    summary = json.loads((results / "summary.json").read_text())
+    assert summary["errors"] == {"broken": "broken: no such device"}
+    assert json.loads((results / "bench_pid.json").read_text())["pid"] != os.getpid()
