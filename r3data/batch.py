@@ -18,9 +18,11 @@ import numpy as np
 import torch
 
 from r3data.errors import PackedError
-from r3data.packed import PackedTensor, check_count, pick_indices
+from r3data.packed import PackedTensor
 from r3data.packed_ragged import PackedRagged
+from r3data.segmented import check_count, pick_indices
 from r3data.tensor_buffer import bit_view, rebuild_tensor, tensor_buffer
+from r3data.validate import checked_int
 
 Field = torch.Tensor | PackedTensor | PackedRagged | list
 _PACKED = (PackedTensor, PackedRagged)
@@ -220,8 +222,7 @@ class TensorBatch(MutableMapping[str, Field]):
         lists, tuples) goes with the first part (the others get it empty), so that
         ``cat(batch.chunk(n))`` has the batch's metadata; other values go with every part.
         """
-        if not isinstance(n, int) or n < 1:
-            raise PackedError(f"chunk count must be an int >= 1, found {n!r}")
+        n = checked_int("chunk count", n, minimum=1, error=PackedError)
         size = -(-self.batch_size // n) if self.batch_size else 0
         if size == 0:
             return [self]

@@ -13,11 +13,11 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from r3data.errors import PackedError, PackedIndexError
+from r3data.errors import PackedError
+from r3data.segmented import Segmented, check_count, pick_indices
 from r3data.tensor_buffer import as_tensor, bit_view, rebuild_tensor, tensor_buffer
 
 Side = Literal["left", "right"]
-Index = int | slice | Sequence[int] | Sequence[bool] | np.ndarray | torch.Tensor
 
 
 def _host_offsets(cu_seqlens: Any) -> np.ndarray:
@@ -78,7 +78,7 @@ def _rows_of(offsets: np.ndarray, picks: np.ndarray) -> np.ndarray:
     return aranges(starts, offsets[picks + 1] - starts)
 
 
-class PackedTensor:
+class PackedTensor(Segmented):
     """Rows of B sequences back to back: ``values[cu_seqlens[i]:cu_seqlens[i+1]]`` is sequence i."""
 
     __slots__ = ("_device_cu_seqlens", "_offsets", "values")
@@ -170,16 +170,7 @@ class PackedTensor:
             self._device_cu_seqlens = host.to(self.values.device, non_blocking=True)
         return self._device_cu_seqlens
 
-    @property
-    def lengths(self) -> np.ndarray:
-        """Rows per sequence, on the host (int64, B)."""
-        return np.diff(self._offsets)
-
-    sequence_lengths = lengths
-
-    @property
-    def total_rows(self) -> int:
-        return int(self._offsets[-1])
+    sequence_lengths = Segmented.lengths
 
     @property
     def row_shape(self) -> tuple[int, ...]:
@@ -193,9 +184,6 @@ class PackedTensor:
     def device(self) -> torch.device:
         return self.values.device
 
-    def __len__(self) -> int:
-        return self._offsets.size - 1
-
     def max_length(self) -> int:
         return int(self.lengths.max()) if len(self) else 0
 
@@ -203,24 +191,12 @@ class PackedTensor:
 
     def segment(self, i: int) -> torch.Tensor:
         """Rows of sequence ``i`` (a view)."""
-        batch = len(self)
-        if not -batch <= i < batch:
-            raise PackedIndexError(f"segment index must be in [-{batch}, {batch}), found {i}")
-        i %= batch
+        i = self._sample(i)
         return self.values[self._offsets[i] : self._offsets[i + 1]]
 
-    def __getitem__(self, index: Index) -> torch.Tensor | PackedTensor:
-        """An int gives one segment's rows; a contiguous slice a view; anything else a gather."""
-        if isinstance(index, (int, np.integer)) and not isinstance(index, bool):
-            return self.segment(int(index))
-        if isinstance(index, slice):
-            start, stop, step = index.indices(len(self))
-            if step == 1:
-                stop = max(start, stop)
-                lo, hi = self._offsets[start], self._offsets[stop]
-                return PackedTensor(self.values[lo:hi], self._offsets[start : stop + 1] - lo)
-            return self.gather(np.arange(start, stop, step))
-        return self.gather(index)
+    def _view(self, start: int, stop: int) -> PackedTensor:
+        lo, hi = self._offsets[start], self._offsets[stop]
+        return PackedTensor(self.values[lo:hi], self._offsets[start : stop + 1] - lo)
 
     def gather(
         self, index: Sequence[int] | Sequence[bool] | np.ndarray | torch.Tensor
@@ -259,11 +235,6 @@ class PackedTensor:
         check_count(n)
         values = self.values.repeat(n, *([1] * len(self.row_shape)))
         return PackedTensor(values, _offsets_from_lengths(np.tile(self.lengths, n)))
-
-    def repeat_interleave(self, n: int) -> PackedTensor:
-        """Repeat each sequence ``n`` times in place: B*n sequences."""
-        check_count(n)
-        return self.gather(np.repeat(np.arange(len(self)), n))
 
     # --- conversion -----------------------------------------------------------------------
 
@@ -351,28 +322,6 @@ def _is_device_int32(cu_seqlens: Any, values: torch.Tensor) -> bool:
     )
 
 
-def pick_indices(index: Any, batch: int) -> np.ndarray:
-    """Positions in ``range(batch)`` picked by an index list or a boolean mask, validated."""
-    if isinstance(index, torch.Tensor):
-        index = index.detach().cpu().numpy()
-    picks = np.asarray(index)
-    if picks.dtype == np.bool_:
-        if picks.shape != (batch,):
-            raise PackedError(f"boolean mask must have shape ({batch},), found {picks.shape}")
-        return np.flatnonzero(picks)
-    if picks.size == 0:
-        return np.zeros(0, dtype=np.int64)
-    if picks.dtype.kind not in "iu" or picks.ndim != 1:
-        raise PackedError(
-            f"index must be a 1-D list of ints or a boolean mask, found dtype {picks.dtype} "
-            f"and shape {picks.shape}"
-        )
-    if picks.min() < -batch or picks.max() >= batch:
-        bad = int(picks.min()) if picks.min() < -batch else int(picks.max())
-        raise PackedIndexError(f"index must be in [-{batch}, {batch}), found {bad}")
-    return picks.astype(np.int64) % max(batch, 1)
-
-
 def _padded_rows(offsets: np.ndarray, max_len: int, side: Side) -> np.ndarray:
     """Flat ``b * max_len + t`` destination of every packed row in a padded rectangle."""
     if side not in ("left", "right"):
@@ -388,8 +337,3 @@ def _padded_rows(offsets: np.ndarray, max_len: int, side: Side) -> np.ndarray:
 
 def _index(rows: np.ndarray, device: torch.device) -> torch.Tensor:
     return torch.from_numpy(rows).to(device, non_blocking=True)
-
-
-def check_count(n: int) -> None:
-    if not isinstance(n, (int, np.integer)) or isinstance(n, bool) or n < 0:
-        raise PackedError(f"repeat count must be an int >= 0, found {n!r}")

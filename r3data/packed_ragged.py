@@ -14,14 +14,15 @@ import numpy as np
 import torch
 
 from r3data.errors import PackedError
-from r3data.packed import PackedTensor, aranges, pick_indices
+from r3data.packed import PackedTensor, aranges
 from r3data.ragged import DEFAULT_MAX_CELLS, MASK_FILL, RaggedRows, check_cells, row_offsets
+from r3data.segmented import Segmented, check_count, pick_indices
 from r3data.tensor_buffer import as_tensor
 
 __all__ = ["PackedRagged"]
 
 
-class PackedRagged:
+class PackedRagged(Segmented):
     """Ragged rows of B samples back to back: ``rows`` (a :class:`PackedTensor` whose segment j
     is row j's values) and ``offsets`` (host int64, B + 1: sample i holds rows
     ``offsets[i]:offsets[i + 1]``)."""
@@ -76,15 +77,6 @@ class PackedRagged:
         return self._offsets
 
     @property
-    def lengths(self) -> np.ndarray:
-        """Rows per sample."""
-        return np.diff(self._offsets)
-
-    @property
-    def total_rows(self) -> int:
-        return int(self._offsets[-1])
-
-    @property
     def dtype(self) -> torch.dtype:
         return self.rows.dtype
 
@@ -92,29 +84,15 @@ class PackedRagged:
     def device(self) -> torch.device:
         return self.rows.device
 
-    def __len__(self) -> int:
-        return self._offsets.size - 1
-
     def segment(self, i: int) -> RaggedRows:
         """Sample ``i``'s rows (host values are shared; device values are copied to the host)."""
-        batch = len(self)
-        if not -batch <= i < batch:
-            raise PackedError(f"sample index must be in [-{batch}, {batch}), found {i}")
-        i %= batch
+        i = self._sample(i)
         values = self.values.detach().cpu().numpy()
         return RaggedRows(values, self.row_offsets[self._offsets[i] : self._offsets[i + 1] + 1])
 
-    def __getitem__(self, index: Any) -> RaggedRows | PackedRagged:
-        if isinstance(index, (int, np.integer)) and not isinstance(index, bool):
-            return self.segment(int(index))
-        if isinstance(index, slice):
-            start, stop, step = index.indices(len(self))
-            if step == 1:  # a view
-                stop = max(start, stop)
-                lo, hi = int(self._offsets[start]), int(self._offsets[stop])
-                return PackedRagged(self.rows[lo:hi], self._offsets[start : stop + 1] - lo)
-            return self.gather(np.arange(start, stop, step))
-        return self.gather(index)
+    def _view(self, start: int, stop: int) -> PackedRagged:
+        lo, hi = int(self._offsets[start]), int(self._offsets[stop])
+        return PackedRagged(self.rows[lo:hi], self._offsets[start : stop + 1] - lo)
 
     def gather(self, index: Any) -> PackedRagged:
         """Copy the samples picked by an index list or a boolean mask."""
@@ -133,10 +111,8 @@ class PackedRagged:
         return PackedRagged(rows, np.concatenate(([0], np.cumsum(lengths))))
 
     def repeat(self, n: int) -> PackedRagged:
+        check_count(n)
         return self.gather(np.tile(np.arange(len(self)), n))
-
-    def repeat_interleave(self, n: int) -> PackedRagged:
-        return self.gather(np.repeat(np.arange(len(self)), n))
 
     def to(
         self,

@@ -162,7 +162,7 @@ def test_invalid_batches():
         TensorBatch.cat([batch, TensorBatch({"a": [1, 2]})])
     with pytest.raises(IndexError):
         batch[[5]]
-    with pytest.raises(PackedError, match="repeat count must be an int >= 0, found -1"):
+    with pytest.raises(PackedError, match="repeat count: expected an int >= 0, found -1"):
         batch.repeat(-1)
     with pytest.raises(PackedError, match=r"found 1\.5"):
         batch.repeat_interleave(1.5)

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from r3data import TensorBatch
-from r3data.errors import PackedError
+from r3data.errors import PackedError, PackedIndexError
 from r3data.packed_ragged import PackedRagged
 from r3data.ragged import RaggedRows
 
@@ -87,3 +87,18 @@ def test_a_batch_holds_ragged_fields_aligned_with_the_rest():
     assert float(picked["score"][0]) == 1.5
     assert TensorBatch.cat([batch, batch])["mask"].lengths.tolist() == [2, 3, 2, 3]
     assert batch.slice(1, 2)["mask"].total_rows == 3
+
+
+def test_packed_ragged_refuses_what_a_packed_tensor_refuses():
+    """Both packed types index and repeat through one definition: the same errors."""
+    masks = PackedRagged.from_samples([_ragged([[1, 2], [3]]), _ragged([[4]])])
+    with pytest.raises(PackedIndexError, match=r"segment index must be in \[-2, 2\), found 2"):
+        masks[2]
+    with pytest.raises(PackedIndexError, match=r"segment index must be in \[-2, 2\), found 2"):
+        masks.rows[:2].gather([0, 1])[2]
+    with pytest.raises(PackedError, match="repeat count: expected an int >= 0, found -1"):
+        masks.repeat(-1)
+    with pytest.raises(PackedError, match="repeat count: expected an int >= 0, found -1"):
+        masks.repeat_interleave(-1)
+    assert masks[-1].lengths.tolist() == [1]
+    assert masks[1:1].total_rows == 0

@@ -35,6 +35,7 @@ from r3data.layout.stages import ModelLayers
 from r3data.layout.token_layout import PAD, LayerAxis, TokenLayout, as_lengths
 from r3data.packed import PackedTensor
 from r3data.tensor_buffer import bit_view
+from r3data.validate import checked_int
 
 
 @dataclass(frozen=True)
@@ -46,9 +47,7 @@ class RoundRobin:
     num_experts: int
 
     def __post_init__(self) -> None:
-        n = self.num_experts
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise LayoutError(f"RoundRobin.num_experts must be an int >= 1, found {n!r}")
+        checked_int("RoundRobin.num_experts", self.num_experts, minimum=1, error=LayoutError)
 
 
 Fill = Literal["distinct"] | RoundRobin | Sequence[int] | torch.Tensor

@@ -25,7 +25,8 @@ import torch
 
 from r3data.errors import LayoutError
 from r3data.layout.token_layout import TokenLayout, as_lengths
-from r3data.packed import PackedTensor, pick_indices
+from r3data.packed import PackedTensor
+from r3data.segmented import pick_indices
 from r3data.tensor_buffer import rebuild_tensor, tensor_buffer
 
 __all__ = ["RankRows"]

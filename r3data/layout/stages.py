@@ -20,11 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from r3data.errors import LayoutError
-
-
-def _check_count(name: str, value: object, minimum: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise LayoutError(f"{name} must be an int >= {minimum}, found {value!r}")
+from r3data.validate import checked_int
 
 
 @dataclass(frozen=True)
@@ -38,7 +34,7 @@ class ModelLayers:
     stage_layers: tuple[tuple[int, ...], ...] | None = None
 
     def __post_init__(self) -> None:
-        _check_count("num_layers", self.num_layers, 1)
+        checked_int("num_layers", self.num_layers, minimum=1, error=LayoutError)
         freq = self.moe_layer_freq
         if isinstance(freq, Sequence) and not isinstance(freq, str):
             object.__setattr__(self, "moe_layer_freq", tuple(int(f) for f in freq))
@@ -51,10 +47,10 @@ class ModelLayers:
                     f"found {list(self.moe_layer_freq)}"
                 )
         else:
-            _check_count("moe_layer_freq", freq, 1)
+            checked_int("moe_layer_freq", freq, minimum=1, error=LayoutError)
         for name in ("first_stage_layers", "last_stage_layers"):
             if getattr(self, name) is not None:
-                _check_count(name, getattr(self, name), 0)
+                checked_int(name, getattr(self, name), error=LayoutError)
         if self.stage_layers is not None:
             if self.first_stage_layers is not None or self.last_stage_layers is not None:
                 raise LayoutError("give either stage_layers or first/last_stage_layers, found both")
@@ -82,7 +78,7 @@ class ModelLayers:
 
     def stage(self, pp_size: int, pp_rank: int) -> tuple[int, ...]:
         """Global ids of the layers pipeline stage ``pp_rank`` of ``pp_size`` builds, in order."""
-        _check_count("pp_size", pp_size, 1)
+        checked_int("pp_size", pp_size, minimum=1, error=LayoutError)
         if not isinstance(pp_rank, int) or not 0 <= pp_rank < pp_size:
             raise LayoutError(f"pp_rank must be in [0, {pp_size}), found {pp_rank!r}")
         if self.stage_layers is not None:

@@ -35,6 +35,7 @@ from r3data.errors import LayoutError
 from r3data.layout.stages import ModelLayers
 from r3data.packed import aranges
 from r3data.spans import Span, merge
+from r3data.validate import checked_int
 
 #: ``token_index`` entry of a padding token.
 PAD = -1
@@ -44,8 +45,7 @@ Ranges = list[list[Span]]
 
 
 def _check_rank(name: str, size: int, rank: int) -> None:
-    if not isinstance(size, int) or isinstance(size, bool) or size < 1:
-        raise LayoutError(f"{name}_size must be an int >= 1, found {size!r}")
+    checked_int(f"{name}_size", size, minimum=1, error=LayoutError)
     if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < size:
         raise LayoutError(f"{name}_rank must be in [0, {size}), found {rank!r}")
 

@@ -28,6 +28,7 @@ import orjson
 
 from r3data.errors import PayloadFormatError, SegmentError
 from r3data.payload.segment import INDEX_DTYPE, PayloadSegment
+from r3data.validate import checked_int
 
 __all__ = [
     "DATA_ALIGN",
@@ -179,8 +180,7 @@ def _parse_table(table: bytes, file: str, size: int, format_version: int) -> Pay
     if not isinstance(parsed, dict) or not isinstance(parsed.get("fields"), list):
         raise PayloadFormatError(f"{file}: header table must be an object with a 'fields' list")
     version = parsed.get("version")
-    if isinstance(version, bool) or not isinstance(version, int) or version < 0:
-        raise PayloadFormatError(f"{file}: header version must be an int >= 0, found {version!r}")
+    checked_int(f"{file}: header version", version, error=PayloadFormatError)
     data_start = _align(PREFIX.size + len(table), DATA_ALIGN)
     entries = tuple(_parse_entry(raw, file, size, data_start) for raw in parsed["fields"])
     names = [entry.segment.field for entry in entries]
@@ -193,10 +193,7 @@ def _parse_entry(raw: Any, file: str, size: int, data_start: int) -> FieldEntry:
     if not isinstance(raw, dict):
         raise PayloadFormatError(f"{file}: field entry must be an object, found {raw!r:.80}")
     nbytes = raw.get("nbytes")
-    if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
-        raise PayloadFormatError(
-            f"{file}: field entry nbytes must be an int >= 0, found {nbytes!r}"
-        )
+    checked_int(f"{file}: field entry nbytes", nbytes, error=PayloadFormatError)
     if raw.get("crc32c") is None:
         raise PayloadFormatError(f"{file}: field entry {raw.get('field')!r} has no crc32c")
     try:

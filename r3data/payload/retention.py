@@ -38,6 +38,7 @@ from r3data.errors import (
 )
 from r3data.parallel import shared_pool
 from r3data.payload.fs import PayloadRoot
+from r3data.validate import checked_int
 
 __all__ = [
     "GcReport",
@@ -58,16 +59,10 @@ modification times to the second, and a shared filesystem's clock may drift a li
 trainer's. What it keeps, the backstop removes later."""
 
 
-def _check_count(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ConfigError(f"{name} must be an int >= 0, found {value!r}")
-    return value
-
-
 def min_fresh_version(step: int, max_off_policy_steps: int) -> int:
     """The oldest policy version a batch for ``step`` may use: ``max(0, step - M)``."""
-    step = _check_count("step", step)
-    return max(0, step - _check_count("max_off_policy_steps", max_off_policy_steps))
+    step = checked_int("step", step)
+    return max(0, step - checked_int("max_off_policy_steps", max_off_policy_steps))
 
 
 def list_versions(root: PayloadRoot) -> dict[int, list[tuple[str, int]]]:
@@ -224,7 +219,7 @@ class PayloadRetention:
                 f"found {fresh!r}"
             )
         self.root = PayloadRoot(root, fs)
-        self.max_off_policy_steps = _check_count("max_off_policy_steps", max_off_policy_steps)
+        self.max_off_policy_steps = checked_int("max_off_policy_steps", max_off_policy_steps)
         self._lock = threading.Lock()
         self._deletion_done = threading.Condition(self._lock)
         self._claims: dict[str, int] = {}  # file -> latest step that claimed it
@@ -271,7 +266,7 @@ class PayloadRetention:
 
     def claim(self, step: int, files: Iterable[str]) -> None:
         """Keep ``files`` until ``on_policy_update(s)`` with ``s >= step`` (and any later claim)."""
-        step = _check_count("step", step)
+        step = checked_int("step", step)
         names = self._names(files)
         with self._lock:
             if not self.deletes:

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from r3data.errors import SegmentError, WireFormatError
+from r3data.validate import checked_int
 from r3data.wire.dtypes import parse_dtype
 
 __all__ = ["INDEX_DTYPE", "PayloadSegment", "clip", "covers", "gaps", "shift"]
@@ -33,13 +34,9 @@ CRC32C_MAX = 2**32 - 1
 
 
 def _check_int(name: str, value: Any, minimum: int = 0, maximum: int | None = None) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise SegmentError(f"segment {name} must be an int, found {type(value).__name__} {value!r}")
-    if value < minimum:
-        raise SegmentError(f"segment {name} must be >= {minimum}, found {value}")
-    if maximum is not None and value > maximum:
-        raise SegmentError(f"segment {name} must be <= {maximum}, found {value}")
-    return int(value)
+    return checked_int(
+        f"segment {name}", value, minimum=minimum, maximum=maximum, error=SegmentError
+    )
 
 
 def _canonical_dtype(name: Any) -> str:

@@ -19,6 +19,7 @@ from r3data.payload.fs import PayloadRoot
 from r3data.payload.ragged import as_ragged, host_array
 from r3data.payload.segment import INDEX_DTYPE, PayloadSegment
 from r3data.ragged import RaggedRows
+from r3data.validate import checked_int
 
 __all__ = ["FieldData", "PayloadWriter", "TEMP_SUFFIX"]
 
@@ -63,8 +64,7 @@ class PayloadWriter:
         (routes and masks of one request usually start at different positions). Segments carry
         the CRC-32C of their bytes and name the file relative to the root (``v3/<id>.bin``).
         """
-        if isinstance(version, bool) or not isinstance(version, (int, np.integer)) or version < 0:
-            raise SegmentError(f"payload version must be an int >= 0, found {version!r}")
+        version = checked_int("payload version", version, error=SegmentError)
         if not isinstance(fields, Mapping) or not fields:
             raise SegmentError(
                 f"fields must be a non-empty mapping of name -> rows, found {fields!r:.80}"

@@ -14,6 +14,7 @@ import numpy as np
 
 from r3data.errors import ConfigError
 from r3data.synth.models import ModelShape
+from r3data.validate import checked_int
 
 __all__ = [
     "LENGTH_DISTRIBUTIONS",
@@ -143,11 +144,9 @@ def synth_rollouts(
     short user or tool turns (median 100) and completions (median 600) with a long tail, so
     rollout lengths in one batch differ by 10-60x.
     """
-    for name, value, least in (("count", count, 0), ("max_turns", max_turns, 1)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < least:
-            raise ConfigError(f"{name} must be an int >= {least}, found {value!r}")
-    if isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 2:
-        raise ConfigError(f"max_len must be an int >= 2, found {max_len!r}")
+    checked_int("count", count)
+    checked_int("max_turns", max_turns, minimum=1)
+    checked_int("max_len", max_len, minimum=2)
     rng = np.random.default_rng(seed)
     rollouts = []
     for i in range(count):

@@ -19,7 +19,6 @@ import numpy as np
 import torch
 
 from r3data.batch import TensorBatch
-from r3data.errors import ConfigError
 from r3data.layout import PAD, TokenLayout, expand
 from r3data.nodes import CollateOptions, MicroBatches, loader
 from r3data.packed import PackedTensor
@@ -29,6 +28,7 @@ from r3data.synth.models import ModelShape
 from r3data.synth.rollouts import Rollout, SyntheticRouter, synth_rollouts
 from r3data.synth.serve import ServedRollouts, serve_rollouts
 from r3data.trace import ROUTES_FIELD, StitchStats
+from r3data.validate import checked_int
 
 __all__ = ["GRID", "RankLoad", "StepReport", "play_step"]
 
@@ -177,8 +177,7 @@ def play_step(
     multi-turn rollouts get all-zero routes in their last request (a known engine bug): their
     routes must come out as placeholders, never valid.
     """
-    if isinstance(rollouts, bool) or not isinstance(rollouts, int) or rollouts < 1:
-        raise ConfigError(f"rollouts must be an int >= 1, found {rollouts!r}")
+    checked_int("rollouts", rollouts, minimum=1)
     router = SyntheticRouter(shape, seed=seed)
     rolls = synth_rollouts(router, rollouts, seed=seed, max_turns=max_turns, max_len=max_len)
     retention = PayloadRetention(os.fspath(payload_root), max_off_policy_steps=1, fresh=True)

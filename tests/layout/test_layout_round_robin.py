@@ -101,5 +101,5 @@ def test_round_robin_needs_enough_experts_and_a_valid_count():
     routes = PackedTensor.from_lengths(torch.zeros(2, 1, 3, dtype=torch.uint8), [2])
     with pytest.raises(LayoutError, match="top-3 distinct experts of 2"):
         expand(routes, TokenLayout(pad_multiple=4), fill=RoundRobin(2))
-    with pytest.raises(LayoutError, match="num_experts must be an int >= 1, found 0"):
+    with pytest.raises(LayoutError, match="num_experts: expected an int >= 1, found 0"):
         RoundRobin(0)

@@ -42,11 +42,11 @@ def test_moe_pattern_from_a_frequency_or_a_list():
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"num_layers": 0}, "num_layers must be an int >= 1, found 0"),
+        ({"num_layers": 0}, "num_layers: expected an int >= 1, found 0"),
         ({"num_layers": 3, "moe_layer_freq": [1, 0]}, "3 flags of 0 or 1"),
         ({"num_layers": 2, "moe_layer_freq": [1, 2]}, "2 flags of 0 or 1"),
-        ({"num_layers": 2, "moe_layer_freq": 0}, "moe_layer_freq must be an int >= 1"),
-        ({"num_layers": 2, "first_stage_layers": -1}, "first_stage_layers must be an int >= 0"),
+        ({"num_layers": 2, "moe_layer_freq": 0}, "moe_layer_freq: expected an int >= 1"),
+        ({"num_layers": 2, "first_stage_layers": -1}, "first_stage_layers: expected an int >= 0"),
         ({"num_layers": 3, "stage_layers": [[0, 2], [1]]}, "consecutive runs"),
         ({"num_layers": 3, "stage_layers": [[0, 1]]}, "consecutive runs"),
         ({"num_layers": 2, "stage_layers": [[0, 1], [1]]}, "consecutive runs"),

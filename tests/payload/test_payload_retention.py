@@ -109,7 +109,7 @@ def check_schedule(data, root: str, retention: PayloadRetention) -> None:
 def test_min_fresh_version():
     assert [min_fresh_version(s, 2) for s in range(5)] == [0, 0, 0, 1, 2]
     assert min_fresh_version(7, 0) == 7
-    with pytest.raises(ConfigError, match="max_off_policy_steps must be an int >= 0"):
+    with pytest.raises(ConfigError, match="max_off_policy_steps: expected an int >= 0"):
         min_fresh_version(3, -1)
     with pytest.raises(ConfigError, match="step"):
         min_fresh_version(2.0, 1)

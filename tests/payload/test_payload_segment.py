@@ -152,17 +152,17 @@ def test_dtype_names_are_canonical():
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        ({"offset": -1}, "offset must be >= 0"),
-        ({"rows": 1.5}, "rows must be an int"),
-        ({"pos": True}, "pos must be an int"),
+        ({"offset": -1}, "offset: expected an int >= 0, found -1"),
+        ({"rows": 1.5}, "rows: expected an int >= 0, found 1.5"),
+        ({"pos": True}, "pos: expected an int >= 0, found True"),
         ({"dtype": ">u2"}, "big-endian"),
         ({"dtype": "object"}, "dtype"),
         ({"shape": "48x8"}, "shape must be a list"),
-        ({"shape": [48, -8]}, "shape entry must be >= 0"),
+        ({"shape": [48, -8]}, "shape entry: expected an int >= 0, found -8"),
         ({"field": ""}, "field must be a non-empty string"),
         ({"file": 3}, "file must be a non-empty string"),
         ({"index": 8, "shape": [2]}, "must have row shape"),
-        ({"crc32c": 2**32}, "crc32c must be <="),
+        ({"crc32c": 2**32}, "crc32c: expected an int in \\[0, 4294967295\\], found 4294967296"),
     ],
 )
 def test_invalid_segments_are_refused(change, message):
