@@ -127,6 +127,7 @@ def test_each_benchmark_runs_in_its_own_process_and_a_failure_is_reported(tmp_pa
     out, err = capsys.readouterr()
     assert code == 1
     assert "broken: FAILED: broken: no such device" in out
+    assert "r3data bench: broken failed: broken: no such device" in err
     assert "measured" in out
     summary = json.loads((results / "summary.json").read_text())
     assert summary["errors"] == {"broken": "broken: no such device"}
