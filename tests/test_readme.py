@@ -25,6 +25,6 @@ def test_every_link_of_the_readme_names_a_file_of_the_checkout():
     links = re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", README.read_text())
     local = [link for link in links if "://" not in link]
     assert {"docs/architecture.md", "docs/loader.md", "docs/benchmarks.md"} <= set(local)
-    assert len([link for link in local if link.startswith("notebooks/")]) == 3
+    assert len([link for link in local if link.startswith("notebooks/")]) == 4
     missing = [link for link in local if not (README.parent / link).is_file()]
     assert not missing
