@@ -2,12 +2,14 @@
 
 A request of ``prompt_len + completion_len`` tokens forwards all of them but the last sampled
 token, which is never fed back, so route rows end at :func:`routes_end`,
-``prompt_len + completion_len - 1`` (exclusive): vLLM, SGLang and prime-rl never send a row
-for the last token. Producers say where the rows start in one of two ways:
+``prompt_len + completion_len - 1`` (exclusive): vLLM, SGLang, prime-rl and SkyRL never send
+a row for the last token. Rows are placed in one of two ways:
 
-- end-anchored (prime-rl): ``rows`` rows cover ``[routes_end - rows, routes_end)``;
-- start-anchored (vLLM's ``routed_experts_prompt_start``, SGLang's
-  ``routed_experts_start_len``; 0 by default): they cover ``[start, start + rows)``.
+- start-anchored, what every producer does (vLLM's ``routed_experts_prompt_start``, SGLang's
+  ``routed_experts_start_len``, prime-rl's envelope ``start``; 0 by default): the rows cover
+  ``[start, start + rows)``;
+- end-anchored, for rows known to be complete whose start is not stated: ``rows`` rows cover
+  ``[routes_end - rows, routes_end)``.
 
 A complete response is both, which is how a producer decoder checks the row count once it
 knows the lengths (:func:`anchored_pos`). Per-completion-token fields (sampling masks,
@@ -37,7 +39,7 @@ def routes_end(prompt_len: int, completion_len: int, *, last_token_row: bool = F
 def end_anchored_pos(
     prompt_len: int, completion_len: int, rows: int, *, what: str = "end-anchored routes"
 ) -> int:
-    """First position of ``rows`` route rows ending at the last forwarded token (prime-rl);
+    """First position of ``rows`` route rows ending at the last forwarded token;
     :class:`EngineRoutesError` when there are more rows than forwarded tokens."""
     prompt_len = nonnegative_int("prompt_len", prompt_len)
     completion_len = nonnegative_int("completion_len", completion_len)
