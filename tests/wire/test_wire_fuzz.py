@@ -80,17 +80,18 @@ def valid_bodies_and_choices(draw) -> tuple[bytes, list[tuple[str, object]]]:
 valid_bodies = valid_bodies_and_choices().map(lambda pair: pair[0])
 
 
-@st.composite
-def mutated_bodies(draw) -> bytes:
-    raw = bytearray(draw(valid_bodies))
-    for _ in range(draw(st.integers(1, 4))):
+def _mutate(draw, body: bytes, tokens: list[bytes], min_edits: int) -> bytes:
+    """``body`` after ``min_edits`` to 4 random edits: a span deleted or duplicated, one of
+    ``tokens`` inserted, a byte replaced, the tail cut."""
+    raw = bytearray(body)
+    for _ in range(draw(st.integers(min_edits, 4))):
         at = draw(st.integers(0, len(raw)))
         op = draw(st.sampled_from(["delete", "insert", "replace", "duplicate", "truncate"]))
         span = draw(st.integers(1, 12))
         if op == "delete":
             del raw[at : at + span]
         elif op == "insert":
-            raw[at:at] = draw(st.sampled_from(TOKENS))
+            raw[at:at] = draw(st.sampled_from(tokens))
         elif op == "replace" and at < len(raw):
             raw[at] = draw(st.integers(0, 255))
         elif op == "duplicate":
@@ -98,6 +99,11 @@ def mutated_bodies(draw) -> bytes:
         else:
             del raw[at:]
     return bytes(raw)
+
+
+@st.composite
+def mutated_bodies(draw) -> bytes:
+    return _mutate(draw, draw(valid_bodies), TOKENS, min_edits=1)
 
 
 @st.composite
@@ -262,22 +268,7 @@ def _check_format(name: str, raw: bytes, lengths: Lengths) -> None:
 @st.composite
 def mutated_format_bodies(draw) -> tuple[str, bytes]:
     name, seed = draw(st.sampled_from(SEEDS))
-    raw = bytearray(seed)
-    for _ in range(draw(st.integers(0, 4))):
-        at = draw(st.integers(0, len(raw)))
-        op = draw(st.sampled_from(["delete", "insert", "replace", "duplicate", "truncate"]))
-        span = draw(st.integers(1, 12))
-        if op == "delete":
-            del raw[at : at + span]
-        elif op == "insert":
-            raw[at:at] = draw(st.sampled_from(FORMAT_TOKENS))
-        elif op == "replace" and at < len(raw):
-            raw[at] = draw(st.integers(0, 255))
-        elif op == "duplicate":
-            raw[at:at] = raw[at : at + span]
-        else:
-            del raw[at:]
-    return name, bytes(raw)
+    return name, _mutate(draw, seed, FORMAT_TOKENS, min_edits=0)
 
 
 @pytest.mark.parametrize(("name", "raw"), SEEDS)
