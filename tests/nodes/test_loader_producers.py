@@ -4,7 +4,7 @@ counts, by-handle padded masks, prefill/decode roles, and typed errors for bad s
 
 from __future__ import annotations
 
-import json
+import functools
 import sys
 from pathlib import Path
 
@@ -13,6 +13,7 @@ import pytest
 
 sys.path.append(str(Path(__file__).resolve().parents[1] / "wire"))
 from producer_bodies import (
+    common,
     nemorl_bodies,
     primerl_bodies,
     sglang_bodies,
@@ -30,13 +31,8 @@ LAYERS, TOPK = 4, 2
 SHAPE = {"num_layers": LAYERS, "topk": TOPK}
 
 
-def engine_rows(tokens: int, experts: int = 8, seed: int = 0) -> np.ndarray:
-    """Rows for positions [0, tokens - 1): distinct experts 1..experts-1 (never all zero), a
-    dense layer 0 of zeros."""
-    rng = np.random.default_rng(seed)
-    rows = np.argsort(rng.random((tokens - 1, LAYERS, experts - 1)), axis=-1)[..., :TOPK] + 1
-    rows[:, 0] = 0
-    return rows.astype(np.int64)
+# expert ids from 1: a MoE row is never all zero (the screen's "missing")
+engine_rows = functools.partial(common.engine_rows, layers=LAYERS, topk=TOPK, lowest_id=1)
 
 
 def one_batch(requests, tokens, *, fields=("routed_experts",), on_gap="drop_routes", **options):
@@ -279,22 +275,12 @@ def test_by_handle_router_payload_with_padded_masks(tmp_path):
     stale = rows.copy()
     stale[:4] = 7  # the decode instance's prompt rows: never its own forwards
     mask = np.array([[3, 9, -1], [-1, -1, -1], [4, -1, -1]], np.int32)
-    prefill, prefill_file = primerl_bodies.payload_body(
-        file="v3/p.bin", routes=rows[:5].astype(np.uint8), routes_pos=0
-    )
-    decode_body, decode_file = primerl_bodies.payload_body(
-        file="v3/d.bin",
-        routes=stale.astype(np.uint8),
-        routes_pos=0,
-        mask=mask,
-        mask_pos=5,
-        token_ids=[6, 7, 8],
+    raw, files = primerl_bodies.pd_payload_request(
+        rows[:5].astype(np.uint8), stale.astype(np.uint8), mask, [6, 7, 8]
     )
     (tmp_path / "v3").mkdir()
-    (tmp_path / "v3/p.bin").write_bytes(prefill_file)  # headerless: rows back to back
-    (tmp_path / "v3/d.bin").write_bytes(decode_file)
-    merged = primerl_bodies.pd_merge_payload(json.loads(prefill), json.loads(decode_body))
-    raw = json.dumps(merged).encode()
+    for name, data in files.items():  # headerless: rows back to back
+        (tmp_path / name).write_bytes(data)
     batch = one_batch(
         [request(5, 3, {"producer": "prime-rl", "response": raw})],
         8,

@@ -4,11 +4,19 @@ spliced by ``load_packed_body`` alike, and ``detect`` names the format."""
 
 from __future__ import annotations
 
+import functools
 import json
 
 import numpy as np
 import pytest
-from producer_bodies import nemorl_bodies, primerl_bodies, sglang_bodies, skyrl_bodies, vllm_bodies
+from producer_bodies import (
+    common,
+    nemorl_bodies,
+    primerl_bodies,
+    sglang_bodies,
+    skyrl_bodies,
+    vllm_bodies,
+)
 
 from r3data.errors import ConfigError, EngineRoutesError, WireFormatError
 from r3data.payload import PayloadSegment
@@ -20,12 +28,7 @@ LAYERS, TOPK = 4, 2
 MOE = (1, 2, 3)  # layer 0 is dense
 
 
-def engine_rows(tokens: int, experts: int = 8, seed: int = 0) -> np.ndarray:
-    """The engine's rows for positions [0, tokens - 1): distinct experts, dense layer 0."""
-    rng = np.random.default_rng(seed)
-    rows = np.argsort(rng.random((tokens - 1, LAYERS, experts)), axis=-1)[..., :TOPK]
-    rows[:, 0] = 0
-    return rows.astype(np.int64)
+engine_rows = functools.partial(common.engine_rows, layers=LAYERS, topk=TOPK)
 
 
 def decode(name: str, body, lengths=(None, None), fields=None, **options):
@@ -297,20 +300,10 @@ def test_primerl_pd_merges_inline_and_by_handle():
     )
     (choice,) = decode("prime-rl", raw, (5, 3))
     assert_rows(choice, (0, rows))
-    prefill, _ = primerl_bodies.payload_body(
-        file="v3/p.bin", routes=rows[:5].astype(np.uint8), routes_pos=0
-    )
     mask = np.array([[3, 9, -1], [-1, -1, -1], [4, -1, -1]], np.int32)
-    decode_body, _ = primerl_bodies.payload_body(
-        file="v3/d.bin",
-        routes=stale.astype(np.uint8),
-        routes_pos=0,
-        mask=mask,
-        mask_pos=5,
-        token_ids=[6, 7, 8],
+    raw, _ = primerl_bodies.pd_payload_request(
+        rows[:5].astype(np.uint8), stale.astype(np.uint8), mask, [6, 7, 8]
     )
-    body = primerl_bodies.pd_merge_payload(json.loads(prefill), json.loads(decode_body))
-    raw = json.dumps(body).encode()
     (choice,) = decode("prime-rl", raw, (5, 3))
     assert all(isinstance(s, PayloadSegment) for s in choice.sources)
     assert [(s.field, s.file, s.pos, s.rows) for s in choice.sources] == [

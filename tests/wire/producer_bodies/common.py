@@ -1,4 +1,5 @@
-"""Serialisation helpers shared by the producer body builders.
+"""Helpers shared by the producer body builders and their tests: serialisation, and the
+engine's rows the builders start from.
 
 The producers write JSON in one of two ways, and the bytes differ (spacing, key order kept,
 non-ASCII left as UTF-8 in both):
@@ -26,6 +27,7 @@ import orjson
 __all__ = [
     "b64_raw",
     "check_routes",
+    "engine_rows",
     "npy_b64",
     "orjson_body",
     "sse",
@@ -72,3 +74,15 @@ def check_routes(routes: np.ndarray, what: str = "routes") -> np.ndarray:
             f"{what}: expected an integer [rows, layers, topk] array, got {routes.shape}"
         )
     return routes
+
+
+def engine_rows(
+    tokens: int, *, layers: int, topk: int, experts: int = 8, seed: int = 0, lowest_id: int = 0
+) -> np.ndarray:
+    """Seeded engine rows for positions ``[0, tokens - 1)``, int64 ``[rows, layers, topk]``:
+    ``topk`` distinct expert ids in ``[lowest_id, experts)`` per layer, layer 0 dense (zeros)."""
+    rng = np.random.default_rng(seed)
+    shape = (tokens - 1, layers, experts - lowest_id)
+    rows = np.argsort(rng.random(shape), axis=-1)[..., :topk] + lowest_id
+    rows[:, 0] = 0
+    return rows.astype(np.int64)

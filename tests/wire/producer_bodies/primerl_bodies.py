@@ -21,6 +21,7 @@ Readers: verifiers v1/graph.py ``_attribute_routed_experts`` (``dtype`` defaults
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 
 import numpy as np
@@ -33,6 +34,7 @@ __all__ = [
     "payload_body",
     "pd_merge_inline",
     "pd_merge_payload",
+    "pd_payload_request",
     "routed_experts_envelope",
 ]
 
@@ -257,3 +259,29 @@ def pd_merge_payload(prefill: dict, decode: dict) -> dict:
             merged.append(segment)
         choice["payload"] = merged
     return decode
+
+
+def pd_payload_request(
+    prefill_rows: np.ndarray,
+    decode_rows: np.ndarray,
+    mask: np.ndarray,
+    completion_ids: Sequence[int],
+    *,
+    prefill_file: str = "v3/p.bin",
+    decode_file: str = "v3/d.bin",
+) -> tuple[bytes, dict[str, bytes]]:
+    """One request by handle under P/D: the prefill instance's payload (its prompt rows, from
+    position 0, in ``prefill_file``), the decode instance's (its rows from position 0 and the
+    mask from the prompt's end, in ``decode_file``), merged by :func:`pd_merge_payload`.
+    Returns the merged body and each file's bytes by name."""
+    prefill, prefill_bytes = payload_body(file=prefill_file, routes=prefill_rows, routes_pos=0)
+    decode, decode_bytes = payload_body(
+        file=decode_file,
+        routes=decode_rows,
+        routes_pos=0,
+        mask=mask,
+        mask_pos=len(prefill_rows),
+        token_ids=completion_ids,
+    )
+    merged = pd_merge_payload(json.loads(prefill), json.loads(decode))
+    return json.dumps(merged).encode(), {prefill_file: prefill_bytes, decode_file: decode_bytes}

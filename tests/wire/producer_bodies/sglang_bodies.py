@@ -199,45 +199,40 @@ def openai_body(
     return orjson_body(body)
 
 
+def _chat_chunk(choices: list[dict], **extra: object) -> bytes:
+    return orjson_body(
+        {
+            "id": "sgl-r3data",
+            "object": "chat.completion.chunk",
+            "created": 1_760_000_000,
+            "model": "tiny-moe",
+            "choices": choices,
+            "usage": None,
+            **extra,
+        }
+    )
+
+
 def openai_stream(item: Item, *, start_len: int = 0, version: str = "0.5.23") -> bytes:
     """Chat streaming with ``return_routed_experts``: content chunks carry no routes; after the
     last content chunk one extra chunk with ``"choices": []`` and ``sglext.routed_experts``
     (the first non-null routes of any choice) is sent (serving_chat.py
     ``_generate_chat_stream``, "routed_experts_chunk")."""
-    events = []
-    for token in item.output_ids:
-        events.append(
-            orjson_body(
+    events = [
+        _chat_chunk(
+            [
                 {
-                    "id": "sgl-r3data",
-                    "object": "chat.completion.chunk",
-                    "created": 1_760_000_000,
-                    "model": "tiny-moe",
-                    "choices": [
-                        {
-                            "index": 0,
-                            "delta": {"content": f"<{token}>"},
-                            "logprobs": None,
-                            "finish_reason": None,
-                            "matched_stop": None,
-                        }
-                    ],
-                    "usage": None,
+                    "index": 0,
+                    "delta": {"content": f"<{token}>"},
+                    "logprobs": None,
+                    "finish_reason": None,
+                    "matched_stop": None,
                 }
-            )
+            ]
         )
+        for token in item.output_ids
+    ]
     if item.routes is not None:
-        events.append(
-            orjson_body(
-                {
-                    "id": "sgl-r3data",
-                    "object": "chat.completion.chunk",
-                    "created": 1_760_000_000,
-                    "model": "tiny-moe",
-                    "choices": [],
-                    "usage": None,
-                    "sglext": {"routed_experts": b64_raw(rows(item, start_len, version))},
-                }
-            )
-        )
+        routed = b64_raw(rows(item, start_len, version))
+        events.append(_chat_chunk([], sglext={"routed_experts": routed}))
     return sse(events)

@@ -8,24 +8,20 @@ Run: ``PYTHONPATH=$PWD /work/main/.venv/bin/python -m pytest tests/wire/producer
 from __future__ import annotations
 
 import base64
+import functools
 import io
 import json
 
 import numpy as np
 import pytest
 
-from . import nemorl_bodies, primerl_bodies, sglang_bodies, skyrl_bodies, vllm_bodies
+from . import common, nemorl_bodies, primerl_bodies, sglang_bodies, skyrl_bodies, vllm_bodies
 
 LAYERS, TOPK = 4, 2
 MOE_LAYERS = (1, 2, 3)  # layer 0 dense
 
 
-def engine_rows(tokens: int, experts: int = 8, seed: int = 0) -> np.ndarray:
-    """Rows for positions [0, tokens - 1): distinct experts per MoE layer, dense layer 0."""
-    rng = np.random.default_rng(seed)
-    rows = np.argsort(rng.random((tokens - 1, LAYERS, experts)), axis=-1)[..., :TOPK]
-    rows[:, 0] = 0
-    return rows.astype(np.int64)
+engine_rows = functools.partial(common.engine_rows, layers=LAYERS, topk=TOPK)
 
 
 def npy(text: str) -> np.ndarray:

@@ -100,6 +100,107 @@ def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
     }
 
 
+def _served_b64(prompt: Prompt, sample: Sample, prompt_start: int, num_experts: int) -> str | None:
+    """``choices[i].routed_experts`` from vLLM 0.22.0 on: :func:`~.common.npy_b64` of
+    :func:`served_routes`, or null when the engine returned no routes."""
+    if sample.routes is None:
+        return None
+    rows = served_routes(
+        sample.routes, len(prompt.prompt_ids), len(sample.completion_ids), prompt_start, num_experts
+    )
+    return npy_b64(rows)
+
+
+def _check_openai_prompt_start(v: tuple[int, ...], prompt_start: int) -> None:
+    if prompt_start and v < (0, 28):
+        raise ValueError("the OpenAI request has routed_experts_prompt_start from 0.28.0 on")
+
+
+def _completion_choice(
+    index: int, prompt: Prompt, sample: Sample, routes: object, return_token_ids: bool, echo: bool
+) -> dict:
+    text = "".join(f"<{t}>" for t in sample.completion_ids)
+    return {
+        "index": index,
+        "text": ("".join(f"<{t}>" for t in prompt.prompt_ids) + text) if echo else text,
+        "logprobs": None,
+        "finish_reason": "length",
+        "stop_reason": None,
+        "token_ids": list(sample.completion_ids) if return_token_ids else None,
+        "prompt_logprobs": None,
+        "prompt_token_ids": list(prompt.prompt_ids) if return_token_ids else None,
+        "routed_experts": routes,
+    }
+
+
+def _chat_choice(index: int, sample: Sample, routes: object, return_token_ids: bool) -> dict:
+    return {
+        "index": index,
+        "message": {
+            "role": "assistant",
+            "content": "".join(f"<{t}>" for t in sample.completion_ids),
+            "refusal": None,
+            "annotations": None,
+            "audio": None,
+            "function_call": None,
+            "tool_calls": [],
+            "reasoning": None,
+        },
+        "logprobs": None,
+        "finish_reason": "length",
+        "stop_reason": None,
+        "token_ids": list(sample.completion_ids) if return_token_ids else None,
+        "routed_experts": routes,
+    }
+
+
+def _prompt_usage(prompt: Prompt) -> dict:
+    return _usage(len(prompt.prompt_ids), sum(len(s.completion_ids) for s in prompt.samples))
+
+
+def _chat_tail(prompt: Prompt, return_token_ids: bool) -> dict:
+    """The chat response's fields between ``usage`` and ``kv_transfer_params``."""
+    return {
+        "prompt_logprobs": None,
+        "prompt_token_ids": list(prompt.prompt_ids) if return_token_ids else None,
+        "prompt_text": None,
+    }
+
+
+def _openai_body(
+    chat: bool,
+    v: tuple[int, ...],
+    choices: list[dict],
+    usage: dict,
+    tail: dict,
+    head: dict | None = None,
+) -> bytes:
+    """A completions (``chat=False``) or chat response of vLLM ``v``: protocol.py
+    ``CompletionResponse`` / ``ChatCompletionResponse`` fields in declaration order; ``head``
+    after ``created`` (0.21.0's ``prompt_routed_experts``), ``tail`` after ``usage``,
+    ``ec_transfer_params`` from 0.26.0 and ``metrics`` from 0.25.0 at the end."""
+    body = {
+        "id": "chatcmpl-r3data" if chat else "cmpl-r3data",
+        "object": "chat.completion" if chat else "text_completion",
+        "created": CREATED,
+    }
+    body |= head or {}
+    body |= {
+        "model": "tiny-moe",
+        "choices": choices,
+        "service_tier": None,
+        "system_fingerprint": None,
+        "usage": usage,
+        **tail,
+        "kv_transfer_params": None,
+    }
+    if v >= (0, 26):
+        body["ec_transfer_params"] = None
+    if v >= (0, 25):
+        body["metrics"] = None
+    return starlette_body(body)
+
+
 def completion_body(
     prompts: Sequence[Prompt],
     *,
@@ -129,77 +230,21 @@ def completion_body(
     v = _version(version)
     if not (0, 22) <= v[:2] <= (0, 33):
         raise ValueError("completion_body covers vLLM 0.22.0-0.33.0; use completion_body_v021")
-    if prompt_start and v < (0, 28):
-        raise ValueError("the OpenAI request has routed_experts_prompt_start from 0.28.0 on")
+    _check_openai_prompt_start(v, prompt_start)
     choices = []
     prompt_tokens = completion_tokens = 0
     for prompt in prompts:
         for sample in prompt.samples:
-            text = "".join(f"<{t}>" for t in sample.completion_ids)
-            routes = None
-            if sample.routes is not None:
-                routes = npy_b64(
-                    served_routes(
-                        sample.routes,
-                        len(prompt.prompt_ids),
-                        len(sample.completion_ids),
-                        prompt_start,
-                        num_experts,
-                    )
-                )
-            choice = {
-                "index": len(choices),
-                "text": ("".join(f"<{t}>" for t in prompt.prompt_ids) + text) if echo else text,
-                "logprobs": None,
-                "finish_reason": "length",
-                "stop_reason": None,
-                "token_ids": list(sample.completion_ids) if return_token_ids else None,
-                "prompt_logprobs": None,
-                "prompt_token_ids": list(prompt.prompt_ids) if return_token_ids else None,
-                "routed_experts": routes,
-            }
+            routes = _served_b64(prompt, sample, prompt_start, num_experts)
+            choice = _completion_choice(
+                len(choices), prompt, sample, routes, return_token_ids, echo
+            )
             if v >= (0, 33):
                 choice["weight_versions"] = None
             choices.append(choice)
             completion_tokens += len(sample.completion_ids)
         prompt_tokens += len(prompt.prompt_ids)
-    body = {
-        "id": "cmpl-r3data",
-        "object": "text_completion",
-        "created": CREATED,
-        "model": "tiny-moe",
-        "choices": choices,
-        "service_tier": None,
-        "system_fingerprint": None,
-        "usage": _usage(prompt_tokens, completion_tokens),
-        "kv_transfer_params": None,
-    }
-    if v >= (0, 26):
-        body["ec_transfer_params"] = None
-    if v >= (0, 25):
-        body["metrics"] = None
-    return starlette_body(body)
-
-
-def _chat_choice(index: int, sample: Sample, routes: object, return_token_ids: bool) -> dict:
-    return {
-        "index": index,
-        "message": {
-            "role": "assistant",
-            "content": "".join(f"<{t}>" for t in sample.completion_ids),
-            "refusal": None,
-            "annotations": None,
-            "audio": None,
-            "function_call": None,
-            "tool_calls": [],
-            "reasoning": None,
-        },
-        "logprobs": None,
-        "finish_reason": "length",
-        "stop_reason": None,
-        "token_ids": list(sample.completion_ids) if return_token_ids else None,
-        "routed_experts": routes,
-    }
+    return _openai_body(False, v, choices, _usage(prompt_tokens, completion_tokens), {})
 
 
 def chat_body(
@@ -218,44 +263,17 @@ def chat_body(
     ``prompt_logprobs``), only with ``return_token_ids``. One prompt per request.
     """
     v = _version(version)
-    if prompt_start and v < (0, 28):
-        raise ValueError("the OpenAI request has routed_experts_prompt_start from 0.28.0 on")
+    _check_openai_prompt_start(v, prompt_start)
     choices = []
     for index, sample in enumerate(prompt.samples):
-        routes = None
-        if sample.routes is not None:
-            routes = npy_b64(
-                served_routes(
-                    sample.routes,
-                    len(prompt.prompt_ids),
-                    len(sample.completion_ids),
-                    prompt_start,
-                    num_experts,
-                )
-            )
+        routes = _served_b64(prompt, sample, prompt_start, num_experts)
         choice = _chat_choice(index, sample, routes, return_token_ids)
         if v >= (0, 33):
             choice["weight_versions"] = None
         choices.append(choice)
-    body = {
-        "id": "chatcmpl-r3data",
-        "object": "chat.completion",
-        "created": CREATED,
-        "model": "tiny-moe",
-        "choices": choices,
-        "service_tier": None,
-        "system_fingerprint": None,
-        "usage": _usage(len(prompt.prompt_ids), sum(len(s.completion_ids) for s in prompt.samples)),
-        "prompt_logprobs": None,
-        "prompt_token_ids": list(prompt.prompt_ids) if return_token_ids else None,
-        "prompt_text": None,
-        "kv_transfer_params": None,
-    }
-    if v >= (0, 26):
-        body["ec_transfer_params"] = None
-    if v >= (0, 25):
-        body["metrics"] = None
-    return starlette_body(body)
+    return _openai_body(
+        True, v, choices, _prompt_usage(prompt), _chat_tail(prompt, return_token_ids)
+    )
 
 
 def _split_v021(
@@ -278,6 +296,28 @@ def _split_v021(
     if gen.shape[0] > completion_len > 0:
         gen = gen[:completion_len]
     return (prompt.tolist() if prompt.size else None, gen.tolist() if gen.size else None)
+
+
+def _split_prompt_v021(
+    prompt: Prompt, moe_layers: Sequence[int], cached: int, prompt_rows_from: int
+) -> tuple[list | None, list[list | None]]:
+    """One prompt's 0.21.0 rows: the prompt part of sample ``prompt_rows_from`` and each
+    sample's generated part (``None`` for a sample without routes)."""
+    prompt_rows, generated = None, []
+    for sample in prompt.samples:
+        gen = None
+        if sample.routes is not None:
+            prompt_part, gen = _split_v021(
+                sample.routes,
+                len(prompt.prompt_ids),
+                len(sample.completion_ids),
+                moe_layers,
+                cached,
+            )
+            if sample is prompt.samples[prompt_rows_from]:
+                prompt_rows = prompt_part
+        generated.append(gen)
+    return prompt_rows, generated
 
 
 def completion_body_v021(
@@ -303,49 +343,20 @@ def completion_body_v021(
     prompt_routed = None
     prompt_tokens = completion_tokens = 0
     for number, prompt in enumerate(prompts):
-        prompt_part = None
-        for sample in prompt.samples:
-            gen = None
-            if sample.routes is not None:
-                prompt_part_i, gen = _split_v021(
-                    sample.routes,
-                    len(prompt.prompt_ids),
-                    len(sample.completion_ids),
-                    moe_layers,
-                    cached_prefix,
-                )
-                if sample is prompt.samples[prompt_rows_from]:
-                    prompt_part = prompt_part_i
+        prompt_part, generated = _split_prompt_v021(
+            prompt, moe_layers, cached_prefix, prompt_rows_from
+        )
+        for sample, gen in zip(prompt.samples, generated, strict=True):
             choices.append(
-                {
-                    "index": len(choices),
-                    "text": "".join(f"<{t}>" for t in sample.completion_ids),
-                    "logprobs": None,
-                    "finish_reason": "length",
-                    "stop_reason": None,
-                    "token_ids": list(sample.completion_ids) if return_token_ids else None,
-                    "prompt_logprobs": None,
-                    "prompt_token_ids": list(prompt.prompt_ids) if return_token_ids else None,
-                    "routed_experts": gen,
-                }
+                _completion_choice(len(choices), prompt, sample, gen, return_token_ids, False)
             )
             completion_tokens += len(sample.completion_ids)
         if number == 0:
             prompt_routed = prompt_part
         prompt_tokens += len(prompt.prompt_ids)
-    body = {
-        "id": "cmpl-r3data",
-        "object": "text_completion",
-        "created": CREATED,
-        "prompt_routed_experts": prompt_routed,
-        "model": "tiny-moe",
-        "choices": choices,
-        "service_tier": None,
-        "system_fingerprint": None,
-        "usage": _usage(prompt_tokens, completion_tokens),
-        "kv_transfer_params": None,
-    }
-    return starlette_body(body)
+    usage = _usage(prompt_tokens, completion_tokens)
+    head = {"prompt_routed_experts": prompt_routed}
+    return _openai_body(False, (0, 21, 0), choices, usage, {}, head)
 
 
 def chat_body_v021(
@@ -360,37 +371,16 @@ def chat_body_v021(
     (from ``final_res.prompt_routed_experts``), ``choices[i].routed_experts`` the generated
     part (chat_completion/serving.py ``chat_completion_full_generator``; protocol.py
     ``ChatCompletionResponse``)."""
-    choices = []
-    prompt_routed = None
-    for index, sample in enumerate(prompt.samples):
-        gen = None
-        if sample.routes is not None:
-            prompt_part, gen = _split_v021(
-                sample.routes,
-                len(prompt.prompt_ids),
-                len(sample.completion_ids),
-                moe_layers,
-                cached_prefix,
-            )
-            if sample is prompt.samples[prompt_rows_from]:
-                prompt_routed = prompt_part
-        choices.append(_chat_choice(index, sample, gen, return_token_ids))
-    body = {
-        "id": "chatcmpl-r3data",
-        "object": "chat.completion",
-        "created": CREATED,
-        "prompt_routed_experts": prompt_routed,
-        "model": "tiny-moe",
-        "choices": choices,
-        "service_tier": None,
-        "system_fingerprint": None,
-        "usage": _usage(len(prompt.prompt_ids), sum(len(s.completion_ids) for s in prompt.samples)),
-        "prompt_logprobs": None,
-        "prompt_token_ids": list(prompt.prompt_ids) if return_token_ids else None,
-        "prompt_text": None,
-        "kv_transfer_params": None,
-    }
-    return starlette_body(body)
+    prompt_routed, generated = _split_prompt_v021(
+        prompt, moe_layers, cached_prefix, prompt_rows_from
+    )
+    choices = [
+        _chat_choice(index, sample, gen, return_token_ids)
+        for index, (sample, gen) in enumerate(zip(prompt.samples, generated, strict=True))
+    ]
+    tail = _chat_tail(prompt, return_token_ids)
+    head = {"prompt_routed_experts": prompt_routed}
+    return _openai_body(True, (0, 21, 0), choices, _prompt_usage(prompt), tail, head)
 
 
 def tokens_body(
@@ -413,17 +403,7 @@ def tokens_body(
     v = _version(version)
     choices = []
     for index, sample in enumerate(prompt.samples):
-        routes = None
-        if sample.routes is not None:
-            routes = npy_b64(
-                served_routes(
-                    sample.routes,
-                    len(prompt.prompt_ids),
-                    len(sample.completion_ids),
-                    prompt_start,
-                    num_experts,
-                )
-            )
+        routes = _served_b64(prompt, sample, prompt_start, num_experts)
         if v >= (0, 32):
             choice = {
                 "index": index,
@@ -444,7 +424,7 @@ def tokens_body(
                 "routed_experts": routes,
             }
         choices.append(choice)
-    usage = _usage(len(prompt.prompt_ids), sum(len(s.completion_ids) for s in prompt.samples))
+    usage = _prompt_usage(prompt)
     if v >= (0, 32):
         body = {
             "request_id": "gen-r3data",
@@ -497,13 +477,7 @@ def tokens_stream(
         ids = list(sample.completion_ids)
         for at in range(0, max(len(ids), 1), tokens_per_chunk):
             last = at + tokens_per_chunk >= len(ids)
-            routes = None
-            if last and sample.routes is not None:
-                routes = npy_b64(
-                    served_routes(
-                        sample.routes, len(prompt.prompt_ids), len(ids), prompt_start, num_experts
-                    )
-                )
+            routes = _served_b64(prompt, sample, prompt_start, num_experts) if last else None
             chunk = {
                 "request_id": "gen-r3data",
                 "usage": None,
