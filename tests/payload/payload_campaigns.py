@@ -90,6 +90,24 @@ def stored(root: PayloadRoot) -> set[str]:
     return {name for name, _ in root.files(root.fs.find(root.path, detail=True).values())}
 
 
+def read_outcome(
+    reader: PayloadReader,
+    segment: PayloadSegment,
+    handle: str,
+    refusals: tuple[type[Exception], ...] = (PayloadHandleError, SegmentError),
+) -> tuple[str, Any]:
+    """One read of ``segment``'s routes from the file ``handle`` names, as a campaign counts
+    it: ``("read", rows)``, ``("refused", None)`` (one of ``refusals``; by default a handle
+    the root refuses, or an empty or NUL-bearing one refused as a segment) or
+    ``("not found", None)``."""
+    try:
+        return "read", reader.read([moved(segment, handle)])["routes"]
+    except refusals:
+        return "refused", None
+    except PayloadNotFoundError:
+        return "not found", None
+
+
 def moved(segment: PayloadSegment, file: str) -> PayloadSegment:
     return PayloadSegment(**{**segment.to_dict(), "file": file})
 
@@ -159,16 +177,9 @@ def escape_campaign(
             words = ["..", "/", ".", "v1", "\x00", "~", ":", "%2e"]
             handle = "".join(rng.choice(words) for _ in range(rng.randint(0, 6)))
             want = None
-        try:
-            got = reader.read([moved(segment, handle)])["routes"]
-        except PayloadHandleError:
-            counts["refused"] += 1
-            continue
-        except PayloadNotFoundError:
-            counts["not found"] += 1
-            continue
-        except SegmentError:  # an empty or NUL-bearing handle: refused as a segment
-            counts["refused"] += 1
+        outcome, got = read_outcome(reader, segment, handle)
+        if outcome != "read":
+            counts[outcome] += 1
             continue
         for secret in spellings.outside.values():
             assert got.tobytes() != secret[segment.offset : segment.offset + segment.nbytes], handle
@@ -269,13 +280,7 @@ def symlink_campaign(
         folders = [_word(rng, FOLDER_WORDS) for _ in range(depth)]
         handle = rng.choice(prefixes) + "/".join([*folders, _word(rng, FILE_WORDS)])
         want = local_oracle(os_root, whole_root, file_urls, handle)
-        try:
-            got: Any = reader.read([moved(segment, handle)])["routes"]
-            outcome = "read"
-        except (PayloadHandleError, SegmentError):
-            outcome = "refused"
-        except PayloadNotFoundError:
-            outcome = "not found"
+        outcome, got = read_outcome(reader, segment, handle)
         if want in ("refused", "not found"):
             assert outcome == want, (handle, want, outcome)
         else:
@@ -332,16 +337,10 @@ def swapping_tree_campaign(
     )  # no checksum to hide behind
     try:
         for _ in range(reads):
-            try:
-                got = reader.read([unchecked])["routes"]
-            except PayloadHandleError:
-                counts["refused"] += 1
-                continue
-            except PayloadNotFoundError:
-                counts["not found"] += 1
-                continue
-            np.testing.assert_array_equal(got, want)
-            counts["read"] += 1
+            outcome, got = read_outcome(reader, unchecked, unchecked.file, (PayloadHandleError,))
+            if outcome == "read":
+                np.testing.assert_array_equal(got, want)
+            counts[outcome] += 1
     finally:
         stop.set()
         swapper.join()

@@ -14,7 +14,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from fsspec import AbstractFileSystem
 from fsspec.implementations.memory import MemoryFileSystem
 from fsspec.spec import AbstractBufferedFile
 from payload_campaigns import (
@@ -35,6 +34,7 @@ from payload_campaigns import (
     swapping_tree_campaign,
     symlink_campaign,
 )
+from store_helpers import MemoryBacked
 
 from r3data.errors import PayloadWriteError
 from r3data.payload import PayloadWriter
@@ -149,23 +149,12 @@ class WriteThrough(AbstractBufferedFile):
         return True
 
 
-class VisibleWhileWritten(AbstractFileSystem):
+class VisibleWhileWritten(MemoryBacked):
     protocol = "visible"
-    cachable = False
 
     def __init__(self, room: int) -> None:
         super().__init__()
-        self.objects = MemoryFileSystem(global_store=False, skip_instance_cache=True)
         self.room = room
-
-    def ls(self, path, detail=True, **kwargs):
-        return self.objects.ls(path, detail=detail)
-
-    def info(self, path, **kwargs):
-        return self.objects.info(path)
-
-    def rm_file(self, path):
-        self.objects.rm_file(path)
 
     def _open(self, path, mode="rb", **kwargs):
         return WriteThrough(self, path, mode, block_size=4096)

@@ -7,9 +7,9 @@ import io
 
 import numpy as np
 import pytest
-from fsspec import AbstractFileSystem
 from fsspec.implementations.memory import MemoryFileSystem
 from fsspec.spec import AbstractBufferedFile
+from store_helpers import MemoryBacked
 
 from r3data.errors import PayloadWriteError
 from r3data.payload import PayloadReader, PayloadWriter
@@ -47,16 +47,14 @@ class UploadAtClose(AbstractBufferedFile):
         self.fs.aborted.append(self.path)
 
 
-class ObjectStore(AbstractFileSystem):
+class ObjectStore(MemoryBacked):
     """An object store held in memory: writes go through :class:`UploadAtClose`; reads and
     listings come from a private memory:// store."""
 
     protocol = "objects"
-    cachable = False
 
     def __init__(self, fail_at_part: int | None = None) -> None:
         super().__init__()
-        self.objects = MemoryFileSystem(global_store=False, skip_instance_cache=True)
         self.fail_at_part = fail_at_part
         self.part_sizes: list[int] = []
         self.aborted: list[str] = []
@@ -64,15 +62,6 @@ class ObjectStore(AbstractFileSystem):
 
     def makedirs(self, path, exist_ok=False):
         """Object stores have no directories."""
-
-    def ls(self, path, detail=True, **kwargs):
-        return self.objects.ls(path, detail=detail)
-
-    def info(self, path, **kwargs):
-        return self.objects.info(path)
-
-    def rm_file(self, path):
-        self.objects.rm_file(path)
 
     def _open(self, path, mode="rb", **kwargs):
         if mode == "rb":
