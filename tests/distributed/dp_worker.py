@@ -14,7 +14,6 @@ from __future__ import annotations
 import hashlib
 import os
 import pickle
-import traceback
 
 import torch
 import torch.distributed as dist
@@ -104,32 +103,27 @@ class Stream:
         return iter(self.samples)
 
 
-def run(rank: int, world: int, store: str, job: str, results) -> None:
-    try:
-        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
-        with open(job, "rb") as f:
-            roots, samples, last_step, (stream, stream_last) = pickle.load(f)
-        dp_groups = [dist.new_group([cp + CP * d for d in range(DP)]) for cp in range(CP)]
-        dp = DataParallel.from_torch(dp_groups[rank % CP])  # this rank's data-parallel group
-        if dp != DataParallel(rank=rank // CP, size=DP):
-            raise AssertionError(f"DataParallel.from_torch gave {dp}")
-        layout = TokenLayout(cp_size=CP, cp_rank=rank % CP)
-        whole, _, deleted = _train(roots[0], samples, last_step, layout, dp)
-        first, state, deleted_before = _train(
-            roots[1], samples, last_step, layout, dp, stop_after=0
-        )
-        rest, _, deleted_after = _train(roots[1], samples, last_step, layout, dp, state=state)
-        streamed, _, deleted_streamed = _train(roots[2], Stream(stream), stream_last, layout, dp)
-        report = {
-            "coords": (rank // CP, rank % CP),
-            "whole": whole,
-            "resumed": first + rest,
-            "stream": [sid for record in streamed for sid in record[3]],
-            "deleted": (deleted, deleted_before + deleted_after, deleted_streamed),
-            "left": [sum(len(n) for _, _, n in os.walk(root)) for root in roots],
-        }
-        dist.barrier()
-        dist.destroy_process_group()
-        results.put((rank, "ok", report))
-    except BaseException:
-        results.put((rank, "error", traceback.format_exc()))
+def run(rank: int, world: int, store: str, job: str) -> dict:
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    with open(job, "rb") as f:
+        roots, samples, last_step, (stream, stream_last) = pickle.load(f)
+    dp_groups = [dist.new_group([cp + CP * d for d in range(DP)]) for cp in range(CP)]
+    dp = DataParallel.from_torch(dp_groups[rank % CP])  # this rank's data-parallel group
+    if dp != DataParallel(rank=rank // CP, size=DP):
+        raise AssertionError(f"DataParallel.from_torch gave {dp}")
+    layout = TokenLayout(cp_size=CP, cp_rank=rank % CP)
+    whole, _, deleted = _train(roots[0], samples, last_step, layout, dp)
+    first, state, deleted_before = _train(roots[1], samples, last_step, layout, dp, stop_after=0)
+    rest, _, deleted_after = _train(roots[1], samples, last_step, layout, dp, state=state)
+    streamed, _, deleted_streamed = _train(roots[2], Stream(stream), stream_last, layout, dp)
+    report = {
+        "coords": (rank // CP, rank % CP),
+        "whole": whole,
+        "resumed": first + rest,
+        "stream": [sid for record in streamed for sid in record[3]],
+        "deleted": (deleted, deleted_before + deleted_after, deleted_streamed),
+        "left": [sum(len(n) for _, _, n in os.walk(root)) for root in roots],
+    }
+    dist.barrier()
+    dist.destroy_process_group()
+    return report

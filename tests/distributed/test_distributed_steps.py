@@ -4,17 +4,19 @@ does is in ``dp_worker``; here the parent checks the ranks' reports against each
 
 from __future__ import annotations
 
-import multiprocessing
 import pickle
-import queue
 import shutil
-import time
+import sys
+from pathlib import Path
 
 import dp_worker
 import numpy as np
 import pytest
 
 from r3data.payload import PayloadWriter, shift
+
+sys.path.append(str(Path(__file__).resolve().parents[1] / "integration"))
+from rank_helpers import spawn_ranks
 
 WORLD = 4
 DEADLINE_S = 120
@@ -61,48 +63,22 @@ def write_samples(root, across_steps=True):
     return samples, last_step
 
 
-def spawn_ranks(tmp_path) -> dict[int, dict]:
+def run_ranks(tmp_path) -> tuple[dict[int, dict], tuple[int, int]]:
     roots = [str(tmp_path / name) for name in ("uninterrupted", "resumed", "stream")]
     samples, last_step = write_samples(roots[0])
     shutil.copytree(roots[0], roots[1])
     stream = write_samples(roots[2], across_steps=False)
     job = tmp_path / "job.pkl"
     job.write_bytes(pickle.dumps((roots, samples, last_step, stream)))
-    context = multiprocessing.get_context("spawn")
-    results = context.Queue()
-    args = (WORLD, str(tmp_path / "store"), str(job), results)
-    ranks = [
-        context.Process(target=dp_worker.run, args=(rank, *args), daemon=True)
-        for rank in range(WORLD)
-    ]
-    for process in ranks:
-        process.start()
-    reports, errors = {}, {}
-    deadline = time.monotonic() + DEADLINE_S
-    try:
-        while len(reports) + len(errors) < WORLD:
-            try:
-                rank, status, payload = results.get(timeout=max(0.1, deadline - time.monotonic()))
-            except queue.Empty:
-                pytest.fail(
-                    f"ranks {sorted(set(range(WORLD)) - set(reports))} hung past {DEADLINE_S} s"
-                )
-            (reports if status == "ok" else errors)[rank] = payload
-    finally:
-        for process in ranks:
-            process.join(timeout=10)
-            if process.is_alive():
-                process.kill()
-                process.join()
-    if errors:
-        pytest.fail("\n".join(f"rank {rank}:\n{trace}" for rank, trace in sorted(errors.items())))
+    args = (WORLD, str(tmp_path / "store"), str(job))
+    reports = spawn_ranks(dp_worker.run, WORLD, args, DEADLINE_S)
     return reports, (len(last_step), len(stream[1]))
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(DEADLINE_S + 30)
 def test_dp2_cp2_ranks_resume_to_the_same_bytes_and_share_one_root_safely(tmp_path):
-    reports, (files, stream_files) = spawn_ranks(tmp_path)
+    reports, (files, stream_files) = run_ranks(tmp_path)
     for rank, report in reports.items():
         # a checkpoint after step 0 and a resume of every rank: the same micro-batches, bytes
         assert report["resumed"] == report["whole"], rank

@@ -3,20 +3,16 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+sys.path.append(str(Path(__file__).resolve().parents[1] / "integration"))
+from realparts import free_port
+
 EXAMPLE = Path(__file__).parents[2] / "examples" / "trainer_loop.py"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.slow

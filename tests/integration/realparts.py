@@ -1,5 +1,5 @@
-"""What the integration suite shares: the skip-or-fail rule for real parts, and a line on the
-terminal past pytest's capture.
+"""What the tests of real parts share: the skip-or-fail rule, a line on the terminal past
+pytest's capture, and free loopback ports (a server's, a process group's rendezvous).
 
 A real part that cannot be brought up here is a skip with a one-line reason, except under
 ``R3DATA_REQUIRE_INTEGRATION=1`` (CI sets it), where it is a failure: a skipped real-server
@@ -9,6 +9,7 @@ suite must not pass CI.
 from __future__ import annotations
 
 import os
+import socket
 
 import pytest
 
@@ -30,3 +31,24 @@ def say(config: pytest.Config, text: str) -> None:
         return
     with capture.global_and_fixture_disabled():
         reporter.write_line(text)
+
+
+def free_ports(count: int) -> list[int]:
+    """``count`` distinct free loopback ports (the kernel's choice)."""
+    sockets, ports = [], []
+    try:
+        for _ in range(count):
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.bind(("127.0.0.1", 0))
+            sockets.append(sock)
+            ports.append(int(sock.getsockname()[1]))
+    finally:
+        for sock in sockets:
+            sock.close()
+    return ports
+
+
+def free_port() -> int:
+    """One free loopback port."""
+    (port,) = free_ports(1)
+    return port

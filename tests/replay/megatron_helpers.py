@@ -1,19 +1,22 @@
-"""Shared pieces for the megatron replay tests: configs, real routers, routes, free ports."""
+"""Shared pieces for the megatron replay tests: configs, real routers, routes, a rank's run
+over parallel grids."""
 
 from __future__ import annotations
 
-import socket
 import warnings
+from collections.abc import Callable, Mapping
 
 import torch
 
 EXPERTS, TOPK, HIDDEN = 8, 2, 16
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+#: A grid's sizes (its keys ``tp``, ``pp``, ``cp``, ``ep``) as ``initialize_model_parallel``
+#: takes them.
+PARALLEL_SIZES = {
+    "tp": "tensor_model_parallel_size",
+    "pp": "pipeline_model_parallel_size",
+    "cp": "context_parallel_size",
+    "ep": "expert_model_parallel_size",
+}
 
 
 def quiet_import_megatron() -> None:
@@ -22,6 +25,37 @@ def quiet_import_megatron() -> None:
         warnings.simplefilter("ignore")
         import megatron.core.parallel_state
         import megatron.core.transformer.moe.router  # noqa: F401
+
+
+def on_each_grid(
+    rank: int, world: int, port: int, grids: Mapping[str, dict], measure: Callable[[dict], dict]
+) -> dict[str, dict]:
+    """One rank of a gloo group (rendezvous on ``port``): ``measure(grid)`` for each grid in
+    turn, by name, with megatron's ``parallel_state`` set to the grid's sizes and router
+    replay state cleared before and after."""
+    quiet_import_megatron()
+    from megatron.core import parallel_state
+    from megatron.core.transformer.moe.router_replay import RouterReplay
+
+    torch.distributed.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
+    report = {}
+    try:
+        for name, grid in grids.items():
+            sizes = {
+                PARALLEL_SIZES[key]: size for key, size in grid.items() if key in PARALLEL_SIZES
+            }
+            parallel_state.initialize_model_parallel(**sizes, create_gloo_process_groups=False)
+            RouterReplay.clear_global_router_replay_instances()
+            try:
+                report[name] = measure(grid)
+            finally:
+                RouterReplay.clear_global_router_replay_instances()
+                parallel_state.destroy_model_parallel()
+    finally:
+        torch.distributed.destroy_process_group()
+    return report
 
 
 def make_config(**overrides):

@@ -18,12 +18,10 @@ block spec). Per case:
 
 from __future__ import annotations
 
-import traceback
-
 import numpy as np
 import orjson
 import torch
-from megatron_helpers import EXPERTS, TOPK, build_routers, make_config, quiet_import_megatron
+from megatron_helpers import EXPERTS, TOPK, build_routers, make_config, on_each_grid
 
 GRIDS = {
     "tp2_cp2_sp": {"tp": 2, "cp": 2, "pp": 1, "sp": True, "layers": 3, "freq": 1, "first": None},
@@ -41,39 +39,8 @@ GRIDS = {
 CASES = [(packed, micro_batch) for packed in (True, False) for micro_batch in (1, 2)]
 
 
-def run(rank: int, world: int, port: int, results) -> None:
-    try:
-        results.put((rank, "ok", _run(rank, world, port)))
-    except BaseException:
-        results.put((rank, "error", traceback.format_exc()))
-
-
-def _run(rank: int, world: int, port: int) -> dict:
-    quiet_import_megatron()
-    from megatron.core import parallel_state
-    from megatron.core.transformer.moe.router_replay import RouterReplay
-
-    torch.distributed.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
-    )
-    report = {}
-    try:
-        for name, grid in GRIDS.items():
-            parallel_state.initialize_model_parallel(
-                tensor_model_parallel_size=grid["tp"],
-                pipeline_model_parallel_size=grid["pp"],
-                context_parallel_size=grid["cp"],
-                create_gloo_process_groups=False,
-            )
-            RouterReplay.clear_global_router_replay_instances()
-            try:
-                report[name] = _grid(grid)
-            finally:
-                RouterReplay.clear_global_router_replay_instances()
-                parallel_state.destroy_model_parallel()
-    finally:
-        torch.distributed.destroy_process_group()
-    return report
+def run(rank: int, world: int, port: int) -> dict:
+    return on_each_grid(rank, world, port, GRIDS, _grid)
 
 
 def _grid(grid: dict) -> dict:

@@ -18,10 +18,9 @@ reduce-scatter buffers on ``torch.cuda.current_device()`` (pointed at the CPU).
 
 from __future__ import annotations
 
-import multiprocessing
-import queue
-import time
-import traceback
+import functools
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -29,7 +28,11 @@ import torch
 
 pytest.importorskip("megatron.core")
 
-from megatron_helpers import free_port, quiet_import_megatron
+from megatron_helpers import on_each_grid, quiet_import_megatron
+
+sys.path.append(str(Path(__file__).resolve().parents[1] / "integration"))
+from rank_helpers import spawn_ranks
+from realparts import free_port
 
 WORLD, HIDDEN, EXPERTS, TOPK = 2, 16, 4, 2
 LENGTHS = (7, 5)
@@ -46,13 +49,6 @@ DEADLINE_S = 240
 # --- one rank -------------------------------------------------------------------------------
 
 
-def run(rank: int, port: int, results) -> None:
-    try:
-        results.put((rank, "ok", _run(rank, port)))
-    except BaseException:
-        results.put((rank, "error", traceback.format_exc()))
-
-
 def _cpu_shims() -> None:
     from megatron.core.tensor_parallel import random as megatron_random
     from megatron.core.transformer.moe.router import TopKRouter
@@ -63,32 +59,10 @@ def _cpu_shims() -> None:
     torch.cuda.current_device = lambda: torch.device("cpu")
 
 
-def _run(rank: int, port: int) -> dict:
+def run(rank: int, port: int) -> dict:
     quiet_import_megatron()
-    from megatron.core import parallel_state
-    from megatron.core.transformer.moe.router_replay import RouterReplay
-
     _cpu_shims()
-    torch.distributed.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD
-    )
-    report = {}
-    try:
-        for name, grid in GRIDS.items():
-            parallel_state.initialize_model_parallel(
-                tensor_model_parallel_size=grid["tp"],
-                expert_model_parallel_size=grid["ep"],
-                create_gloo_process_groups=False,
-            )
-            RouterReplay.clear_global_router_replay_instances()
-            try:
-                report[name] = _grid(rank, grid)
-            finally:
-                RouterReplay.clear_global_router_replay_instances()
-                parallel_state.destroy_model_parallel()
-    finally:
-        torch.distributed.destroy_process_group()
-    return report
+    return on_each_grid(rank, WORLD, port, GRIDS, functools.partial(_grid, rank))
 
 
 def _config(grid: dict, recompute: bool):
@@ -248,35 +222,7 @@ def _grid(rank: int, grid: dict) -> dict:
 
 @pytest.fixture(scope="module")
 def reports() -> dict[int, dict]:
-    context = multiprocessing.get_context("spawn")
-    results = context.Queue()
-    port = free_port()
-    ranks = [
-        context.Process(target=run, args=(rank, port, results), daemon=True)
-        for rank in range(WORLD)
-    ]
-    for process in ranks:
-        process.start()
-    done, errors = {}, {}
-    deadline = time.monotonic() + DEADLINE_S
-    try:
-        while len(done) + len(errors) < WORLD:
-            try:
-                rank, status, payload = results.get(timeout=max(0.1, deadline - time.monotonic()))
-            except queue.Empty:
-                pytest.fail(
-                    f"ranks {sorted(set(range(WORLD)) - set(done))} hung past {DEADLINE_S} s"
-                )
-            (done if status == "ok" else errors)[rank] = payload
-    finally:
-        for process in ranks:
-            process.join(timeout=10)
-            if process.is_alive():
-                process.kill()
-                process.join()
-    if errors:
-        pytest.fail("\n".join(f"rank {rank}:\n{trace}" for rank, trace in sorted(errors.items())))
-    return done
+    return spawn_ranks(run, WORLD, (free_port(),), DEADLINE_S)
 
 
 @pytest.mark.slow

@@ -6,58 +6,27 @@ ranks together cover every token exactly once per stage.
 
 from __future__ import annotations
 
-import multiprocessing
-import queue
-import time
+import sys
 from collections import Counter
+from pathlib import Path
 
 import pytest
 
 pytest.importorskip("megatron.core")
 
 import replay_worker
-from megatron_helpers import free_port
+
+sys.path.append(str(Path(__file__).resolve().parents[1] / "integration"))
+from rank_helpers import spawn_ranks
+from realparts import free_port
 
 WORLD = 4
 DEADLINE_S = 240
 
 
-def spawn_group() -> dict[int, dict]:
-    """Run ``replay_worker.run`` on WORLD spawned ranks; fail (never hang) past the deadline."""
-    context = multiprocessing.get_context("spawn")
-    results = context.Queue()
-    port = free_port()
-    ranks = [
-        context.Process(target=replay_worker.run, args=(rank, WORLD, port, results), daemon=True)
-        for rank in range(WORLD)
-    ]
-    for process in ranks:
-        process.start()
-    reports, errors = {}, {}
-    deadline = time.monotonic() + DEADLINE_S
-    try:
-        while len(reports) + len(errors) < WORLD:
-            try:
-                rank, status, payload = results.get(timeout=max(0.1, deadline - time.monotonic()))
-            except queue.Empty:
-                pytest.fail(
-                    f"ranks {sorted(set(range(WORLD)) - set(reports))} hung past {DEADLINE_S} s"
-                )
-            (reports if status == "ok" else errors)[rank] = payload
-    finally:
-        for process in ranks:
-            process.join(timeout=10)
-            if process.is_alive():
-                process.kill()
-                process.join()
-    if errors:
-        pytest.fail("\n".join(f"rank {rank}:\n{trace}" for rank, trace in sorted(errors.items())))
-    return reports
-
-
 @pytest.fixture(scope="module")
 def reports():
-    return spawn_group()
+    return spawn_ranks(replay_worker.run, WORLD, (WORLD, free_port()), DEADLINE_S)
 
 
 @pytest.mark.slow

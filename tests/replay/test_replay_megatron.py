@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,11 +21,13 @@ from megatron_helpers import (
     TOPK,
     build_routers,
     distinct_routes,
-    free_port,
     make_config,
     quiet_import_megatron,
     routing_map,
 )
+
+sys.path.append(str(Path(__file__).resolve().parents[1] / "integration"))
+from realparts import free_port
 
 from r3data.errors import ReplayError
 from r3data.layout import ModelLayers, TokenLayout
