@@ -14,9 +14,8 @@ from typing import Any
 
 import pytest
 import s3_server
-from realparts import say, unavailable
-
-_running: dict[str, s3_server.SeaweedServer] = {}
+from realparts import unavailable
+from server_helpers import session_server
 
 
 @pytest.fixture(scope="session", name="s3")
@@ -31,20 +30,13 @@ def s3_fixture(
     reason = s3_server.missing_environment()
     if reason is not None:
         unavailable(reason)
-    server = _running.get("server")
-    if server is not None:
-        yield server
-        return
-    server = s3_server.start(tmp_path_factory.mktemp("seaweedfs"))
-    _running["server"] = server
-    failed_before = request.session.testsfailed
-    say(request.config, f"\nSeaweedFS ready in {server.started_s:.1f} s at {server.endpoint}")
-    yield server
-    status = server.stop()
-    del _running["server"]
-    if request.session.testsfailed > failed_before:
-        say(request.config, server.tail(60))
-    say(request.config, f"SeaweedFS stopped (exit {status}); log kept at {server.log_path}")
+    yield from session_server(
+        request,
+        "SeaweedFS",
+        lambda: s3_server.start(tmp_path_factory.mktemp("seaweedfs")),
+        lambda server: server.endpoint,
+        tail_lines=60,
+    )
 
 
 @pytest.fixture(name="s3_fs")

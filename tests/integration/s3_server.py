@@ -10,16 +10,15 @@ and data; :meth:`SeaweedServer.stop` ends it by its PID. Its log is kept in a fi
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import signal
 import socket
-import subprocess
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from realparts import free_ports
+from server_helpers import ServerError, ServerProcess, not_installed
 
 REPO = Path(__file__).resolve().parents[2]
 VENV_ENV = "R3DATA_S3_VENV"
@@ -43,10 +42,6 @@ PORT_FLAGS = (
 GRPC_OFFSET = 10000
 
 
-class ServerError(AssertionError):
-    """The store did not start or died."""
-
-
 def weed_binary() -> Path:
     return Path(os.environ.get(VENV_ENV, REPO / ".venv-s3")) / "bin" / "weed"
 
@@ -56,13 +51,7 @@ def missing_environment() -> str | None:
     weed = weed_binary()
     if weed.is_file() and os.access(weed, os.X_OK):
         return None
-    venv = weed.parent.parent
-    log = Path(f"{venv}-install.log")
-    last = ""
-    if log.is_file():
-        lines = [line for line in log.read_text(errors="replace").splitlines() if line.strip()]
-        last = f": {lines[-1].strip()[:200]}" if lines else ""
-    return f"the SeaweedFS environment {venv} is not installed (make s3-env){last}"
+    return not_installed("SeaweedFS", weed.parent.parent, "s3-env")
 
 
 def _free(port: int) -> bool:
@@ -74,21 +63,6 @@ def _free(port: int) -> bool:
     return True
 
 
-def free_ports(count: int) -> list[int]:
-    """``count`` distinct free loopback ports (the kernel's choice)."""
-    sockets, ports = [], []
-    try:
-        for _ in range(count):
-            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            sock.bind(("127.0.0.1", 0))
-            sockets.append(sock)
-            ports.append(int(sock.getsockname()[1]))
-    finally:
-        for sock in sockets:
-            sock.close()
-    return ports
-
-
 def admin_port(taken: set[int]) -> int:
     """A free port whose +10000 twin is free too (see :data:`PORT_FLAGS`)."""
     for port in range(20000, 55000 - GRPC_OFFSET, 7):
@@ -98,24 +72,19 @@ def admin_port(taken: set[int]) -> int:
     raise ServerError("no free port pair for the SeaweedFS admin server")
 
 
-def log_tail(path: Path, lines: int = 40) -> str:
-    try:
-        text = path.read_text(errors="replace")
-    except OSError as err:
-        return f"(no store log at {path}: {err})"
-    return "\n".join(text.splitlines()[-lines:])
-
-
 @dataclass
 class SeaweedServer:
     """A running store: its S3 endpoint, credentials, process, data directory and log."""
 
     work: Path
     ports: dict[str, int]
-    process: subprocess.Popen[bytes] | None = None
     started_s: float = 0.0
     """Seconds from the last launch until the store answered an authenticated request."""
     starts: list[float] = field(default_factory=list)
+    process: ServerProcess = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.process = ServerProcess("SeaweedFS", self.work / "server.log", STOP_TIMEOUT_S)
 
     @property
     def endpoint(self) -> str:
@@ -123,7 +92,7 @@ class SeaweedServer:
 
     @property
     def log_path(self) -> Path:
-        return self.work / "server.log"
+        return self.process.log_path
 
     def storage_options(self, **extra: Any) -> dict[str, Any]:
         """s3fs arguments for this store: the access key, the endpoint, no listing cache
@@ -170,38 +139,23 @@ class SeaweedServer:
 
     def launch(self) -> None:
         """Start the process and wait until an authenticated listing succeeds."""
-        launched = time.monotonic()
-        with open(self.log_path, "ab") as log:
-            self.process = subprocess.Popen(
-                self.command(),
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                cwd=self.work,
-                start_new_session=True,
-            )
+        self.started_s = self.process.launch(
+            self.command(), self._answers, ready_timeout_s=READY_TIMEOUT_S, poll_s=0.1
+        )
+        self.starts.append(self.started_s)
+
+    def _answers(self) -> bool:
         import s3fs
 
-        deadline = launched + READY_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise ServerError(f"weed exited with {self.process.returncode}\n{self.tail()}")
-            try:
-                s3fs.S3FileSystem(**self.storage_options()).ls("")
-            except Exception:  # not up yet: the gateway or the filer behind it
-                time.sleep(0.1)
-                continue
-            self.started_s = time.monotonic() - launched
-            self.starts.append(self.started_s)
-            return
-        self.stop()
-        raise ServerError(f"weed did not answer within {READY_TIMEOUT_S:.0f} s\n{self.tail()}")
+        try:
+            s3fs.S3FileSystem(**self.storage_options()).ls("")
+        except Exception:  # not up yet: the gateway or the filer behind it
+            return False
+        return True
 
     def kill(self) -> None:
         """SIGKILL, as a crash: no clean shutdown."""
-        if self.process is not None and self.process.poll() is None:
-            self.process.kill()
-            self.process.wait(STOP_TIMEOUT_S)
+        self.process.kill()
 
     def restart(self) -> None:
         """Bring a killed store back on the same ports and data."""
@@ -210,20 +164,10 @@ class SeaweedServer:
 
     def stop(self) -> int | None:
         """SIGTERM to its PID, SIGKILL to its group after a grace period; its exit status."""
-        if self.process is None:
-            return None
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.process.wait(STOP_TIMEOUT_S)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.process.pid, signal.SIGKILL)
-        return self.process.wait(STOP_TIMEOUT_S)
+        return self.process.stop()
 
     def tail(self, lines: int = 40) -> str:
-        return f"--- last lines of the SeaweedFS log {self.log_path} ---\n" + log_tail(
-            self.log_path, lines
-        )
+        return self.process.tail(lines)
 
 
 def start(work: Path) -> SeaweedServer:

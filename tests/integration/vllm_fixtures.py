@@ -16,12 +16,11 @@ from typing import Any
 import pytest
 import tiny_moe
 import vllm_server
-from realparts import say, unavailable
+from realparts import unavailable
+from server_helpers import session_server
 
 CACHE_ENV = "R3DATA_TEST_CACHE"
 """Where built test artefacts are cached (default ``<repo>/.cache``, gitignored)."""
-
-_running: dict[str, vllm_server.VllmServer] = {}
 
 
 def cache_root() -> Path:
@@ -48,18 +47,12 @@ def vllm_fixture(
     reason = vllm_server.missing_environment()
     if reason is not None:
         unavailable(reason)
-    server = _running.get("server")
-    if server is not None:
-        yield server
-        return
-    log_path = tmp_path_factory.mktemp("vllm") / "server.log"
-    server = vllm_server.start(tiny_moe_checkpoint, log_path)
-    _running["server"] = server
-    failed_before = request.session.testsfailed
-    say(request.config, f"\nvLLM server ready in {server.started_s:.1f} s at {server.base_url}")
-    yield server
-    status = server.stop()
-    del _running["server"]
-    if request.session.testsfailed > failed_before:
-        say(request.config, server.tail(80))
-    say(request.config, f"vLLM server stopped (exit {status}); log kept at {log_path}")
+    yield from session_server(
+        request,
+        "vLLM server",
+        lambda: vllm_server.start(
+            tiny_moe_checkpoint, tmp_path_factory.mktemp("vllm") / "server.log"
+        ),
+        lambda server: server.base_url,
+        tail_lines=80,
+    )

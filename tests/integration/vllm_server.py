@@ -8,18 +8,16 @@ kept in a file; a failed start or request shows its tail.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import signal
-import socket
-import subprocess
-import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from realparts import free_port
+from server_helpers import ServerError, ServerProcess, not_installed
 
 REPO = Path(__file__).resolve().parents[2]
 VENV_ENV = "R3DATA_VLLM_VENV"
@@ -47,10 +45,6 @@ SERVER_ENV = {
 }
 
 
-class ServerError(AssertionError):
-    """The server did not start, died, or answered a request with an error."""
-
-
 def venv_python() -> Path:
     return Path(os.environ.get(VENV_ENV, REPO / ".venv-vllm")) / "bin" / "python"
 
@@ -61,37 +55,21 @@ def missing_environment() -> str | None:
     venv = python.parent.parent
     if (venv / ".r3data-installed").is_file() and python.is_file():
         return None
-    log = Path(f"{venv}-install.log")
-    last = ""
-    if log.is_file():
-        lines = [line for line in log.read_text(errors="replace").splitlines() if line.strip()]
-        last = f": {lines[-1].strip()[:200]}" if lines else ""
-    return f"the vLLM environment {venv} is not installed (make vllm-env){last}"
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def log_tail(path: Path, lines: int = 40) -> str:
-    try:
-        text = path.read_text(errors="replace")
-    except OSError as err:
-        return f"(no server log at {path}: {err})"
-    return "\n".join(text.splitlines()[-lines:])
+    return not_installed("vLLM", venv, "vllm-env")
 
 
 @dataclass
 class VllmServer:
     """A running server: its address, its process and its log."""
 
-    process: subprocess.Popen[bytes]
+    process: ServerProcess
     base_url: str
-    log_path: Path
     started_s: float
     """Seconds from launch until the server answered."""
+
+    @property
+    def log_path(self) -> Path:
+        return self.process.log_path
 
     def post(self, path: str, body: dict[str, Any]) -> bytes:
         """The raw response body of a JSON POST; an error status raises :class:`ServerError`."""
@@ -120,20 +98,12 @@ class VllmServer:
         return events
 
     def tail(self, lines: int = 40) -> str:
-        return f"--- last lines of the vLLM server log {self.log_path} ---\n" + log_tail(
-            self.log_path, lines
-        )
+        return self.process.tail(lines)
 
     def stop(self) -> int | None:
         """SIGTERM to the server's PID (it stops its engine and worker processes), then SIGKILL
         to whatever of its process group is left after a grace period; its exit status."""
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.process.wait(STOP_TIMEOUT_S)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.process.pid, signal.SIGKILL)  # its group: the PID, own session
-        return self.process.wait(STOP_TIMEOUT_S)
+        return self.process.stop()
 
 
 def start(checkpoint: Path, log_path: Path) -> VllmServer:
@@ -180,29 +150,17 @@ def start(checkpoint: Path, log_path: Path) -> VllmServer:
     scratch = log_path.parent / "tmp"
     scratch.mkdir(exist_ok=True)
     env["TMPDIR"] = str(scratch)
-    launched = time.monotonic()
-    with open(log_path, "wb") as log:
-        process = subprocess.Popen(
-            command,
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env=env,
-            cwd=log_path.parent,
-            start_new_session=True,  # its own process group, so a stuck stop can kill it all
-        )
-    server = VllmServer(process, f"http://127.0.0.1:{port}", log_path, 0.0)
-    deadline = launched + READY_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise ServerError(f"vLLM server exited with {process.returncode}\n{server.tail()}")
+    base_url = f"http://127.0.0.1:{port}"
+
+    def answers() -> bool:
         try:
-            with urllib.request.urlopen(server.base_url + "/v1/models", timeout=5) as response:
-                if response.status == 200:
-                    server.started_s = time.monotonic() - launched
-                    return server
+            with urllib.request.urlopen(base_url + "/v1/models", timeout=5) as response:
+                return response.status == 200
         except OSError:
-            pass
-        time.sleep(0.5)
-    server.stop()
-    raise ServerError(f"vLLM server not ready after {READY_TIMEOUT_S:.0f} s\n{server.tail()}")
+            return False
+
+    process = ServerProcess("vLLM server", log_path, STOP_TIMEOUT_S)
+    started_s = process.launch(
+        command, answers, ready_timeout_s=READY_TIMEOUT_S, poll_s=0.5, env=env
+    )
+    return VllmServer(process, base_url, started_s)
