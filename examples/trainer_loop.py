@@ -36,4 +36,4 @@ for micro in batches:  # this rank's micro-batches, step after step
         optimizer.step(), optimizer.zero_grad()
         retention.on_policy_update(micro.metadata["step"])  # every rank; rank 0 deletes
         print(f"rank {rank}: step {micro.metadata['step']} trained", flush=True)
-retention.close()
+retention.close(), dist.barrier(), dist.destroy_process_group()  # ranks leave together
