@@ -273,6 +273,11 @@ class ProducerFormat:
         """The body this producer sends for ``request``."""
         raise NotImplementedError
 
+    def start_of(self, options: SourceOptions) -> int:
+        """Where a request's rows start: the request's prompt start where the format takes one
+        (``options.start``), else 0."""
+        return options.start if isinstance(options, StartOptions) else 0
+
     def check_start(self, request: EngineRequest) -> None:
         """A format whose engine has no prompt start serves every row from position 0."""
         if request.start and not self.prompt_start:

@@ -119,10 +119,6 @@ class SglangFormat(ProducerFormat):
     options = SglangOptions
     spliced = (ROUTES_FIELD,)
 
-    def start_of(self, options: SglangOptions) -> int:
-        """Where the rows start: the request's ``routed_experts_start_len``."""
-        return options.start
-
     def recognise(self, doc: Any) -> bool:
         items = doc if isinstance(doc, list | Stream) else (doc,)
         return any(_carries_flat_ids(item) for item in items)

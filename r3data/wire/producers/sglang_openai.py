@@ -85,9 +85,6 @@ class SglangOpenaiFormat(ProducerFormat):
     options = SglangOptions
     spliced = (ROUTES_FIELD,)
 
-    def start_of(self, options: SglangOptions) -> int:
-        return options.start
-
     def recognise(self, doc: Any) -> bool:
         events = doc if isinstance(doc, Stream) else (doc,)
         return any(_has_ext_routes(event) for event in events)
