@@ -252,6 +252,24 @@ class ProducerFormat:
         made = cache[key] = options_from(self.options, given, what=f"producer {self.name!r}")
         return made
 
+    def rows_meta(
+        self,
+        options: SourceOptions,
+        choice: int,
+        prompt_len: int | None,
+        completion_len: int | None,
+    ) -> dict[str, Any]:
+        """What the format says about a choice's rows: its name, the choice, the lengths, the
+        role and which layers the layer axis holds (:attr:`layer_axis`)."""
+        return {
+            "producer": self.name,
+            "choice": choice,
+            "prompt_len": prompt_len,
+            "completion_len": completion_len,
+            "role": options.role,
+            "layer_axis": self.layer_axis,
+        }
+
     def recognise(self, doc: Any) -> bool:
         """Whether ``doc`` (a parsed body, or a :class:`~.common.Stream` of parsed events) is
         one of this format's bodies."""

@@ -22,7 +22,7 @@ from r3data.validate import nonnegative_int
 from r3data.wire.blob import Blob, decode_base64, decoded_length
 from r3data.wire.dtypes import compact_route_dtype
 from r3data.wire.envelope import array_from_buffer, check_nbytes
-from r3data.wire.producers.base import Lengths, SourceOptions
+from r3data.wire.producers.base import Lengths
 from r3data.wire.rows import EncodedRows, InlineRows, RowSource
 from r3data.wire.splice import load_packed_body
 
@@ -40,7 +40,6 @@ __all__ = [
     "parse_response",
     "placed_lengths",
     "raw_blob",
-    "rows_meta",
     "select_choices",
     "sniff",
     "sources_of",
@@ -294,7 +293,7 @@ def sniff(raw: bytes | bytearray | memoryview | mmap.mmap) -> Any:
     return parse_plain(raw, "body")
 
 
-# --- lengths, metadata, nested lists ----------------------------------------------------------
+# --- lengths and nested lists ---------------------------------------------------------------
 
 
 def placed_lengths(
@@ -323,27 +322,6 @@ def placed_lengths(
             f"{lengths.completion_len}; is this the request's choice?"
         )
     return prompt, completion
-
-
-def rows_meta(
-    producer: str,
-    options: SourceOptions,
-    choice: int,
-    prompt_len: int | None,
-    completion_len: int | None,
-    layer_axis: str = "all",
-) -> dict[str, Any]:
-    """What every decoder says about its rows: the format, the choice, the lengths, the role
-    and which layers the layer axis holds (``"all"`` decoder layers, or only the ``"moe"``
-    ones)."""
-    return {
-        "producer": producer,
-        "choice": choice,
-        "prompt_len": prompt_len,
-        "completion_len": completion_len,
-        "role": options.role,
-        "layer_axis": layer_axis,
-    }
 
 
 def nested_rows(value: object, ndim: int, what: str) -> np.ndarray:

@@ -47,7 +47,6 @@ from r3data.wire.producers.common import (
     nested_rows,
     parse_plain,
     placed_lengths,
-    rows_meta,
     select_choices,
 )
 from r3data.wire.rows import EncodedRows, InlineRows, RowSource
@@ -145,7 +144,7 @@ class NemoRlFormat(ProducerFormat):
             if value is None:
                 out.append(ChoiceRows(index, (), (what,)))
                 continue
-            meta = rows_meta(self.name, options, index, prompt, completion)
+            meta = self.rows_meta(options, index, prompt, completion)
             if isinstance(value, str):
                 rows, tokens = _string_rows(value, meta, what)
             else:

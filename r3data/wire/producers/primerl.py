@@ -63,7 +63,6 @@ from r3data.wire.producers.common import (
     parse_response,
     placed_lengths,
     raw_blob,
-    rows_meta,
     select_choices,
     sources_of,
 )
@@ -228,7 +227,7 @@ class PrimeRlFormat(ProducerFormat):
             what = f"prime-rl choices[{index}]"
             found = choice_token_lengths(parsed, entry)
             prompt, completion = placed_lengths(found, lengths, options.role, what)
-            meta = rows_meta(self.name, options, index, prompt, completion)
+            meta = self.rows_meta(options, index, prompt, completion)
             sources: list[Any] = []
             missing: list[str] = []
             if entry.get(PAYLOAD) is not None:

@@ -31,7 +31,6 @@ from r3data.wire.producers.common import (
     choice_token_lengths,
     parse_response,
     placed_lengths,
-    rows_meta,
     select_choices,
     sources_of,
 )
@@ -82,7 +81,7 @@ class PrimeRlSamplingMaskFormat(ProducerFormat):
                     f"{what}: expected one kept-set size per completion token ({completion}), "
                     f"found {counts.size}"
                 )
-            meta = rows_meta(self.name, options, index, prompt, counts.size)
+            meta = self.rows_meta(options, index, prompt, counts.size)
             rows = RaggedRows.from_lengths(ids, counts, what=what)
             out.append(ChoiceRows(index, (InlineRows(MASK_FIELD, rows, prompt, meta),)))
         return out

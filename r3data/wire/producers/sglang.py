@@ -47,7 +47,6 @@ from r3data.wire.producers.common import (
     optional_position,
     parse_response,
     placed_lengths,
-    rows_meta,
     sources_of,
     stream_events,
 )
@@ -162,7 +161,7 @@ class SglangFormat(ProducerFormat):
             if value is None:
                 out.append(ChoiceRows(index, (), (what,)))
                 continue
-            meta = rows_meta(self.name, options, index, prompt, completion)
+            meta = self.rows_meta(options, index, prompt, completion)
             rows = flat_int32_rows(value, options, start, meta, what)
             anchored_pos(rows.rows, prompt, completion, start, what=what)
             out.append(ChoiceRows(index, (rows,)))

@@ -41,7 +41,6 @@ from r3data.wire.producers.common import (
     optional_position,
     parse_response,
     placed_lengths,
-    rows_meta,
     select_choices,
     stream_events,
 )
@@ -128,7 +127,7 @@ class SglangOpenaiFormat(ProducerFormat):
                 out.append(ChoiceRows(index, (), (what,)))
                 continue
             prompt, completion = placed_lengths(found, lengths, options.role, what)
-            meta = rows_meta(self.name, options, index, prompt, completion)
+            meta = self.rows_meta(options, index, prompt, completion)
             rows = flat_int32_rows(value, options, start, meta, what)
             anchored_pos(rows.rows, prompt, completion, start, what=what)
             out.append(ChoiceRows(index, (rows,)))

@@ -48,7 +48,6 @@ from r3data.wire.producers.common import (
     envelope_rows,
     parse_response,
     placed_lengths,
-    rows_meta,
     select_choices,
     sources_of,
 )
@@ -157,7 +156,7 @@ class SkyrlFormat(ProducerFormat):
             what = f"{self.name} choices[{index}]"
             found = choice_token_lengths(parsed, entry)
             prompt, completion = placed_lengths(found, lengths, options.role, what)
-            meta = rows_meta(self.name, options, index, prompt, completion)
+            meta = self.rows_meta(options, index, prompt, completion)
             sources: list[Any] = []
             missing: list[str] = []
             if fields is None or ROUTES_FIELD in fields:

@@ -54,7 +54,6 @@ from r3data.wire.producers.common import (
     parse_response,
     placed_lengths,
     raw_blob,
-    rows_meta,
     select_choices,
     sources_of,
     stream_events,
@@ -226,7 +225,7 @@ class VllmFormat(ProducerFormat):
             if value is None:
                 out.append(ChoiceRows(index, (), (what,)))
                 continue
-            meta = rows_meta(self.name, options, index, prompt, completion)
+            meta = self.rows_meta(options, index, prompt, completion)
             rows = npy_routes(ROUTES_FIELD, value, pos=options.start, meta=meta, what=what)
             anchored_pos(rows.rows, prompt, completion, options.start, what=what)
             out.append(ChoiceRows(index, (rows,)))

@@ -40,7 +40,6 @@ from r3data.wire.producers.common import (
     nested_rows,
     parse_plain,
     placed_lengths,
-    rows_meta,
     select_choices,
 )
 from r3data.wire.rows import InlineRows
@@ -100,7 +99,7 @@ class Vllm021Format(ProducerFormat):
             if shared and found[0] is None and lengths.prompt_len is None:
                 found = (prompt_rows.shape[0], found[1])
             prompt, completion = placed_lengths(found, lengths, options.role, what)
-            meta = rows_meta(self.name, options, index, prompt, completion, self.layer_axis)
+            meta = self.rows_meta(options, index, prompt, completion)
             sources: list[InlineRows] = []
             missing: list[str] = []
             if shared:
