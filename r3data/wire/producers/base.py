@@ -20,6 +20,7 @@ import numpy as np
 from r3data.errors import ConfigError
 from r3data.ragged import RaggedRows
 from r3data.validate import checked_int, nonnegative_int
+from r3data.wire.producers.common import parse_plain, parse_response
 from r3data.wire.rows import RowSource
 
 if TYPE_CHECKING:
@@ -214,7 +215,8 @@ class ProducerFormat:
     """One producer's response format at one version (range): a registry entry.
 
     Subclasses set the class attributes and implement :meth:`recognise`, :meth:`decode` and
-    :meth:`encode`; their module exposes the instance as ``FORMAT``.
+    :meth:`encode` (and :meth:`parse` where the producer streams); their module exposes the
+    instance as ``FORMAT``.
     """
 
     name: ClassVar[str]
@@ -251,6 +253,13 @@ class ProducerFormat:
             cache.clear()
         made = cache[key] = options_from(self.options, given, what=f"producer {self.name!r}")
         return made
+
+    def parse(self, response: Any) -> Any:
+        """``response`` (a raw body or a parsed one) as a document: spliced on :attr:`spliced`
+        (blobs left encoded), or parsed plainly where that is empty."""
+        if self.spliced:
+            return parse_response(response, self.spliced)
+        return parse_plain(response, f"{self.name} response")
 
     def rows_meta(
         self,

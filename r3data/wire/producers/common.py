@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import mmap
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import orjson
@@ -22,9 +22,11 @@ from r3data.validate import nonnegative_int
 from r3data.wire.blob import Blob, decode_base64, decoded_length
 from r3data.wire.dtypes import compact_route_dtype
 from r3data.wire.envelope import array_from_buffer, check_nbytes
-from r3data.wire.producers.base import Lengths
 from r3data.wire.rows import EncodedRows, InlineRows, RowSource
 from r3data.wire.splice import load_packed_body
+
+if TYPE_CHECKING:
+    from r3data.wire.producers.base import Lengths
 
 __all__ = [
     "Stream",

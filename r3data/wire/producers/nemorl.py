@@ -45,7 +45,6 @@ from r3data.wire.producers.base import (
 from r3data.wire.producers.common import (
     choice_token_lengths,
     nested_rows,
-    parse_plain,
     placed_lengths,
     select_choices,
 )
@@ -132,7 +131,7 @@ class NemoRlFormat(ProducerFormat):
         lengths: Lengths = NO_LENGTHS,
         fields: frozenset[str] | None = None,
     ) -> list[ChoiceRows]:
-        parsed = parse_plain(response, f"{self.name} response")
+        parsed = self.parse(response)
         out = []
         for index, entry in select_choices(parsed, options.choice, f"{self.name} response"):
             what = f"{self.name} choices[{index}].message.{ROUTES_FIELD}"

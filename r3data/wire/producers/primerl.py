@@ -60,7 +60,6 @@ from r3data.wire.producers.common import (
     envelope_rows,
     flat_rows,
     optional_position,
-    parse_response,
     placed_lengths,
     raw_blob,
     select_choices,
@@ -219,7 +218,7 @@ class PrimeRlFormat(ProducerFormat):
         lengths: Lengths = NO_LENGTHS,
         fields: frozenset[str] | None = None,
     ) -> list[ChoiceRows]:
-        parsed = parse_response(response, self.spliced)
+        parsed = self.parse(response)
         want_routes = fields is None or ROUTES_FIELD in fields
         want_masks = fields is None or MASK_FIELD in fields
         out = []

@@ -29,7 +29,6 @@ from r3data.wire.producers.base import (
 )
 from r3data.wire.producers.common import (
     choice_token_lengths,
-    parse_response,
     placed_lengths,
     select_choices,
     sources_of,
@@ -61,7 +60,7 @@ class PrimeRlSamplingMaskFormat(ProducerFormat):
         lengths: Lengths = NO_LENGTHS,
         fields: frozenset[str] | None = None,
     ) -> list[ChoiceRows]:
-        parsed = parse_response(response, self.spliced)
+        parsed = self.parse(response)
         out = []
         for index, entry in select_choices(parsed, options.choice, f"{self.name} response"):
             what = f"{self.name} choices[{index}].{MASK_FIELD}"

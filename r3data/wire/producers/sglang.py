@@ -118,6 +118,11 @@ class SglangFormat(ProducerFormat):
     options = SglangOptions
     spliced = (ROUTES_FIELD,)
 
+    def parse(self, response: Any) -> Any:
+        if is_stream(response):
+            return _final_chunk(response, f"{self.name} stream")
+        return super().parse(response)
+
     def recognise(self, doc: Any) -> bool:
         items = doc if isinstance(doc, list | Stream) else (doc,)
         return any(_carries_flat_ids(item) for item in items)
@@ -129,10 +134,7 @@ class SglangFormat(ProducerFormat):
         lengths: Lengths = NO_LENGTHS,
         fields: frozenset[str] | None = None,
     ) -> list[ChoiceRows]:
-        if is_stream(response):
-            parsed = _final_chunk(response, f"{self.name} stream")
-        else:
-            parsed = parse_response(response, self.spliced)
+        parsed = self.parse(response)
         items = parsed if isinstance(parsed, list) else [parsed]
         if options.choice is not None and options.choice >= len(items):
             raise ConfigError(

@@ -84,6 +84,11 @@ class SglangOpenaiFormat(ProducerFormat):
     options = SglangOptions
     spliced = (ROUTES_FIELD,)
 
+    def parse(self, response: Any) -> Any:
+        if is_stream(response):
+            return _assemble(response, f"{self.name} stream")
+        return super().parse(response)
+
     def recognise(self, doc: Any) -> bool:
         events = doc if isinstance(doc, Stream) else (doc,)
         return any(_has_ext_routes(event) for event in events)
@@ -96,10 +101,7 @@ class SglangOpenaiFormat(ProducerFormat):
         fields: frozenset[str] | None = None,
     ) -> list[ChoiceRows]:
         what_body = f"{self.name} response"
-        if is_stream(response):
-            parsed = _assemble(response, f"{self.name} stream")
-        else:
-            parsed = parse_response(response, self.spliced)
+        parsed = self.parse(response)
         chosen = select_choices(parsed, options.choice, what_body)
         ext = parsed.get(EXT)
         value = ext.get(ROUTES_FIELD) if isinstance(ext, Mapping) else None

@@ -46,7 +46,6 @@ from r3data.wire.producers.common import (
     check_route_shape,
     choice_token_lengths,
     envelope_rows,
-    parse_response,
     placed_lengths,
     select_choices,
     sources_of,
@@ -139,9 +138,6 @@ class SkyrlFormat(ProducerFormat):
         what: str,
     ) -> RowSource:
         return _envelope_routes(value, start, prompt, completion, meta, what)
-
-    def parse(self, response: Any) -> Any:
-        return parse_response(response, self.spliced)
 
     def decode(
         self,

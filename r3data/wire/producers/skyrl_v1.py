@@ -13,7 +13,7 @@ import numpy as np
 
 from r3data.wire.anchors import anchored_pos
 from r3data.wire.producers.base import ROUTES_FIELD
-from r3data.wire.producers.common import nested_rows, parse_plain
+from r3data.wire.producers.common import nested_rows
 from r3data.wire.producers.skyrl import SkyrlFormat
 from r3data.wire.rows import InlineRows, RowSource
 
@@ -37,9 +37,6 @@ class SkyrlV1Format(SkyrlFormat):
                 isinstance(c, Mapping) and isinstance(c.get(ROUTES_FIELD), list) for c in choices
             )
         )
-
-    def parse(self, response: Any) -> Any:
-        return parse_plain(response, f"{self.name} response")
 
     def route_rows(
         self,

@@ -201,6 +201,9 @@ class VllmFormat(ProducerFormat):
     options = StartOptions
     spliced = (ROUTES_FIELD,)
 
+    def parse(self, response: Any) -> Any:
+        return _assemble(response) if is_stream(response) else super().parse(response)
+
     def recognise(self, doc: Any) -> bool:
         events = doc if isinstance(doc, Stream) else (doc,)
         return any(_sends_npy(event) for event in events)
@@ -212,10 +215,7 @@ class VllmFormat(ProducerFormat):
         lengths: Lengths = NO_LENGTHS,
         fields: frozenset[str] | None = None,
     ) -> list[ChoiceRows]:
-        if is_stream(response):
-            parsed = _assemble(response)
-        else:
-            parsed = parse_response(response, self.spliced)
+        parsed = self.parse(response)
         out = []
         for index, entry in select_choices(parsed, options.choice, "vllm response"):
             what = f"vllm choices[{index}].{ROUTES_FIELD}"

@@ -38,7 +38,6 @@ from r3data.wire.producers.base import (
 from r3data.wire.producers.common import (
     choice_token_lengths,
     nested_rows,
-    parse_plain,
     placed_lengths,
     select_choices,
 )
@@ -86,7 +85,7 @@ class Vllm021Format(ProducerFormat):
         lengths: Lengths = NO_LENGTHS,
         fields: frozenset[str] | None = None,
     ) -> list[ChoiceRows]:
-        parsed = parse_plain(response, "vllm-0.21 response")
+        parsed = self.parse(response)
         chosen = select_choices(parsed, options.choice, "vllm-0.21 response")
         prompt_rows: np.ndarray | None = None
         if parsed.get(PROMPT_FIELD) is not None:
