@@ -9,7 +9,6 @@ the batch buffer) and apply no policy to the ids; the loader's one screen does t
 
 from __future__ import annotations
 
-import math
 import mmap
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
@@ -31,10 +30,10 @@ if TYPE_CHECKING:
 __all__ = [
     "Stream",
     "blob_nbytes",
+    "blob_rows",
     "check_route_shape",
     "choice_token_lengths",
     "envelope_rows",
-    "flat_rows",
     "is_stream",
     "nested_rows",
     "optional_position",
@@ -133,45 +132,34 @@ def blob_nbytes(value: object, what: str) -> int:
     return len(blob) if chars is None else decoded_length(chars, what)
 
 
-def flat_rows(
+def blob_rows(
     field: str,
-    value: object,
+    blob: bytes | bytearray | memoryview | Blob | str,
     *,
     dtype: np.dtype,
-    row_shape: tuple[int, ...],
+    shape: tuple[int, ...],
     pos: int,
     skip: int = 0,
     meta: Mapping[str, Any] | None = None,
     what: str,
 ) -> RowSource:
-    """Rows of ``row_shape`` back to back after ``skip`` bytes of a bare blob, as many as it
-    holds exactly (a partial row is refused): encoded, or a view of decoded bytes."""
-    blob = raw_blob(value, what)
+    """The rows of a bare blob holding ``shape`` of ``dtype`` after ``skip`` bytes (its size
+    checked against that shape first): encoded, or a view of decoded bytes."""
     chars = _encoded(blob)
-    per_row = dtype.itemsize * math.prod(row_shape)
-    nbytes = blob_nbytes(blob, what) - skip
-    if nbytes < 0 or nbytes % per_row:
-        raise WireFormatError(
-            f"{what}: expected whole rows of {list(row_shape)} {dtype.name} ({per_row} bytes "
-            f"each) after byte {skip}, found {max(nbytes, 0)} bytes"
-        )
-    rows = nbytes // per_row
     if chars is not None:
         return EncodedRows(
             field,
             chars,
             dtype=dtype,
-            row_shape=row_shape,
-            rows=rows,
+            row_shape=shape[1:],
+            rows=shape[0],
             pos=pos,
             skip=skip,
             meta=meta,
             what=what,
         )
     view = memoryview(blob).cast("B")[skip:]
-    return InlineRows(
-        field, array_from_buffer(view, dtype, (rows, *row_shape), what=what), pos, meta
-    )
+    return InlineRows(field, array_from_buffer(view, dtype, shape, what=what), pos, meta)
 
 
 def envelope_rows(
@@ -191,16 +179,7 @@ def envelope_rows(
     chars = _encoded(data)
     if chars is not None:
         check_nbytes(decoded_length(chars, where), dtype, shape, what=where)
-        return EncodedRows(
-            field,
-            chars,
-            dtype=dtype,
-            row_shape=shape[1:],
-            rows=shape[0],
-            pos=pos,
-            meta=meta,
-            what=what,
-        )
+        return blob_rows(field, data, dtype=dtype, shape=shape, pos=pos, meta=meta, what=what)
     if isinstance(data, bytes | bytearray | memoryview):
         data = array_from_buffer(decode_base64(data, what=where), dtype, shape, what=where)
     if not isinstance(data, np.ndarray) or data.dtype != dtype or data.shape != shape:

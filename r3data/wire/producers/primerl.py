@@ -55,10 +55,10 @@ from r3data.wire.producers.base import (
 )
 from r3data.wire.producers.common import (
     blob_nbytes,
+    blob_rows,
     check_route_shape,
     choice_token_lengths,
     envelope_rows,
-    flat_rows,
     optional_position,
     placed_lengths,
     raw_blob,
@@ -139,8 +139,8 @@ def _route_rows(
         rows = envelope_rows(envelope, ROUTES_FIELD, dtype, shape, pos=start, meta=meta, what=what)
     else:  # spliced on "data": a bare blob, encoded or decoded
         check_nbytes(blob_nbytes(data, f"{what}.data"), dtype, shape, what=f"{what}.data")
-        rows = flat_rows(
-            ROUTES_FIELD, data, dtype=dtype, row_shape=shape[1:], pos=start, meta=meta, what=what
+        rows = blob_rows(
+            ROUTES_FIELD, data, dtype=dtype, shape=shape, pos=start, meta=meta, what=what
         )
     check_route_shape(rows, what)
     return rows

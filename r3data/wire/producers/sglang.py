@@ -42,7 +42,7 @@ from r3data.wire.producers.base import (
 from r3data.wire.producers.common import (
     Stream,
     blob_nbytes,
-    flat_rows,
+    blob_rows,
     is_stream,
     optional_position,
     parse_response,
@@ -74,15 +74,8 @@ def flat_int32_rows(
             f"{what}: expected a multiple of {per_row} int32 ids (layers {options.num_layers} x "
             f"topk {options.topk}), found {nbytes} bytes"
         )
-    return flat_rows(
-        ROUTES_FIELD,
-        value,
-        dtype=INT32,
-        row_shape=(options.num_layers, options.topk),
-        pos=start,
-        meta=meta,
-        what=what,
-    )
+    shape = (nbytes // (per_row * INT32.itemsize), options.num_layers, options.topk)
+    return blob_rows(ROUTES_FIELD, value, dtype=INT32, shape=shape, pos=start, meta=meta, what=what)
 
 
 def flat_int32_base64(routes: np.ndarray) -> str:

@@ -34,7 +34,7 @@ from r3data.validate import nonnegative_int
 from r3data.wire.anchors import anchored_pos
 from r3data.wire.blob import Blob, decode_base64
 from r3data.wire.dtypes import ROUTE_DTYPES, compact_route_dtype
-from r3data.wire.envelope import array_from_buffer, check_nbytes
+from r3data.wire.envelope import check_nbytes
 from r3data.wire.npy import NPY_PREFIX_BYTES, npy_header_length, parse_npy_header
 from r3data.wire.producers.base import (
     NO_LENGTHS,
@@ -48,6 +48,7 @@ from r3data.wire.producers.base import (
 from r3data.wire.producers.common import (
     Stream,
     blob_nbytes,
+    blob_rows,
     check_route_shape,
     choice_token_lengths,
     is_stream,
@@ -58,7 +59,7 @@ from r3data.wire.producers.common import (
     sources_of,
     stream_events,
 )
-from r3data.wire.rows import EncodedRows, InlineRows, RowSource
+from r3data.wire.rows import RowSource
 
 __all__ = ["FORMAT", "VllmFormat", "npy_base64", "npy_routes", "read_npy", "vllm_routes"]
 
@@ -97,22 +98,9 @@ def npy_routes(
             f"{' in Fortran order' if fortran else ''}"
         )
     check_nbytes(blob_nbytes(blob, what) - offset, dtype, shape, what=what)
-    if isinstance(blob, Blob | str):
-        chars = blob.chars if isinstance(blob, Blob) else blob
-        rows: RowSource = EncodedRows(
-            field,
-            chars,
-            dtype=dtype,
-            row_shape=shape[1:],
-            rows=shape[0],
-            pos=pos,
-            skip=offset,
-            meta=meta,
-            what=what,
-        )
-    else:
-        view = memoryview(blob).cast("B")[offset:]
-        rows = InlineRows(field, array_from_buffer(view, dtype, shape, what=what), pos, meta)
+    rows = blob_rows(
+        field, blob, dtype=dtype, shape=shape, pos=pos, skip=offset, meta=meta, what=what
+    )
     check_route_shape(rows, what)
     return rows
 
