@@ -45,6 +45,7 @@ __all__ = [
     "sniff",
     "sources_of",
     "stream_events",
+    "token_counts",
 ]
 
 _RAW_BODIES = (bytes, bytearray, memoryview, mmap.mmap)
@@ -104,6 +105,17 @@ def choice_token_lengths(
 def optional_position(value: object, what: str, error: type[R3DataError]) -> int | None:
     """``None`` or a non-negative int; anything else raises ``error``."""
     return None if value is None else nonnegative_int(what, value, error)
+
+
+def token_counts(counts: Mapping[str, Any], what: str) -> tuple[int | None, int | None]:
+    """``(prompt_tokens, completion_tokens)`` of an object that counts them (OpenAI's
+    ``usage``, SGLang's ``meta_info``), where present; ``what`` prefixes each key."""
+    return (
+        optional_position(counts.get("prompt_tokens"), f"{what}prompt_tokens", WireFormatError),
+        optional_position(
+            counts.get("completion_tokens"), f"{what}completion_tokens", WireFormatError
+        ),
+    )
 
 
 def raw_blob(value: object, what: str) -> bytes | bytearray | memoryview | Blob | str:
@@ -285,24 +297,23 @@ def placed_lengths(
     Where both are known they must agree (a response that is not the request's would misplace
     every row), except a prefill's completion: it sampled one token, the request many.
     """
-    prompt, completion = found
-    if prompt is None:
-        prompt = lengths.prompt_len
-    elif lengths.prompt_len is not None and lengths.prompt_len != prompt:
-        raise WireFormatError(
-            f"{what}: the response has {prompt} prompt tokens, the request {lengths.prompt_len}; "
-            f"is this the request's response?"
-        )
+    prompt = _agreed(found[0], lengths.prompt_len, "prompt", "response", what)
     if role == "prefill":
-        return prompt, completion
-    if completion is None:
-        completion = lengths.completion_len
-    elif lengths.completion_len is not None and lengths.completion_len != completion:
+        return prompt, found[1]
+    return prompt, _agreed(found[1], lengths.completion_len, "completion", "choice", what)
+
+
+def _agreed(found: int | None, known: int | None, tokens: str, whose: str, what: str) -> int | None:
+    """A count the body gives (``found``), which must be the request's (``known``) where both
+    are known; the request's where the body has none."""
+    if found is None:
+        return known
+    if known is not None and known != found:
         raise WireFormatError(
-            f"{what}: the response has {completion} completion tokens, the request "
-            f"{lengths.completion_len}; is this the request's choice?"
+            f"{what}: the response has {found} {tokens} tokens, the request {known}; is this the "
+            f"request's {whose}?"
         )
-    return prompt, completion
+    return found
 
 
 def nested_rows(value: object, ndim: int, what: str) -> np.ndarray:

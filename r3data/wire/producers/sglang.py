@@ -44,11 +44,11 @@ from r3data.wire.producers.common import (
     blob_nbytes,
     blob_rows,
     is_stream,
-    optional_position,
     parse_response,
     placed_lengths,
     sources_of,
     stream_events,
+    token_counts,
 )
 from r3data.wire.rows import RowSource
 
@@ -141,16 +141,7 @@ class SglangFormat(ProducerFormat):
             meta_info = items[index].get("meta_info") if isinstance(items[index], Mapping) else None
             if not isinstance(meta_info, Mapping):
                 raise WireFormatError(f"{self.name} [{index}]: expected an object with 'meta_info'")
-            found = (
-                optional_position(
-                    meta_info.get("prompt_tokens"), f"{what}: prompt_tokens", WireFormatError
-                ),
-                optional_position(
-                    meta_info.get("completion_tokens"),
-                    f"{what}: completion_tokens",
-                    WireFormatError,
-                ),
-            )
+            found = token_counts(meta_info, f"{what}: ")
             prompt, completion = placed_lengths(found, lengths, options.role, what)
             value = meta_info.get(ROUTES_FIELD)
             if value is None:

@@ -38,11 +38,11 @@ from r3data.wire.producers.base import (
 from r3data.wire.producers.common import (
     Stream,
     is_stream,
-    optional_position,
     parse_response,
     placed_lengths,
     select_choices,
     stream_events,
+    token_counts,
 )
 from r3data.wire.producers.sglang import SglangOptions, flat_int32_base64, flat_int32_rows
 
@@ -108,14 +108,7 @@ class SglangOpenaiFormat(ProducerFormat):
         found: tuple[int | None, int | None] = (None, None)
         usage = parsed.get("usage")
         if isinstance(usage, Mapping) and len(parsed["choices"]) == 1:
-            found = (
-                optional_position(
-                    usage.get("prompt_tokens"), "usage.prompt_tokens", WireFormatError
-                ),
-                optional_position(
-                    usage.get("completion_tokens"), "usage.completion_tokens", WireFormatError
-                ),
-            )
+            found = token_counts(usage, "usage.")
         start = self.start_of(options)
         out = []
         for index, _ in chosen:
