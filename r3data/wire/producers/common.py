@@ -10,7 +10,7 @@ the batch buffer) and apply no policy to the ids; the loader's one screen does t
 from __future__ import annotations
 
 import mmap
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -29,10 +29,12 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Stream",
+    "any_choice",
     "blob_nbytes",
     "blob_rows",
     "check_route_shape",
     "choice_token_lengths",
+    "documents",
     "envelope_rows",
     "is_stream",
     "nested_rows",
@@ -82,6 +84,13 @@ def select_choices(
             )
         selected.append((index, choices[index]))
     return selected
+
+
+def any_choice(doc: Any, test: Callable[[Mapping[str, Any]], bool]) -> bool:
+    """Whether an object in ``doc``'s OpenAI-style ``choices`` list passes ``test`` (how most
+    formats recognise their bodies)."""
+    choices = doc.get("choices") if isinstance(doc, Mapping) else None
+    return isinstance(choices, list) and any(isinstance(c, Mapping) and test(c) for c in choices)
 
 
 def choice_token_lengths(
@@ -276,6 +285,11 @@ def stream_events(raw: bytes | bytearray | memoryview | mmap.mmap, what: str) ->
     if b"[DONE]" in events:
         raise WireFormatError(f"{what}: events after the stream's [DONE]")
     return events
+
+
+def documents(doc: Any) -> tuple[Any, ...]:
+    """The documents of a body :func:`sniff` parsed: a stream's events, else the body alone."""
+    return doc if isinstance(doc, Stream) else (doc,)
 
 
 def sniff(raw: bytes | bytearray | memoryview | mmap.mmap) -> Any:

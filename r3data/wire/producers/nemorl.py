@@ -43,6 +43,7 @@ from r3data.wire.producers.base import (
     ProducerFormat,
 )
 from r3data.wire.producers.common import (
+    any_choice,
     choice_token_lengths,
     nested_rows,
     placed_lengths,
@@ -106,6 +107,18 @@ def _string_rows(value: str, meta: dict[str, Any], what: str) -> tuple[RowSource
     return rows, tokens
 
 
+def _message_routes(choice: Mapping[str, Any]) -> object:
+    """A choice's ``message.routed_experts``, else None."""
+    message = choice.get("message")
+    return message.get(ROUTES_FIELD) if isinstance(message, Mapping) else None
+
+
+def _sends_nemorl(choice: Mapping[str, Any]) -> bool:
+    """Whether a choice's message carries an ``nrlre1`` string or (legacy) nested lists."""
+    value = _message_routes(choice)
+    return (isinstance(value, str) and value.startswith(MAGIC)) or isinstance(value, list)
+
+
 class NemoRlFormat(ProducerFormat):
     name = "nemo-rl"
     producer = "NeMo-RL"
@@ -114,15 +127,7 @@ class NemoRlFormat(ProducerFormat):
     prompt_start = False
 
     def recognise(self, doc: Any) -> bool:
-        choices = doc.get("choices") if isinstance(doc, Mapping) else None
-        if not isinstance(choices, list):
-            return False
-        for choice in choices:
-            message = choice.get("message") if isinstance(choice, Mapping) else None
-            value = message.get(ROUTES_FIELD) if isinstance(message, Mapping) else None
-            if (isinstance(value, str) and value.startswith(MAGIC)) or isinstance(value, list):
-                return True
-        return False
+        return any_choice(doc, _sends_nemorl)
 
     def decode(
         self,
@@ -138,8 +143,7 @@ class NemoRlFormat(ProducerFormat):
             prompt, completion = placed_lengths(
                 choice_token_lengths(parsed, entry), lengths, options.role, what
             )
-            message = entry.get("message")
-            value = message.get(ROUTES_FIELD) if isinstance(message, Mapping) else None
+            value = _message_routes(entry)
             if value is None:
                 out.append(ChoiceRows(index, (), (what,)))
                 continue

@@ -54,6 +54,7 @@ from r3data.wire.producers.base import (
     ProducerFormat,
 )
 from r3data.wire.producers.common import (
+    any_choice,
     blob_nbytes,
     blob_rows,
     check_route_shape,
@@ -167,6 +168,21 @@ def _segments(value: object, wanted: frozenset[str] | None, role: str, what: str
     return out
 
 
+def _sends_primerl(choice: Mapping[str, Any]) -> bool:
+    """Whether a choice carries prime-rl's rows: an envelope with ``start`` or without
+    ``dtype``, by-handle segments or kept tokens."""
+    routes = choice.get(ROUTES_FIELD)
+    return (
+        (
+            isinstance(routes, Mapping)
+            and "data" in routes
+            and ("start" in routes or "dtype" not in routes)  # SkyRL sends neither form
+        )
+        or isinstance(choice.get(PAYLOAD), list)
+        or isinstance(choice.get(KEPT_TOKENS), Mapping)
+    )
+
+
 def _primerl_dtype(routes: np.ndarray) -> np.dtype:
     """uint8, or uint16 when an id exceeds 255 (prime-rl picks it from the ids present)."""
     top = int(routes.max(initial=0))
@@ -192,24 +208,7 @@ class PrimeRlFormat(ProducerFormat):
     spliced = SPLICED
 
     def recognise(self, doc: Any) -> bool:
-        choices = doc.get("choices") if isinstance(doc, Mapping) else None
-        if not isinstance(choices, list):
-            return False
-        for choice in choices:
-            if not isinstance(choice, Mapping):
-                continue
-            routes = choice.get(ROUTES_FIELD)
-            if (
-                isinstance(routes, Mapping)
-                and "data" in routes
-                and ("start" in routes or "dtype" not in routes)  # SkyRL sends neither form
-            ):
-                return True
-            if isinstance(choice.get(PAYLOAD), list) or isinstance(
-                choice.get(KEPT_TOKENS), Mapping
-            ):
-                return True
-        return False
+        return any_choice(doc, _sends_primerl)
 
     def decode(
         self,

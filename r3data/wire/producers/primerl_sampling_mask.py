@@ -28,6 +28,7 @@ from r3data.wire.producers.base import (
     ProducerFormat,
 )
 from r3data.wire.producers.common import (
+    any_choice,
     choice_token_lengths,
     placed_lengths,
     select_choices,
@@ -48,10 +49,7 @@ class PrimeRlSamplingMaskFormat(ProducerFormat):
     current = False
 
     def recognise(self, doc: Any) -> bool:
-        choices = doc.get("choices") if isinstance(doc, Mapping) else None
-        return isinstance(choices, list) and any(
-            isinstance(c, Mapping) and isinstance(c.get(MASK_FIELD), Mapping) for c in choices
-        )
+        return any_choice(doc, lambda c: isinstance(c.get(MASK_FIELD), Mapping))
 
     def decode(
         self,

@@ -40,9 +40,9 @@ from r3data.wire.producers.base import (
     StartOptions,
 )
 from r3data.wire.producers.common import (
-    Stream,
     blob_nbytes,
     blob_rows,
+    documents,
     is_stream,
     parse_response,
     placed_lengths,
@@ -88,8 +88,8 @@ def _final_chunk(raw: Any, what: str) -> Any:
     them when the request finishes; its chunks are cumulative)."""
     chunks = [parse_response(event, (ROUTES_FIELD,)) for event in stream_events(raw, what)]
     for number, chunk in enumerate(chunks[:-1]):
-        meta_info = chunk.get("meta_info") if isinstance(chunk, Mapping) else None
-        if isinstance(meta_info, Mapping) and meta_info.get(ROUTES_FIELD) is not None:
+        meta_info = _meta_info(chunk)
+        if meta_info is not None and meta_info.get(ROUTES_FIELD) is not None:
             raise WireFormatError(
                 f"{what}: routes on event {number} of {len(chunks)}; SGLang sends them in the "
                 f"final chunk only"
@@ -99,9 +99,15 @@ def _final_chunk(raw: Any, what: str) -> Any:
     return chunks[-1]
 
 
-def _carries_flat_ids(item: object) -> bool:
+def _meta_info(item: object) -> Mapping[str, Any] | None:
+    """An item's ``meta_info`` object, else None."""
     meta_info = item.get("meta_info") if isinstance(item, Mapping) else None
-    return isinstance(meta_info, Mapping) and isinstance(meta_info.get(ROUTES_FIELD), str)
+    return meta_info if isinstance(meta_info, Mapping) else None
+
+
+def _carries_flat_ids(item: object) -> bool:
+    meta_info = _meta_info(item)
+    return meta_info is not None and isinstance(meta_info.get(ROUTES_FIELD), str)
 
 
 class SglangFormat(ProducerFormat):
@@ -117,7 +123,7 @@ class SglangFormat(ProducerFormat):
         return super().parse(response)
 
     def recognise(self, doc: Any) -> bool:
-        items = doc if isinstance(doc, list | Stream) else (doc,)
+        items = doc if isinstance(doc, list) else documents(doc)
         return any(_carries_flat_ids(item) for item in items)
 
     def decode(
@@ -138,8 +144,8 @@ class SglangFormat(ProducerFormat):
         out = []
         for index in range(len(items)) if options.choice is None else (options.choice,):
             what = f"{self.name} [{index}].meta_info.{ROUTES_FIELD}"
-            meta_info = items[index].get("meta_info") if isinstance(items[index], Mapping) else None
-            if not isinstance(meta_info, Mapping):
+            meta_info = _meta_info(items[index])
+            if meta_info is None:
                 raise WireFormatError(f"{self.name} [{index}]: expected an object with 'meta_info'")
             found = token_counts(meta_info, f"{what}: ")
             prompt, completion = placed_lengths(found, lengths, options.role, what)

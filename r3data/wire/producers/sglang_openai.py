@@ -36,7 +36,7 @@ from r3data.wire.producers.base import (
     ShapeOptions,
 )
 from r3data.wire.producers.common import (
-    Stream,
+    documents,
     is_stream,
     parse_response,
     placed_lengths,
@@ -72,9 +72,10 @@ def _assemble(raw: Any, what: str) -> dict[str, Any]:
     return {**merged, "choices": [{"index": i} for i in range(choices)]}
 
 
-def _has_ext_routes(doc: object) -> bool:
+def _ext_routes(doc: object) -> object:
+    """The routes in a response's (or chunk's) ``sglext``, else None."""
     ext = doc.get(EXT) if isinstance(doc, Mapping) else None
-    return isinstance(ext, Mapping) and isinstance(ext.get(ROUTES_FIELD), str)
+    return ext.get(ROUTES_FIELD) if isinstance(ext, Mapping) else None
 
 
 class SglangOpenaiFormat(ProducerFormat):
@@ -90,8 +91,7 @@ class SglangOpenaiFormat(ProducerFormat):
         return super().parse(response)
 
     def recognise(self, doc: Any) -> bool:
-        events = doc if isinstance(doc, Stream) else (doc,)
-        return any(_has_ext_routes(event) for event in events)
+        return any(isinstance(_ext_routes(event), str) for event in documents(doc))
 
     def decode(
         self,
@@ -103,8 +103,7 @@ class SglangOpenaiFormat(ProducerFormat):
         what_body = f"{self.name} response"
         parsed = self.parse(response)
         chosen = select_choices(parsed, options.choice, what_body)
-        ext = parsed.get(EXT)
-        value = ext.get(ROUTES_FIELD) if isinstance(ext, Mapping) else None
+        value = _ext_routes(parsed)
         found: tuple[int | None, int | None] = (None, None)
         usage = parsed.get("usage")
         if isinstance(usage, Mapping) and len(parsed["choices"]) == 1:

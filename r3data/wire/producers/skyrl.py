@@ -43,6 +43,7 @@ from r3data.wire.producers.base import (
     StartOptions,
 )
 from r3data.wire.producers.common import (
+    any_choice,
     check_route_shape,
     choice_token_lengths,
     envelope_rows,
@@ -95,6 +96,17 @@ def support_rows(
     return InlineRows(SUPPORT_FIELD, rows, prompt, meta)
 
 
+def _sends_skyrl(choice: Mapping[str, Any]) -> bool:
+    """Whether a choice carries SkyRL's rows: a sampled support, or an envelope with ``dtype``
+    and no ``start``."""
+    routes = choice.get(ROUTES_FIELD)
+    return isinstance(choice.get(SUPPORT_FIELD), Mapping) or (
+        isinstance(routes, Mapping)
+        and "dtype" in routes
+        and "start" not in routes  # prime-rl's envelopes carry it
+    )
+
+
 def _envelope_routes(
     envelope: object, start: int, prompt: int | None, completion: int | None, meta: dict, what: str
 ) -> RowSource:
@@ -114,19 +126,7 @@ class SkyrlFormat(ProducerFormat):
     spliced = (ROUTES_FIELD, SUPPORT_FIELD)
 
     def recognise(self, doc: Any) -> bool:
-        choices = doc.get("choices") if isinstance(doc, Mapping) else None
-        return isinstance(choices, list) and any(
-            isinstance(c, Mapping)
-            and (
-                isinstance(c.get(SUPPORT_FIELD), Mapping)
-                or (
-                    isinstance(routes := c.get(ROUTES_FIELD), Mapping)
-                    and "dtype" in routes
-                    and "start" not in routes  # prime-rl's envelopes carry it
-                )
-            )
-            for c in choices
-        )
+        return any_choice(doc, _sends_skyrl)
 
     def route_rows(
         self,

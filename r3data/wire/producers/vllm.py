@@ -46,11 +46,12 @@ from r3data.wire.producers.base import (
     StartOptions,
 )
 from r3data.wire.producers.common import (
-    Stream,
+    any_choice,
     blob_nbytes,
     blob_rows,
     check_route_shape,
     choice_token_lengths,
+    documents,
     is_stream,
     parse_response,
     placed_lengths,
@@ -167,11 +168,10 @@ def _is_npy(value: object) -> bool:
 
 
 def _sends_npy(doc: object) -> bool:
-    if not isinstance(doc, Mapping) or "prompt_routed_experts" in doc:
-        return False
-    choices = doc.get("choices")
-    return isinstance(choices, list) and any(
-        isinstance(c, Mapping) and _is_npy(c.get(ROUTES_FIELD)) for c in choices
+    return (
+        isinstance(doc, Mapping)
+        and "prompt_routed_experts" not in doc
+        and any_choice(doc, lambda c: _is_npy(c.get(ROUTES_FIELD)))
     )
 
 
@@ -193,8 +193,7 @@ class VllmFormat(ProducerFormat):
         return _assemble(response) if is_stream(response) else super().parse(response)
 
     def recognise(self, doc: Any) -> bool:
-        events = doc if isinstance(doc, Stream) else (doc,)
-        return any(_sends_npy(event) for event in events)
+        return any(_sends_npy(event) for event in documents(doc))
 
     def decode(
         self,
