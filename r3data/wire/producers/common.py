@@ -1,5 +1,5 @@
 """What every producer format shares: reading a body (spliced, plain or a stream), choices,
-lengths, blobs and nested lists as rows.
+lengths, blobs and nested lists as rows; blobs and usage for the bodies formats synthesise.
 
 Decoders report what they saw and place it: rows with positions and the producer's metadata.
 They decode nothing they can leave encoded (the loader decodes each blob once, straight into
@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import orjson
+import pybase64
 
 from r3data.errors import ConfigError, R3DataError, WireFormatError
 from r3data.validate import nonnegative_int
@@ -25,11 +26,12 @@ from r3data.wire.rows import EncodedRows, InlineRows, RowSource
 from r3data.wire.splice import load_packed_body
 
 if TYPE_CHECKING:
-    from r3data.wire.producers.base import Lengths
+    from r3data.wire.producers.base import EngineRequest, Lengths
 
 __all__ = [
     "Stream",
     "any_choice",
+    "array_base64",
     "blob_nbytes",
     "blob_rows",
     "check_route_shape",
@@ -38,6 +40,7 @@ __all__ = [
     "envelope_rows",
     "is_stream",
     "nested_rows",
+    "openai_usage",
     "optional_position",
     "parse_plain",
     "parse_response",
@@ -368,3 +371,20 @@ def sources_of(choices: list[Any]) -> list[Any]:
             )
         out.extend(choice.sources)
     return out
+
+
+# --- synthesised bodies ---------------------------------------------------------------------
+
+
+def array_base64(array: np.ndarray) -> str:
+    """Base64 of an array's bytes in C order, as the producers write their blobs."""
+    return pybase64.b64encode_as_string(np.ascontiguousarray(array))
+
+
+def openai_usage(request: EngineRequest) -> dict[str, int]:
+    """The OpenAI ``usage`` of a request, in the field order vLLM's and SGLang's servers send."""
+    return {
+        "prompt_tokens": request.prompt_len,
+        "total_tokens": request.prompt_len + request.completion_len,
+        "completion_tokens": request.completion_len,
+    }

@@ -27,7 +27,6 @@ from typing import Any
 
 import numpy as np
 import orjson
-import pybase64
 
 from r3data.errors import EngineRoutesError, WireFormatError
 from r3data.wire.blob import decoded_length
@@ -44,6 +43,7 @@ from r3data.wire.producers.base import (
 )
 from r3data.wire.producers.common import (
     any_choice,
+    array_base64,
     choice_token_lengths,
     nested_rows,
     placed_lengths,
@@ -71,8 +71,7 @@ def encode_routes(rows: np.ndarray) -> str:
     """``encode_routed_experts``: the ``nrlre1`` string of ``[S, L, K]`` rows."""
     rows = np.ascontiguousarray(rows)
     tokens, layers, topk = rows.shape
-    data = pybase64.b64encode_as_string(rows)
-    return f"{MAGIC}{rows.dtype.name}:{tokens}x{layers}x{topk}:{data}"
+    return f"{MAGIC}{rows.dtype.name}:{tokens}x{layers}x{topk}:{array_base64(rows)}"
 
 
 def _string_rows(value: str, meta: dict[str, Any], what: str) -> tuple[RowSource, int]:

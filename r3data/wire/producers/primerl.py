@@ -34,7 +34,6 @@ from typing import Any
 
 import numpy as np
 import orjson
-import pybase64
 
 from r3data.errors import ConfigError, R3DataError, WireFormatError, with_message
 from r3data.ragged import RaggedRows
@@ -55,6 +54,7 @@ from r3data.wire.producers.base import (
 )
 from r3data.wire.producers.common import (
     any_choice,
+    array_base64,
     blob_nbytes,
     blob_rows,
     check_route_shape,
@@ -191,10 +191,6 @@ def _primerl_dtype(routes: np.ndarray) -> np.dtype:
     return np.dtype(np.uint8 if top <= 255 else np.uint16)
 
 
-def _b64(array: np.ndarray) -> str:
-    return pybase64.b64encode_as_string(np.ascontiguousarray(array))
-
-
 class PrimeRlFormat(ProducerFormat):
     name = "prime-rl"
     producer = "prime-rl"
@@ -251,7 +247,7 @@ class PrimeRlFormat(ProducerFormat):
         """A ``/inference/v1/generate`` body (v3 envelope; ``kept_tokens`` with a mask)."""
         routes = np.ascontiguousarray(request.routes.astype(_primerl_dtype(request.routes)))
         envelope = {
-            "data": _b64(routes),
+            "data": array_base64(routes),
             "shape": list(routes.shape),
             "start": request.start,
             "dtype": routes.dtype.name,
@@ -267,7 +263,7 @@ class PrimeRlFormat(ProducerFormat):
         if mask is not None:
             values, offsets = mask.compact()
             counts = np.diff(offsets).astype(np.int32)
-            kept = {"ids": _b64(values.astype(np.int32)), "counts": _b64(counts)}
+            kept = {"ids": array_base64(values.astype(np.int32)), "counts": array_base64(counts)}
             choice[KEPT_TOKENS] = kept if counts.any() else None
         body = {
             "request_id": "r3data-synth",

@@ -25,7 +25,6 @@ from typing import Any
 
 import numpy as np
 import orjson
-import pybase64
 
 from r3data.errors import ConfigError, WireFormatError
 from r3data.wire.anchors import anchored_pos
@@ -40,6 +39,7 @@ from r3data.wire.producers.base import (
     StartOptions,
 )
 from r3data.wire.producers.common import (
+    array_base64,
     blob_nbytes,
     blob_rows,
     documents,
@@ -80,7 +80,7 @@ def flat_int32_rows(
 
 def flat_int32_base64(routes: np.ndarray) -> str:
     """Base64 of the flat int32 ids, as SGLang's detokenizer writes them."""
-    return pybase64.b64encode_as_string(np.ascontiguousarray(routes, dtype=INT32))
+    return array_base64(routes.astype(INT32, copy=False))
 
 
 def _final_chunk(raw: Any, what: str) -> Any:

@@ -38,6 +38,7 @@ from r3data.wire.producers.base import (
 from r3data.wire.producers.common import (
     documents,
     is_stream,
+    openai_usage,
     parse_response,
     placed_lengths,
     select_choices,
@@ -144,11 +145,7 @@ class SglangOpenaiFormat(ProducerFormat):
                     "matched_stop": None,
                 }
             ],
-            "usage": {
-                "prompt_tokens": request.prompt_len,
-                "total_tokens": request.prompt_len + request.completion_len,
-                "completion_tokens": request.completion_len,
-            },
+            "usage": openai_usage(request),
             "metadata": {"weight_version": "default"},
             EXT: {ROUTES_FIELD: flat_int32_base64(request.routes)},
         }

@@ -26,7 +26,6 @@ from typing import Any
 
 import numpy as np
 import orjson
-import pybase64
 
 from r3data.errors import ConfigError, PackedError, WireFormatError
 from r3data.ragged import RaggedRows
@@ -44,6 +43,7 @@ from r3data.wire.producers.base import (
 )
 from r3data.wire.producers.common import (
     any_choice,
+    array_base64,
     check_route_shape,
     choice_token_lengths,
     envelope_rows,
@@ -69,8 +69,7 @@ def skyrl_dtype(routes: np.ndarray) -> np.dtype:
 def skyrl_envelope(array: np.ndarray) -> dict[str, Any]:
     """``pack_ndarray``'s envelope: ``data``, ``shape``, ``dtype``."""
     array = np.ascontiguousarray(array)
-    data = pybase64.b64encode_as_string(array)
-    return {"data": data, "shape": list(array.shape), "dtype": array.dtype.name}
+    return {"data": array_base64(array), "shape": list(array.shape), "dtype": array.dtype.name}
 
 
 def support_rows(

@@ -53,6 +53,7 @@ from r3data.wire.producers.common import (
     choice_token_lengths,
     documents,
     is_stream,
+    openai_usage,
     parse_response,
     placed_lengths,
     raw_blob,
@@ -62,7 +63,15 @@ from r3data.wire.producers.common import (
 )
 from r3data.wire.rows import RowSource
 
-__all__ = ["FORMAT", "VllmFormat", "npy_base64", "npy_routes", "read_npy", "vllm_routes"]
+__all__ = [
+    "FORMAT",
+    "VllmFormat",
+    "completion_choice",
+    "npy_base64",
+    "npy_routes",
+    "read_npy",
+    "vllm_routes",
+]
 
 _NPY_BASE64 = "k05VTVBZ"
 """How base64 of a ``.npy`` file begins (``\\x93NUMPY``)."""
@@ -182,6 +191,22 @@ def _vllm_dtype(num_experts: int | None, routes: np.ndarray) -> np.dtype:
     return compact_route_dtype(int(routes.max(initial=0)))
 
 
+def completion_choice(request: EngineRequest, routes: object) -> dict[str, Any]:
+    """A ``/v1/completions`` choice with ``return_token_ids`` (vLLM's field order, 0.21-0.33)
+    whose ``routed_experts`` are ``routes``."""
+    return {
+        "index": 0,
+        "text": "",
+        "logprobs": None,
+        "finish_reason": "length",
+        "stop_reason": None,
+        "token_ids": [int(t) for t in request.completion_ids],
+        "prompt_logprobs": None,
+        "prompt_token_ids": [int(t) for t in request.prompt_ids],
+        ROUTES_FIELD: routes,
+    }
+
+
 class VllmFormat(ProducerFormat):
     name = "vllm"
     producer = "vLLM"
@@ -221,24 +246,9 @@ class VllmFormat(ProducerFormat):
     def encode(self, request: EngineRequest) -> bytes:
         """A ``/v1/completions`` body with ``return_token_ids`` (0.33 field order)."""
         routes = request.routes.astype(_vllm_dtype(request.num_experts, request.routes))
-        choice = {
-            "index": 0,
-            "text": "",
-            "logprobs": None,
-            "finish_reason": "length",
-            "stop_reason": None,
-            "token_ids": [int(t) for t in request.completion_ids],
-            "prompt_logprobs": None,
-            "prompt_token_ids": [int(t) for t in request.prompt_ids],
-            ROUTES_FIELD: npy_base64(routes),
-        }
-        usage = {
-            "prompt_tokens": request.prompt_len,
-            "total_tokens": request.prompt_len + request.completion_len,
-            "completion_tokens": request.completion_len,
-        }
+        choice = completion_choice(request, npy_base64(routes))
         body = {"object": "text_completion", "model": "r3data-synth", "choices": [choice]}
-        return orjson.dumps({**body, "usage": usage})
+        return orjson.dumps({**body, "usage": openai_usage(request)})
 
 
 FORMAT = VllmFormat()

@@ -41,6 +41,7 @@ from r3data.wire.producers.common import (
     placed_lengths,
     select_choices,
 )
+from r3data.wire.producers.vllm import completion_choice
 from r3data.wire.rows import InlineRows
 
 __all__ = ["FORMAT", "Vllm021Format"]
@@ -140,17 +141,7 @@ class Vllm021Format(ProducerFormat):
         layers = request.moe_layers or range(request.routes.shape[1])
         full = request.routes[:, list(layers)].astype(np.int16)
         prompt, generated = full[: request.prompt_len], full[request.prompt_len :]
-        choice = {
-            "index": 0,
-            "text": "",
-            "logprobs": None,
-            "finish_reason": "length",
-            "stop_reason": None,
-            "token_ids": [int(t) for t in request.completion_ids],
-            "prompt_logprobs": None,
-            "prompt_token_ids": [int(t) for t in request.prompt_ids],
-            ROUTES_FIELD: generated.tolist() if generated.size else None,
-        }
+        choice = completion_choice(request, generated.tolist() if generated.size else None)
         body = {
             "object": "text_completion",
             PROMPT_FIELD: prompt.tolist() if prompt.size else None,
