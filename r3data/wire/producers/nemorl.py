@@ -33,21 +33,17 @@ from r3data.wire.blob import decoded_length
 from r3data.wire.dtypes import parse_dtype
 from r3data.wire.envelope import check_nbytes
 from r3data.wire.producers.base import (
-    NO_LENGTHS,
     ROUTES_FIELD,
+    Choice,
     ChoiceOptions,
     ChoiceRows,
     EngineRequest,
-    Lengths,
     ProducerFormat,
 )
 from r3data.wire.producers.common import (
     any_choice,
     array_base64,
-    choice_token_lengths,
     nested_rows,
-    placed_lengths,
-    select_choices,
 )
 from r3data.wire.rows import EncodedRows, InlineRows, RowSource
 
@@ -128,37 +124,24 @@ class NemoRlFormat(ProducerFormat):
     def recognise(self, doc: Any) -> bool:
         return any_choice(doc, _sends_nemorl)
 
-    def decode(
-        self,
-        response: Any,
-        options: ChoiceOptions,
-        lengths: Lengths = NO_LENGTHS,
-        fields: frozenset[str] | None = None,
-    ) -> list[ChoiceRows]:
-        parsed = self.parse(response)
-        out = []
-        for index, entry in select_choices(parsed, options.choice, f"{self.name} response"):
-            what = f"{self.name} choices[{index}].message.{ROUTES_FIELD}"
-            prompt, completion = placed_lengths(
-                choice_token_lengths(parsed, entry), lengths, options.role, what
+    def decode_choice(self, choice: Choice) -> ChoiceRows:
+        what = f"{self.name} choices[{choice.index}].message.{ROUTES_FIELD}"
+        prompt, completion = choice.placed(what)
+        value = _message_routes(choice.entry)
+        if value is None:
+            return ChoiceRows(choice.index, (), (what,))
+        meta = self.rows_meta(choice, prompt, completion)
+        if isinstance(value, str):
+            rows, tokens = _string_rows(value, meta, what)
+        else:
+            full = nested_rows(value, 3, what)
+            rows, tokens = InlineRows(ROUTES_FIELD, full[:-1], 0, meta), full.shape[0]
+        if prompt is not None and completion is not None and tokens != prompt + completion:
+            raise EngineRoutesError(
+                f"{what}: expected {prompt + completion} rows (prompt {prompt} + completion "
+                f"{completion}, the last a placeholder), found {tokens}"
             )
-            value = _message_routes(entry)
-            if value is None:
-                out.append(ChoiceRows(index, (), (what,)))
-                continue
-            meta = self.rows_meta(options, index, prompt, completion)
-            if isinstance(value, str):
-                rows, tokens = _string_rows(value, meta, what)
-            else:
-                full = nested_rows(value, 3, what)
-                rows, tokens = InlineRows(ROUTES_FIELD, full[:-1], 0, meta), full.shape[0]
-            if prompt is not None and completion is not None and tokens != prompt + completion:
-                raise EngineRoutesError(
-                    f"{what}: expected {prompt + completion} rows (prompt {prompt} + completion "
-                    f"{completion}, the last a placeholder), found {tokens}"
-                )
-            out.append(ChoiceRows(index, (rows,)))
-        return out
+        return ChoiceRows(choice.index, (rows,))
 
     def encode(self, request: EngineRequest) -> bytes:
         """A chat body with ``message.routed_experts`` (rows from 0, the last ``arange``)."""

@@ -44,8 +44,8 @@ from r3data.wire.envelope import check_nbytes, envelope_spec
 from r3data.wire.masks import check_csr
 from r3data.wire.producers.base import (
     MASK_FIELD,
-    NO_LENGTHS,
     ROUTES_FIELD,
+    Choice,
     ChoiceOptions,
     ChoiceRows,
     EngineRequest,
@@ -58,12 +58,9 @@ from r3data.wire.producers.common import (
     blob_nbytes,
     blob_rows,
     check_route_shape,
-    choice_token_lengths,
     envelope_rows,
     optional_position,
-    placed_lengths,
     raw_blob,
-    select_choices,
     sources_of,
 )
 from r3data.wire.rows import InlineRows, RowSource
@@ -206,42 +203,31 @@ class PrimeRlFormat(ProducerFormat):
     def recognise(self, doc: Any) -> bool:
         return any_choice(doc, _sends_primerl)
 
-    def decode(
-        self,
-        response: Any,
-        options: ChoiceOptions,
-        lengths: Lengths = NO_LENGTHS,
-        fields: frozenset[str] | None = None,
-    ) -> list[ChoiceRows]:
-        parsed = self.parse(response)
-        want_routes = fields is None or ROUTES_FIELD in fields
-        want_masks = fields is None or MASK_FIELD in fields
-        out = []
-        for index, entry in select_choices(parsed, options.choice, "prime-rl response"):
-            what = f"prime-rl choices[{index}]"
-            found = choice_token_lengths(parsed, entry)
-            prompt, completion = placed_lengths(found, lengths, options.role, what)
-            meta = self.rows_meta(options, index, prompt, completion)
-            sources: list[Any] = []
-            missing: list[str] = []
-            if entry.get(PAYLOAD) is not None:
-                sources += _segments(entry[PAYLOAD], fields, options.role, f"{what}.{PAYLOAD}")
-            if want_routes:
-                routes = entry.get(ROUTES_FIELD)
-                if routes is not None:
-                    sources.append(
-                        _route_rows(routes, prompt, completion, meta, f"{what}.{ROUTES_FIELD}")
-                    )
-                elif not any(s.field == ROUTES_FIELD for s in sources):
-                    missing.append(f"{what}.{ROUTES_FIELD}")
-            if want_masks and KEPT_TOKENS in entry:
+    def decode_choice(self, choice: Choice) -> ChoiceRows:
+        what = f"{self.name} choices[{choice.index}]"
+        prompt, completion = choice.placed(what)
+        meta = self.rows_meta(choice, prompt, completion)
+        entry = choice.entry
+        sources: list[Any] = []
+        missing: list[str] = []
+        if entry.get(PAYLOAD) is not None:
+            role = choice.options.role
+            sources += _segments(entry[PAYLOAD], choice.fields, role, f"{what}.{PAYLOAD}")
+        if choice.wants(ROUTES_FIELD):
+            routes = entry.get(ROUTES_FIELD)
+            if routes is not None:
                 sources.append(
-                    kept_tokens_rows(
-                        entry[KEPT_TOKENS], prompt, completion, meta, f"{what}.{KEPT_TOKENS}"
-                    )
+                    _route_rows(routes, prompt, completion, meta, f"{what}.{ROUTES_FIELD}")
                 )
-            out.append(ChoiceRows(index, tuple(sources), tuple(missing)))
-        return out
+            elif not any(s.field == ROUTES_FIELD for s in sources):
+                missing.append(f"{what}.{ROUTES_FIELD}")
+        if choice.wants(MASK_FIELD) and KEPT_TOKENS in entry:
+            sources.append(
+                kept_tokens_rows(
+                    entry[KEPT_TOKENS], prompt, completion, meta, f"{what}.{KEPT_TOKENS}"
+                )
+            )
+        return ChoiceRows(choice.index, tuple(sources), tuple(missing))
 
     def encode(self, request: EngineRequest) -> bytes:
         """A ``/inference/v1/generate`` body (v3 envelope; ``kept_tokens`` with a mask)."""

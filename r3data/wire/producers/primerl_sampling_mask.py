@@ -20,7 +20,7 @@ from r3data.ragged import RaggedRows
 from r3data.wire.masks import pack_csr, unpack_csr
 from r3data.wire.producers.base import (
     MASK_FIELD,
-    NO_LENGTHS,
+    Choice,
     ChoiceOptions,
     ChoiceRows,
     EngineRequest,
@@ -29,9 +29,6 @@ from r3data.wire.producers.base import (
 )
 from r3data.wire.producers.common import (
     any_choice,
-    choice_token_lengths,
-    placed_lengths,
-    select_choices,
     sources_of,
 )
 from r3data.wire.rows import InlineRows
@@ -51,37 +48,23 @@ class PrimeRlSamplingMaskFormat(ProducerFormat):
     def recognise(self, doc: Any) -> bool:
         return any_choice(doc, lambda c: isinstance(c.get(MASK_FIELD), Mapping))
 
-    def decode(
-        self,
-        response: Any,
-        options: ChoiceOptions,
-        lengths: Lengths = NO_LENGTHS,
-        fields: frozenset[str] | None = None,
-    ) -> list[ChoiceRows]:
-        parsed = self.parse(response)
-        out = []
-        for index, entry in select_choices(parsed, options.choice, f"{self.name} response"):
-            what = f"{self.name} choices[{index}].{MASK_FIELD}"
-            found = choice_token_lengths(parsed, entry)
-            prompt, completion = placed_lengths(found, lengths, options.role, what)
-            value = entry.get(MASK_FIELD)
-            if value is None:
-                out.append(ChoiceRows(index, (), (what,)))
-                continue
-            ids, counts = unpack_csr(value, what=what)
-            if prompt is None:
-                raise WireFormatError(
-                    f"{what}: cannot place the mask rows without the prompt length"
-                )
-            if completion is not None and counts.size != completion:
-                raise WireFormatError(
-                    f"{what}: expected one kept-set size per completion token ({completion}), "
-                    f"found {counts.size}"
-                )
-            meta = self.rows_meta(options, index, prompt, counts.size)
-            rows = RaggedRows.from_lengths(ids, counts, what=what)
-            out.append(ChoiceRows(index, (InlineRows(MASK_FIELD, rows, prompt, meta),)))
-        return out
+    def decode_choice(self, choice: Choice) -> ChoiceRows:
+        what = f"{self.name} choices[{choice.index}].{MASK_FIELD}"
+        prompt, completion = choice.placed(what)
+        value = choice.entry.get(MASK_FIELD)
+        if value is None:
+            return ChoiceRows(choice.index, (), (what,))
+        ids, counts = unpack_csr(value, what=what)
+        if prompt is None:
+            raise WireFormatError(f"{what}: cannot place the mask rows without the prompt length")
+        if completion is not None and counts.size != completion:
+            raise WireFormatError(
+                f"{what}: expected one kept-set size per completion token ({completion}), "
+                f"found {counts.size}"
+            )
+        meta = self.rows_meta(choice, prompt, counts.size)
+        rows = RaggedRows.from_lengths(ids, counts, what=what)
+        return ChoiceRows(choice.index, (InlineRows(MASK_FIELD, rows, prompt, meta),))
 
     def encode(self, request: EngineRequest) -> bytes:
         if request.sampling_mask is None:

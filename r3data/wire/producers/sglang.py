@@ -29,11 +29,10 @@ import orjson
 from r3data.errors import ConfigError, WireFormatError
 from r3data.wire.anchors import anchored_pos
 from r3data.wire.producers.base import (
-    NO_LENGTHS,
     ROUTES_FIELD,
+    Choice,
     ChoiceRows,
     EngineRequest,
-    Lengths,
     ProducerFormat,
     ShapeOptions,
     StartOptions,
@@ -45,7 +44,6 @@ from r3data.wire.producers.common import (
     documents,
     is_stream,
     parse_response,
-    placed_lengths,
     sources_of,
     stream_events,
     token_counts,
@@ -126,38 +124,33 @@ class SglangFormat(ProducerFormat):
         items = doc if isinstance(doc, list) else documents(doc)
         return any(_carries_flat_ids(item) for item in items)
 
-    def decode(
-        self,
-        response: Any,
-        options: ShapeOptions,
-        lengths: Lengths = NO_LENGTHS,
-        fields: frozenset[str] | None = None,
-    ) -> list[ChoiceRows]:
-        parsed = self.parse(response)
+    def choices(self, parsed: Any, options: ShapeOptions) -> list[tuple[int, Any]]:
+        """The items of a batch list (all, or ``options.choice``); a single response is one."""
         items = parsed if isinstance(parsed, list) else [parsed]
         if options.choice is not None and options.choice >= len(items):
             raise ConfigError(
                 f"{self.name} response: choice {options.choice} out of range; it has "
                 f"{len(items)} items"
             )
-        start = self.start_of(options)
-        out = []
-        for index in range(len(items)) if options.choice is None else (options.choice,):
-            what = f"{self.name} [{index}].meta_info.{ROUTES_FIELD}"
-            meta_info = _meta_info(items[index])
-            if meta_info is None:
-                raise WireFormatError(f"{self.name} [{index}]: expected an object with 'meta_info'")
-            found = token_counts(meta_info, f"{what}: ")
-            prompt, completion = placed_lengths(found, lengths, options.role, what)
-            value = meta_info.get(ROUTES_FIELD)
-            if value is None:
-                out.append(ChoiceRows(index, (), (what,)))
-                continue
-            meta = self.rows_meta(options, index, prompt, completion)
-            rows = flat_int32_rows(value, options, start, meta, what)
-            anchored_pos(rows.rows, prompt, completion, start, what=what)
-            out.append(ChoiceRows(index, (rows,)))
-        return out
+        picked = range(len(items)) if options.choice is None else (options.choice,)
+        return [(index, items[index]) for index in picked]
+
+    def decode_choice(self, choice: Choice) -> ChoiceRows:
+        what = f"{self.name} [{choice.index}].meta_info.{ROUTES_FIELD}"
+        meta_info = _meta_info(choice.entry)
+        if meta_info is None:
+            raise WireFormatError(
+                f"{self.name} [{choice.index}]: expected an object with 'meta_info'"
+            )
+        prompt, completion = choice.placed(what, token_counts(meta_info, f"{what}: "))
+        value = meta_info.get(ROUTES_FIELD)
+        if value is None:
+            return ChoiceRows(choice.index, (), (what,))
+        start = self.start_of(choice.options)
+        meta = self.rows_meta(choice, prompt, completion)
+        rows = flat_int32_rows(value, choice.options, start, meta, what)
+        anchored_pos(rows.rows, prompt, completion, start, what=what)
+        return ChoiceRows(choice.index, (rows,))
 
     def encode(self, request: EngineRequest) -> bytes:
         """A ``/generate`` body for one prompt (``meta_info`` fields in SGLang's order)."""

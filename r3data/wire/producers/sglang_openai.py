@@ -27,21 +27,17 @@ from r3data.errors import WireFormatError
 from r3data.validate import nonnegative_int
 from r3data.wire.anchors import anchored_pos
 from r3data.wire.producers.base import (
-    NO_LENGTHS,
     ROUTES_FIELD,
+    Choice,
     ChoiceRows,
     EngineRequest,
-    Lengths,
     ProducerFormat,
-    ShapeOptions,
 )
 from r3data.wire.producers.common import (
     documents,
     is_stream,
     openai_usage,
     parse_response,
-    placed_lengths,
-    select_choices,
     stream_events,
     token_counts,
 )
@@ -94,39 +90,24 @@ class SglangOpenaiFormat(ProducerFormat):
     def recognise(self, doc: Any) -> bool:
         return any(isinstance(_ext_routes(event), str) for event in documents(doc))
 
-    def decode(
-        self,
-        response: Any,
-        options: ShapeOptions,
-        lengths: Lengths = NO_LENGTHS,
-        fields: frozenset[str] | None = None,
-    ) -> list[ChoiceRows]:
-        what_body = f"{self.name} response"
-        parsed = self.parse(response)
-        chosen = select_choices(parsed, options.choice, what_body)
-        value = _ext_routes(parsed)
+    def decode_choice(self, choice: Choice) -> ChoiceRows:
+        what = f"{self.name} {EXT}.{ROUTES_FIELD}"
+        if choice.index:
+            first_only = f"{what} for choice {choice.index} (first sequence only)"
+            return ChoiceRows(choice.index, (), (first_only,))
         found: tuple[int | None, int | None] = (None, None)
-        usage = parsed.get("usage")
-        if isinstance(usage, Mapping) and len(parsed["choices"]) == 1:
+        usage = choice.response.get("usage")
+        if isinstance(usage, Mapping) and len(choice.response["choices"]) == 1:
             found = token_counts(usage, "usage.")
-        start = self.start_of(options)
-        out = []
-        for index, _ in chosen:
-            what = f"{self.name} {EXT}.{ROUTES_FIELD}"
-            if index:
-                out.append(
-                    ChoiceRows(index, (), (f"{what} for choice {index} (first sequence only)",))
-                )
-                continue
-            if value is None:
-                out.append(ChoiceRows(index, (), (what,)))
-                continue
-            prompt, completion = placed_lengths(found, lengths, options.role, what)
-            meta = self.rows_meta(options, index, prompt, completion)
-            rows = flat_int32_rows(value, options, start, meta, what)
-            anchored_pos(rows.rows, prompt, completion, start, what=what)
-            out.append(ChoiceRows(index, (rows,)))
-        return out
+        value = _ext_routes(choice.response)
+        if value is None:
+            return ChoiceRows(choice.index, (), (what,))
+        prompt, completion = choice.placed(what, found)
+        start = self.start_of(choice.options)
+        meta = self.rows_meta(choice, prompt, completion)
+        rows = flat_int32_rows(value, choice.options, start, meta, what)
+        anchored_pos(rows.rows, prompt, completion, start, what=what)
+        return ChoiceRows(choice.index, (rows,))
 
     def encode(self, request: EngineRequest) -> bytes:
         """A ``/v1/chat/completions`` body for one sample (field order as SGLang's)."""

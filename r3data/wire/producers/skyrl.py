@@ -33,11 +33,10 @@ from r3data.wire.anchors import anchored_pos
 from r3data.wire.dtypes import ROUTE_DTYPES
 from r3data.wire.envelope import envelope_spec, unpack_ndarray
 from r3data.wire.producers.base import (
-    NO_LENGTHS,
     ROUTES_FIELD,
+    Choice,
     ChoiceRows,
     EngineRequest,
-    Lengths,
     ProducerFormat,
     StartOptions,
 )
@@ -45,10 +44,7 @@ from r3data.wire.producers.common import (
     any_choice,
     array_base64,
     check_route_shape,
-    choice_token_lengths,
     envelope_rows,
-    placed_lengths,
-    select_choices,
     sources_of,
 )
 from r3data.wire.rows import InlineRows, RowSource
@@ -138,36 +134,27 @@ class SkyrlFormat(ProducerFormat):
     ) -> RowSource:
         return _envelope_routes(value, start, prompt, completion, meta, what)
 
-    def decode(
-        self,
-        response: Any,
-        options: StartOptions,
-        lengths: Lengths = NO_LENGTHS,
-        fields: frozenset[str] | None = None,
-    ) -> list[ChoiceRows]:
-        parsed = self.parse(response)
-        out = []
-        for index, entry in select_choices(parsed, options.choice, f"{self.name} response"):
-            what = f"{self.name} choices[{index}]"
-            found = choice_token_lengths(parsed, entry)
-            prompt, completion = placed_lengths(found, lengths, options.role, what)
-            meta = self.rows_meta(options, index, prompt, completion)
-            sources: list[Any] = []
-            missing: list[str] = []
-            if fields is None or ROUTES_FIELD in fields:
-                value = entry.get(ROUTES_FIELD)
-                where = f"{what}.{ROUTES_FIELD}"
-                if value is None:
-                    missing.append(where)
-                else:
-                    rows = self.route_rows(value, options.start, prompt, completion, meta, where)
-                    if rows.rows:  # none (a request from its last position): nothing to place
-                        sources.append(rows)
-            if (fields is None or SUPPORT_FIELD in fields) and entry.get(SUPPORT_FIELD) is not None:
-                where = f"{what}.{SUPPORT_FIELD}"
-                sources.append(support_rows(entry[SUPPORT_FIELD], prompt, completion, meta, where))
-            out.append(ChoiceRows(index, tuple(sources), tuple(missing)))
-        return out
+    def decode_choice(self, choice: Choice) -> ChoiceRows:
+        what = f"{self.name} choices[{choice.index}]"
+        prompt, completion = choice.placed(what)
+        meta = self.rows_meta(choice, prompt, completion)
+        sources: list[Any] = []
+        missing: list[str] = []
+        if choice.wants(ROUTES_FIELD):
+            value = choice.entry.get(ROUTES_FIELD)
+            where = f"{what}.{ROUTES_FIELD}"
+            if value is None:
+                missing.append(where)
+            else:
+                start = self.start_of(choice.options)
+                rows = self.route_rows(value, start, prompt, completion, meta, where)
+                if rows.rows:  # none (a request from its last position): nothing to place
+                    sources.append(rows)
+        support = choice.entry.get(SUPPORT_FIELD)
+        if choice.wants(SUPPORT_FIELD) and support is not None:
+            where = f"{what}.{SUPPORT_FIELD}"
+            sources.append(support_rows(support, prompt, completion, meta, where))
+        return ChoiceRows(choice.index, tuple(sources), tuple(missing))
 
     def routes_value(self, routes: np.ndarray) -> Any:
         """``routed_experts`` as this version sends it."""

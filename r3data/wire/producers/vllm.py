@@ -37,11 +37,10 @@ from r3data.wire.dtypes import ROUTE_DTYPES, compact_route_dtype
 from r3data.wire.envelope import check_nbytes
 from r3data.wire.npy import NPY_PREFIX_BYTES, npy_header_length, parse_npy_header
 from r3data.wire.producers.base import (
-    NO_LENGTHS,
     ROUTES_FIELD,
+    Choice,
     ChoiceRows,
     EngineRequest,
-    Lengths,
     ProducerFormat,
     StartOptions,
 )
@@ -50,14 +49,11 @@ from r3data.wire.producers.common import (
     blob_nbytes,
     blob_rows,
     check_route_shape,
-    choice_token_lengths,
     documents,
     is_stream,
     openai_usage,
     parse_response,
-    placed_lengths,
     raw_blob,
-    select_choices,
     sources_of,
     stream_events,
 )
@@ -220,28 +216,17 @@ class VllmFormat(ProducerFormat):
     def recognise(self, doc: Any) -> bool:
         return any(_sends_npy(event) for event in documents(doc))
 
-    def decode(
-        self,
-        response: Any,
-        options: StartOptions,
-        lengths: Lengths = NO_LENGTHS,
-        fields: frozenset[str] | None = None,
-    ) -> list[ChoiceRows]:
-        parsed = self.parse(response)
-        out = []
-        for index, entry in select_choices(parsed, options.choice, "vllm response"):
-            what = f"vllm choices[{index}].{ROUTES_FIELD}"
-            found = choice_token_lengths(parsed, entry)
-            prompt, completion = placed_lengths(found, lengths, options.role, what)
-            value = entry.get(ROUTES_FIELD)
-            if value is None:
-                out.append(ChoiceRows(index, (), (what,)))
-                continue
-            meta = self.rows_meta(options, index, prompt, completion)
-            rows = npy_routes(ROUTES_FIELD, value, pos=options.start, meta=meta, what=what)
-            anchored_pos(rows.rows, prompt, completion, options.start, what=what)
-            out.append(ChoiceRows(index, (rows,)))
-        return out
+    def decode_choice(self, choice: Choice) -> ChoiceRows:
+        what = f"{self.name} choices[{choice.index}].{ROUTES_FIELD}"
+        prompt, completion = choice.placed(what)
+        value = choice.entry.get(ROUTES_FIELD)
+        if value is None:
+            return ChoiceRows(choice.index, (), (what,))
+        start = self.start_of(choice.options)
+        meta = self.rows_meta(choice, prompt, completion)
+        rows = npy_routes(ROUTES_FIELD, value, pos=start, meta=meta, what=what)
+        anchored_pos(rows.rows, prompt, completion, start, what=what)
+        return ChoiceRows(choice.index, (rows,))
 
     def encode(self, request: EngineRequest) -> bytes:
         """A ``/v1/completions`` body with ``return_token_ids`` (0.33 field order)."""
