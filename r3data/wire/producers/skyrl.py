@@ -102,16 +102,6 @@ def _sends_skyrl(choice: Mapping[str, Any]) -> bool:
     )
 
 
-def _envelope_routes(
-    envelope: object, start: int, prompt: int | None, completion: int | None, meta: dict, what: str
-) -> RowSource:
-    dtype, shape, _ = envelope_spec(envelope, allowed_dtypes=ROUTE_DTYPES, ndim=3, what=what)
-    anchored_pos(shape[0], prompt, completion, start, what=what)
-    rows = envelope_rows(envelope, ROUTES_FIELD, dtype, shape, pos=start, meta=meta, what=what)
-    check_route_shape(rows, what)
-    return rows
-
-
 class SkyrlFormat(ProducerFormat):
     name = "skyrl"
     producer = "SkyRL"
@@ -132,7 +122,12 @@ class SkyrlFormat(ProducerFormat):
         meta: dict,
         what: str,
     ) -> RowSource:
-        return _envelope_routes(value, start, prompt, completion, meta, what)
+        """The rows of ``routed_experts`` as this version sends them (an envelope)."""
+        dtype, shape, _ = envelope_spec(value, allowed_dtypes=ROUTE_DTYPES, ndim=3, what=what)
+        anchored_pos(shape[0], prompt, completion, start, what=what)
+        rows = envelope_rows(value, ROUTES_FIELD, dtype, shape, pos=start, meta=meta, what=what)
+        check_route_shape(rows, what)
+        return rows
 
     def decode_choice(self, choice: Choice) -> ChoiceRows:
         what = f"{self.name} choices[{choice.index}]"
