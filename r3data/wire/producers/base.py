@@ -20,6 +20,13 @@ import numpy as np
 from r3data.errors import ConfigError
 from r3data.ragged import RaggedRows
 from r3data.validate import checked_int, nonnegative_int
+from r3data.wire.producers.common import (
+    choice_token_lengths,
+    parse_plain,
+    parse_response,
+    placed_lengths,
+    select_choices,
+)
 from r3data.wire.rows import RowSource
 
 if TYPE_CHECKING:
@@ -30,6 +37,7 @@ __all__ = [
     "NO_LENGTHS",
     "ROLES",
     "ROUTES_FIELD",
+    "Choice",
     "ChoiceOptions",
     "ChoiceRows",
     "EngineRequest",
@@ -160,6 +168,35 @@ class ChoiceRows:
     missing: tuple[str, ...] = ()
 
 
+class Choice(NamedTuple):
+    """One choice (or batch item) of a parsed response and what the decode call was given:
+    what :meth:`ProducerFormat.decode_choice` reads."""
+
+    response: Any
+    """The parsed response (a stream's assembled one)."""
+    index: int
+    entry: Any
+    """The choice's object (SGLang's: the batch item)."""
+    options: SourceOptions
+    lengths: Lengths
+    fields: frozenset[str] | None
+    shared: Any = None
+    """What :meth:`ProducerFormat.shared_rows` read from the response for every choice."""
+
+    def wants(self, field: str) -> bool:
+        """Whether the call asked for ``field`` (no fields named: every one)."""
+        return self.fields is None or field in self.fields
+
+    def placed(
+        self, what: str, found: tuple[int | None, int | None] | None = None
+    ) -> tuple[int | None, int | None]:
+        """``(prompt_len, completion_len)``: the counts the body gives (``found``; default: the
+        choice's token id lists) placed against the request's (:func:`~.common.placed_lengths`)."""
+        if found is None:
+            found = choice_token_lengths(self.response, self.entry)
+        return placed_lengths(found, self.lengths, self.options.role, what)
+
+
 @dataclass(frozen=True, eq=False)
 class EngineRequest:
     """What an engine computed for one request, for a format to serve as its producer would.
@@ -213,8 +250,10 @@ class EngineRequest:
 class ProducerFormat:
     """One producer's response format at one version (range): a registry entry.
 
-    Subclasses set the class attributes and implement :meth:`recognise`, :meth:`decode` and
-    :meth:`encode`; their module exposes the instance as ``FORMAT``.
+    Subclasses set the class attributes and implement :meth:`recognise`, :meth:`decode_choice`
+    and :meth:`encode` (and :meth:`parse` where the producer streams, :meth:`choices` where
+    the body has no OpenAI-style ``choices`` list, :meth:`shared_rows` where the response
+    holds rows for all its choices); their module exposes the instance as ``FORMAT``.
     """
 
     name: ClassVar[str]
@@ -252,6 +291,27 @@ class ProducerFormat:
         made = cache[key] = options_from(self.options, given, what=f"producer {self.name!r}")
         return made
 
+    def parse(self, response: Any) -> Any:
+        """``response`` (a raw body or a parsed one) as a document: spliced on :attr:`spliced`
+        (blobs left encoded), or parsed plainly where that is empty."""
+        if self.spliced:
+            return parse_response(response, self.spliced)
+        return parse_plain(response, f"{self.name} response")
+
+    def rows_meta(
+        self, choice: Choice, prompt_len: int | None, completion_len: int | None
+    ) -> dict[str, Any]:
+        """What the format says about a choice's rows: its name, the choice's index, the
+        lengths, the role and which layers the layer axis holds (:attr:`layer_axis`)."""
+        return {
+            "producer": self.name,
+            "choice": choice.index,
+            "prompt_len": prompt_len,
+            "completion_len": completion_len,
+            "role": choice.options.role,
+            "layer_axis": self.layer_axis,
+        }
+
     def recognise(self, doc: Any) -> bool:
         """Whether ``doc`` (a parsed body, or a :class:`~.common.Stream` of parsed events) is
         one of this format's bodies."""
@@ -267,11 +327,35 @@ class ProducerFormat:
         """The rows of each choice (or of ``options.choice``) of ``response`` (a raw body or a
         parsed one), for ``fields`` (default: every field the format has). ``lengths`` are
         the request's, used where the body does not carry them and checked where it does."""
+        parsed = self.parse(response)
+        chosen = self.choices(parsed, options)
+        shared = self.shared_rows(parsed)
+        return [
+            self.decode_choice(Choice(parsed, index, entry, options, lengths, fields, shared))
+            for index, entry in chosen
+        ]
+
+    def choices(self, parsed: Any, options: ChoiceOptions) -> list[tuple[int, Any]]:
+        """``[(index, choice), ...]`` to decode: of the OpenAI-style ``choices`` list (all, or
+        ``options.choice``)."""
+        return select_choices(parsed, options.choice, f"{self.name} response")
+
+    def shared_rows(self, parsed: Any) -> Any:
+        """Rows the response holds for all its choices, read once (None: the format has none)."""
+        return None
+
+    def decode_choice(self, choice: Choice) -> ChoiceRows:
+        """The rows of one choice."""
         raise NotImplementedError
 
     def encode(self, request: EngineRequest) -> bytes:
         """The body this producer sends for ``request``."""
         raise NotImplementedError
+
+    def start_of(self, options: SourceOptions) -> int:
+        """Where a request's rows start: the request's prompt start where the format takes one
+        (``options.start``), else 0."""
+        return options.start if isinstance(options, StartOptions) else 0
 
     def check_start(self, request: EngineRequest) -> None:
         """A format whose engine has no prompt start serves every row from position 0."""

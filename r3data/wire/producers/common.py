@@ -1,5 +1,5 @@
 """What every producer format shares: reading a body (spliced, plain or a stream), choices,
-lengths, blobs and nested lists as rows.
+lengths, blobs and nested lists as rows; blobs and usage for the bodies formats synthesise.
 
 Decoders report what they saw and place it: rows with positions and the producer's metadata.
 They decode nothing they can leave encoded (the loader decodes each blob once, straight into
@@ -9,42 +9,48 @@ the batch buffer) and apply no policy to the ids; the loader's one screen does t
 
 from __future__ import annotations
 
-import math
 import mmap
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import orjson
+import pybase64
 
 from r3data.errors import ConfigError, R3DataError, WireFormatError
 from r3data.validate import nonnegative_int
 from r3data.wire.blob import Blob, decode_base64, decoded_length
 from r3data.wire.dtypes import compact_route_dtype
 from r3data.wire.envelope import array_from_buffer, check_nbytes
-from r3data.wire.producers.base import Lengths, SourceOptions
 from r3data.wire.rows import EncodedRows, InlineRows, RowSource
 from r3data.wire.splice import load_packed_body
 
+if TYPE_CHECKING:
+    from r3data.wire.producers.base import EngineRequest, Lengths
+
 __all__ = [
     "Stream",
+    "any_choice",
+    "array_base64",
     "blob_nbytes",
+    "blob_rows",
     "check_route_shape",
     "choice_token_lengths",
+    "documents",
     "envelope_rows",
-    "flat_rows",
     "is_stream",
     "nested_rows",
+    "openai_usage",
     "optional_position",
     "parse_plain",
     "parse_response",
     "placed_lengths",
     "raw_blob",
-    "rows_meta",
     "select_choices",
     "sniff",
     "sources_of",
     "stream_events",
+    "token_counts",
 ]
 
 _RAW_BODIES = (bytes, bytearray, memoryview, mmap.mmap)
@@ -83,6 +89,13 @@ def select_choices(
     return selected
 
 
+def any_choice(doc: Any, test: Callable[[Mapping[str, Any]], bool]) -> bool:
+    """Whether an object in ``doc``'s OpenAI-style ``choices`` list passes ``test`` (how most
+    formats recognise their bodies)."""
+    choices = doc.get("choices") if isinstance(doc, Mapping) else None
+    return isinstance(choices, list) and any(isinstance(c, Mapping) and test(c) for c in choices)
+
+
 def choice_token_lengths(
     response: Mapping[str, Any], choice: Mapping[str, Any]
 ) -> tuple[int | None, int | None]:
@@ -104,6 +117,17 @@ def choice_token_lengths(
 def optional_position(value: object, what: str, error: type[R3DataError]) -> int | None:
     """``None`` or a non-negative int; anything else raises ``error``."""
     return None if value is None else nonnegative_int(what, value, error)
+
+
+def token_counts(counts: Mapping[str, Any], what: str) -> tuple[int | None, int | None]:
+    """``(prompt_tokens, completion_tokens)`` of an object that counts them (OpenAI's
+    ``usage``, SGLang's ``meta_info``), where present; ``what`` prefixes each key."""
+    return (
+        optional_position(counts.get("prompt_tokens"), f"{what}prompt_tokens", WireFormatError),
+        optional_position(
+            counts.get("completion_tokens"), f"{what}completion_tokens", WireFormatError
+        ),
+    )
 
 
 def raw_blob(value: object, what: str) -> bytes | bytearray | memoryview | Blob | str:
@@ -132,45 +156,34 @@ def blob_nbytes(value: object, what: str) -> int:
     return len(blob) if chars is None else decoded_length(chars, what)
 
 
-def flat_rows(
+def blob_rows(
     field: str,
-    value: object,
+    blob: bytes | bytearray | memoryview | Blob | str,
     *,
     dtype: np.dtype,
-    row_shape: tuple[int, ...],
+    shape: tuple[int, ...],
     pos: int,
     skip: int = 0,
     meta: Mapping[str, Any] | None = None,
     what: str,
 ) -> RowSource:
-    """Rows of ``row_shape`` back to back after ``skip`` bytes of a bare blob, as many as it
-    holds exactly (a partial row is refused): encoded, or a view of decoded bytes."""
-    blob = raw_blob(value, what)
+    """The rows of a bare blob holding ``shape`` of ``dtype`` after ``skip`` bytes (its size
+    checked against that shape first): encoded, or a view of decoded bytes."""
     chars = _encoded(blob)
-    per_row = dtype.itemsize * math.prod(row_shape)
-    nbytes = blob_nbytes(blob, what) - skip
-    if nbytes < 0 or nbytes % per_row:
-        raise WireFormatError(
-            f"{what}: expected whole rows of {list(row_shape)} {dtype.name} ({per_row} bytes "
-            f"each) after byte {skip}, found {max(nbytes, 0)} bytes"
-        )
-    rows = nbytes // per_row
     if chars is not None:
         return EncodedRows(
             field,
             chars,
             dtype=dtype,
-            row_shape=row_shape,
-            rows=rows,
+            row_shape=shape[1:],
+            rows=shape[0],
             pos=pos,
             skip=skip,
             meta=meta,
             what=what,
         )
     view = memoryview(blob).cast("B")[skip:]
-    return InlineRows(
-        field, array_from_buffer(view, dtype, (rows, *row_shape), what=what), pos, meta
-    )
+    return InlineRows(field, array_from_buffer(view, dtype, shape, what=what), pos, meta)
 
 
 def envelope_rows(
@@ -190,16 +203,7 @@ def envelope_rows(
     chars = _encoded(data)
     if chars is not None:
         check_nbytes(decoded_length(chars, where), dtype, shape, what=where)
-        return EncodedRows(
-            field,
-            chars,
-            dtype=dtype,
-            row_shape=shape[1:],
-            rows=shape[0],
-            pos=pos,
-            meta=meta,
-            what=what,
-        )
+        return blob_rows(field, data, dtype=dtype, shape=shape, pos=pos, meta=meta, what=what)
     if isinstance(data, bytes | bytearray | memoryview):
         data = array_from_buffer(decode_base64(data, what=where), dtype, shape, what=where)
     if not isinstance(data, np.ndarray) or data.dtype != dtype or data.shape != shape:
@@ -286,6 +290,11 @@ def stream_events(raw: bytes | bytearray | memoryview | mmap.mmap, what: str) ->
     return events
 
 
+def documents(doc: Any) -> tuple[Any, ...]:
+    """The documents of a body :func:`sniff` parsed: a stream's events, else the body alone."""
+    return doc if isinstance(doc, Stream) else (doc,)
+
+
 def sniff(raw: bytes | bytearray | memoryview | mmap.mmap) -> Any:
     """A raw body parsed plainly, for recognising its format: a :class:`Stream` of parsed
     events for a server-sent-event body."""
@@ -294,7 +303,7 @@ def sniff(raw: bytes | bytearray | memoryview | mmap.mmap) -> Any:
     return parse_plain(raw, "body")
 
 
-# --- lengths, metadata, nested lists ----------------------------------------------------------
+# --- lengths and nested lists ---------------------------------------------------------------
 
 
 def placed_lengths(
@@ -305,45 +314,23 @@ def placed_lengths(
     Where both are known they must agree (a response that is not the request's would misplace
     every row), except a prefill's completion: it sampled one token, the request many.
     """
-    prompt, completion = found
-    if prompt is None:
-        prompt = lengths.prompt_len
-    elif lengths.prompt_len is not None and lengths.prompt_len != prompt:
-        raise WireFormatError(
-            f"{what}: the response has {prompt} prompt tokens, the request {lengths.prompt_len}; "
-            f"is this the request's response?"
-        )
+    prompt = _agreed(found[0], lengths.prompt_len, "prompt", "response", what)
     if role == "prefill":
-        return prompt, completion
-    if completion is None:
-        completion = lengths.completion_len
-    elif lengths.completion_len is not None and lengths.completion_len != completion:
+        return prompt, found[1]
+    return prompt, _agreed(found[1], lengths.completion_len, "completion", "choice", what)
+
+
+def _agreed(found: int | None, known: int | None, tokens: str, whose: str, what: str) -> int | None:
+    """A count the body gives (``found``), which must be the request's (``known``) where both
+    are known; the request's where the body has none."""
+    if found is None:
+        return known
+    if known is not None and known != found:
         raise WireFormatError(
-            f"{what}: the response has {completion} completion tokens, the request "
-            f"{lengths.completion_len}; is this the request's choice?"
+            f"{what}: the response has {found} {tokens} tokens, the request {known}; is this the "
+            f"request's {whose}?"
         )
-    return prompt, completion
-
-
-def rows_meta(
-    producer: str,
-    options: SourceOptions,
-    choice: int,
-    prompt_len: int | None,
-    completion_len: int | None,
-    layer_axis: str = "all",
-) -> dict[str, Any]:
-    """What every decoder says about its rows: the format, the choice, the lengths, the role
-    and which layers the layer axis holds (``"all"`` decoder layers, or only the ``"moe"``
-    ones)."""
-    return {
-        "producer": producer,
-        "choice": choice,
-        "prompt_len": prompt_len,
-        "completion_len": completion_len,
-        "role": options.role,
-        "layer_axis": layer_axis,
-    }
+    return found
 
 
 def nested_rows(value: object, ndim: int, what: str) -> np.ndarray:
@@ -384,3 +371,20 @@ def sources_of(choices: list[Any]) -> list[Any]:
             )
         out.extend(choice.sources)
     return out
+
+
+# --- synthesised bodies ---------------------------------------------------------------------
+
+
+def array_base64(array: np.ndarray) -> str:
+    """Base64 of an array's bytes in C order, as the producers write their blobs."""
+    return pybase64.b64encode_as_string(np.ascontiguousarray(array))
+
+
+def openai_usage(request: EngineRequest) -> dict[str, int]:
+    """The OpenAI ``usage`` of a request, in the field order vLLM's and SGLang's servers send."""
+    return {
+        "prompt_tokens": request.prompt_len,
+        "total_tokens": request.prompt_len + request.completion_len,
+        "completion_tokens": request.completion_len,
+    }

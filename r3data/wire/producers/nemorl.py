@@ -27,28 +27,23 @@ from typing import Any
 
 import numpy as np
 import orjson
-import pybase64
 
 from r3data.errors import EngineRoutesError, WireFormatError
 from r3data.wire.blob import decoded_length
 from r3data.wire.dtypes import parse_dtype
 from r3data.wire.envelope import check_nbytes
 from r3data.wire.producers.base import (
-    NO_LENGTHS,
     ROUTES_FIELD,
+    Choice,
     ChoiceOptions,
     ChoiceRows,
     EngineRequest,
-    Lengths,
     ProducerFormat,
 )
 from r3data.wire.producers.common import (
-    choice_token_lengths,
+    any_choice,
+    array_base64,
     nested_rows,
-    parse_plain,
-    placed_lengths,
-    rows_meta,
-    select_choices,
 )
 from r3data.wire.rows import EncodedRows, InlineRows, RowSource
 
@@ -72,8 +67,7 @@ def encode_routes(rows: np.ndarray) -> str:
     """``encode_routed_experts``: the ``nrlre1`` string of ``[S, L, K]`` rows."""
     rows = np.ascontiguousarray(rows)
     tokens, layers, topk = rows.shape
-    data = pybase64.b64encode_as_string(rows)
-    return f"{MAGIC}{rows.dtype.name}:{tokens}x{layers}x{topk}:{data}"
+    return f"{MAGIC}{rows.dtype.name}:{tokens}x{layers}x{topk}:{array_base64(rows)}"
 
 
 def _string_rows(value: str, meta: dict[str, Any], what: str) -> tuple[RowSource, int]:
@@ -108,6 +102,18 @@ def _string_rows(value: str, meta: dict[str, Any], what: str) -> tuple[RowSource
     return rows, tokens
 
 
+def _message_routes(choice: Mapping[str, Any]) -> object:
+    """A choice's ``message.routed_experts``, else None."""
+    message = choice.get("message")
+    return message.get(ROUTES_FIELD) if isinstance(message, Mapping) else None
+
+
+def _sends_nemorl(choice: Mapping[str, Any]) -> bool:
+    """Whether a choice's message carries an ``nrlre1`` string or (legacy) nested lists."""
+    value = _message_routes(choice)
+    return (isinstance(value, str) and value.startswith(MAGIC)) or isinstance(value, list)
+
+
 class NemoRlFormat(ProducerFormat):
     name = "nemo-rl"
     producer = "NeMo-RL"
@@ -116,48 +122,26 @@ class NemoRlFormat(ProducerFormat):
     prompt_start = False
 
     def recognise(self, doc: Any) -> bool:
-        choices = doc.get("choices") if isinstance(doc, Mapping) else None
-        if not isinstance(choices, list):
-            return False
-        for choice in choices:
-            message = choice.get("message") if isinstance(choice, Mapping) else None
-            value = message.get(ROUTES_FIELD) if isinstance(message, Mapping) else None
-            if (isinstance(value, str) and value.startswith(MAGIC)) or isinstance(value, list):
-                return True
-        return False
+        return any_choice(doc, _sends_nemorl)
 
-    def decode(
-        self,
-        response: Any,
-        options: ChoiceOptions,
-        lengths: Lengths = NO_LENGTHS,
-        fields: frozenset[str] | None = None,
-    ) -> list[ChoiceRows]:
-        parsed = parse_plain(response, f"{self.name} response")
-        out = []
-        for index, entry in select_choices(parsed, options.choice, f"{self.name} response"):
-            what = f"{self.name} choices[{index}].message.{ROUTES_FIELD}"
-            prompt, completion = placed_lengths(
-                choice_token_lengths(parsed, entry), lengths, options.role, what
+    def decode_choice(self, choice: Choice) -> ChoiceRows:
+        what = f"{self.name} choices[{choice.index}].message.{ROUTES_FIELD}"
+        prompt, completion = choice.placed(what)
+        value = _message_routes(choice.entry)
+        if value is None:
+            return ChoiceRows(choice.index, (), (what,))
+        meta = self.rows_meta(choice, prompt, completion)
+        if isinstance(value, str):
+            rows, tokens = _string_rows(value, meta, what)
+        else:
+            full = nested_rows(value, 3, what)
+            rows, tokens = InlineRows(ROUTES_FIELD, full[:-1], 0, meta), full.shape[0]
+        if prompt is not None and completion is not None and tokens != prompt + completion:
+            raise EngineRoutesError(
+                f"{what}: expected {prompt + completion} rows (prompt {prompt} + completion "
+                f"{completion}, the last a placeholder), found {tokens}"
             )
-            message = entry.get("message")
-            value = message.get(ROUTES_FIELD) if isinstance(message, Mapping) else None
-            if value is None:
-                out.append(ChoiceRows(index, (), (what,)))
-                continue
-            meta = rows_meta(self.name, options, index, prompt, completion)
-            if isinstance(value, str):
-                rows, tokens = _string_rows(value, meta, what)
-            else:
-                full = nested_rows(value, 3, what)
-                rows, tokens = InlineRows(ROUTES_FIELD, full[:-1], 0, meta), full.shape[0]
-            if prompt is not None and completion is not None and tokens != prompt + completion:
-                raise EngineRoutesError(
-                    f"{what}: expected {prompt + completion} rows (prompt {prompt} + completion "
-                    f"{completion}, the last a placeholder), found {tokens}"
-                )
-            out.append(ChoiceRows(index, (rows,)))
-        return out
+        return ChoiceRows(choice.index, (rows,))
 
     def encode(self, request: EngineRequest) -> bytes:
         """A chat body with ``message.routed_experts`` (rows from 0, the last ``arange``)."""

@@ -34,7 +34,6 @@ from typing import Any
 
 import numpy as np
 import orjson
-import pybase64
 
 from r3data.errors import ConfigError, R3DataError, WireFormatError, with_message
 from r3data.ragged import RaggedRows
@@ -45,8 +44,8 @@ from r3data.wire.envelope import check_nbytes, envelope_spec
 from r3data.wire.masks import check_csr
 from r3data.wire.producers.base import (
     MASK_FIELD,
-    NO_LENGTHS,
     ROUTES_FIELD,
+    Choice,
     ChoiceOptions,
     ChoiceRows,
     EngineRequest,
@@ -54,17 +53,14 @@ from r3data.wire.producers.base import (
     ProducerFormat,
 )
 from r3data.wire.producers.common import (
+    any_choice,
+    array_base64,
     blob_nbytes,
+    blob_rows,
     check_route_shape,
-    choice_token_lengths,
     envelope_rows,
-    flat_rows,
     optional_position,
-    parse_response,
-    placed_lengths,
     raw_blob,
-    rows_meta,
-    select_choices,
     sources_of,
 )
 from r3data.wire.rows import InlineRows, RowSource
@@ -141,8 +137,8 @@ def _route_rows(
         rows = envelope_rows(envelope, ROUTES_FIELD, dtype, shape, pos=start, meta=meta, what=what)
     else:  # spliced on "data": a bare blob, encoded or decoded
         check_nbytes(blob_nbytes(data, f"{what}.data"), dtype, shape, what=f"{what}.data")
-        rows = flat_rows(
-            ROUTES_FIELD, data, dtype=dtype, row_shape=shape[1:], pos=start, meta=meta, what=what
+        rows = blob_rows(
+            ROUTES_FIELD, data, dtype=dtype, shape=shape, pos=start, meta=meta, what=what
         )
     check_route_shape(rows, what)
     return rows
@@ -169,16 +165,27 @@ def _segments(value: object, wanted: frozenset[str] | None, role: str, what: str
     return out
 
 
+def _sends_primerl(choice: Mapping[str, Any]) -> bool:
+    """Whether a choice carries prime-rl's rows: an envelope with ``start`` or without
+    ``dtype``, by-handle segments or kept tokens."""
+    routes = choice.get(ROUTES_FIELD)
+    return (
+        (
+            isinstance(routes, Mapping)
+            and "data" in routes
+            and ("start" in routes or "dtype" not in routes)  # SkyRL sends neither form
+        )
+        or isinstance(choice.get(PAYLOAD), list)
+        or isinstance(choice.get(KEPT_TOKENS), Mapping)
+    )
+
+
 def _primerl_dtype(routes: np.ndarray) -> np.dtype:
     """uint8, or uint16 when an id exceeds 255 (prime-rl picks it from the ids present)."""
     top = int(routes.max(initial=0))
     if top > np.iinfo(np.uint16).max:
         raise ConfigError(f"prime-rl sends ids up to 65535 (uint16), found {top}")
     return np.dtype(np.uint8 if top <= 255 else np.uint16)
-
-
-def _b64(array: np.ndarray) -> str:
-    return pybase64.b64encode_as_string(np.ascontiguousarray(array))
 
 
 class PrimeRlFormat(ProducerFormat):
@@ -194,67 +201,39 @@ class PrimeRlFormat(ProducerFormat):
     spliced = SPLICED
 
     def recognise(self, doc: Any) -> bool:
-        choices = doc.get("choices") if isinstance(doc, Mapping) else None
-        if not isinstance(choices, list):
-            return False
-        for choice in choices:
-            if not isinstance(choice, Mapping):
-                continue
-            routes = choice.get(ROUTES_FIELD)
-            if (
-                isinstance(routes, Mapping)
-                and "data" in routes
-                and ("start" in routes or "dtype" not in routes)  # SkyRL sends neither form
-            ):
-                return True
-            if isinstance(choice.get(PAYLOAD), list) or isinstance(
-                choice.get(KEPT_TOKENS), Mapping
-            ):
-                return True
-        return False
+        return any_choice(doc, _sends_primerl)
 
-    def decode(
-        self,
-        response: Any,
-        options: ChoiceOptions,
-        lengths: Lengths = NO_LENGTHS,
-        fields: frozenset[str] | None = None,
-    ) -> list[ChoiceRows]:
-        parsed = parse_response(response, self.spliced)
-        want_routes = fields is None or ROUTES_FIELD in fields
-        want_masks = fields is None or MASK_FIELD in fields
-        out = []
-        for index, entry in select_choices(parsed, options.choice, "prime-rl response"):
-            what = f"prime-rl choices[{index}]"
-            found = choice_token_lengths(parsed, entry)
-            prompt, completion = placed_lengths(found, lengths, options.role, what)
-            meta = rows_meta(self.name, options, index, prompt, completion)
-            sources: list[Any] = []
-            missing: list[str] = []
-            if entry.get(PAYLOAD) is not None:
-                sources += _segments(entry[PAYLOAD], fields, options.role, f"{what}.{PAYLOAD}")
-            if want_routes:
-                routes = entry.get(ROUTES_FIELD)
-                if routes is not None:
-                    sources.append(
-                        _route_rows(routes, prompt, completion, meta, f"{what}.{ROUTES_FIELD}")
-                    )
-                elif not any(s.field == ROUTES_FIELD for s in sources):
-                    missing.append(f"{what}.{ROUTES_FIELD}")
-            if want_masks and KEPT_TOKENS in entry:
+    def decode_choice(self, choice: Choice) -> ChoiceRows:
+        what = f"{self.name} choices[{choice.index}]"
+        prompt, completion = choice.placed(what)
+        meta = self.rows_meta(choice, prompt, completion)
+        entry = choice.entry
+        sources: list[Any] = []
+        missing: list[str] = []
+        if entry.get(PAYLOAD) is not None:
+            role = choice.options.role
+            sources += _segments(entry[PAYLOAD], choice.fields, role, f"{what}.{PAYLOAD}")
+        if choice.wants(ROUTES_FIELD):
+            routes = entry.get(ROUTES_FIELD)
+            if routes is not None:
                 sources.append(
-                    kept_tokens_rows(
-                        entry[KEPT_TOKENS], prompt, completion, meta, f"{what}.{KEPT_TOKENS}"
-                    )
+                    _route_rows(routes, prompt, completion, meta, f"{what}.{ROUTES_FIELD}")
                 )
-            out.append(ChoiceRows(index, tuple(sources), tuple(missing)))
-        return out
+            elif not any(s.field == ROUTES_FIELD for s in sources):
+                missing.append(f"{what}.{ROUTES_FIELD}")
+        if choice.wants(MASK_FIELD) and KEPT_TOKENS in entry:
+            sources.append(
+                kept_tokens_rows(
+                    entry[KEPT_TOKENS], prompt, completion, meta, f"{what}.{KEPT_TOKENS}"
+                )
+            )
+        return ChoiceRows(choice.index, tuple(sources), tuple(missing))
 
     def encode(self, request: EngineRequest) -> bytes:
         """A ``/inference/v1/generate`` body (v3 envelope; ``kept_tokens`` with a mask)."""
         routes = np.ascontiguousarray(request.routes.astype(_primerl_dtype(request.routes)))
         envelope = {
-            "data": _b64(routes),
+            "data": array_base64(routes),
             "shape": list(routes.shape),
             "start": request.start,
             "dtype": routes.dtype.name,
@@ -270,7 +249,7 @@ class PrimeRlFormat(ProducerFormat):
         if mask is not None:
             values, offsets = mask.compact()
             counts = np.diff(offsets).astype(np.int32)
-            kept = {"ids": _b64(values.astype(np.int32)), "counts": _b64(counts)}
+            kept = {"ids": array_base64(values.astype(np.int32)), "counts": array_base64(counts)}
             choice[KEPT_TOKENS] = kept if counts.any() else None
         body = {
             "request_id": "r3data-synth",

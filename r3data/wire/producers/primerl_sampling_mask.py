@@ -20,7 +20,7 @@ from r3data.ragged import RaggedRows
 from r3data.wire.masks import pack_csr, unpack_csr
 from r3data.wire.producers.base import (
     MASK_FIELD,
-    NO_LENGTHS,
+    Choice,
     ChoiceOptions,
     ChoiceRows,
     EngineRequest,
@@ -28,11 +28,7 @@ from r3data.wire.producers.base import (
     ProducerFormat,
 )
 from r3data.wire.producers.common import (
-    choice_token_lengths,
-    parse_response,
-    placed_lengths,
-    rows_meta,
-    select_choices,
+    any_choice,
     sources_of,
 )
 from r3data.wire.rows import InlineRows
@@ -50,42 +46,25 @@ class PrimeRlSamplingMaskFormat(ProducerFormat):
     current = False
 
     def recognise(self, doc: Any) -> bool:
-        choices = doc.get("choices") if isinstance(doc, Mapping) else None
-        return isinstance(choices, list) and any(
-            isinstance(c, Mapping) and isinstance(c.get(MASK_FIELD), Mapping) for c in choices
-        )
+        return any_choice(doc, lambda c: isinstance(c.get(MASK_FIELD), Mapping))
 
-    def decode(
-        self,
-        response: Any,
-        options: ChoiceOptions,
-        lengths: Lengths = NO_LENGTHS,
-        fields: frozenset[str] | None = None,
-    ) -> list[ChoiceRows]:
-        parsed = parse_response(response, self.spliced)
-        out = []
-        for index, entry in select_choices(parsed, options.choice, f"{self.name} response"):
-            what = f"{self.name} choices[{index}].{MASK_FIELD}"
-            found = choice_token_lengths(parsed, entry)
-            prompt, completion = placed_lengths(found, lengths, options.role, what)
-            value = entry.get(MASK_FIELD)
-            if value is None:
-                out.append(ChoiceRows(index, (), (what,)))
-                continue
-            ids, counts = unpack_csr(value, what=what)
-            if prompt is None:
-                raise WireFormatError(
-                    f"{what}: cannot place the mask rows without the prompt length"
-                )
-            if completion is not None and counts.size != completion:
-                raise WireFormatError(
-                    f"{what}: expected one kept-set size per completion token ({completion}), "
-                    f"found {counts.size}"
-                )
-            meta = rows_meta(self.name, options, index, prompt, counts.size)
-            rows = RaggedRows.from_lengths(ids, counts, what=what)
-            out.append(ChoiceRows(index, (InlineRows(MASK_FIELD, rows, prompt, meta),)))
-        return out
+    def decode_choice(self, choice: Choice) -> ChoiceRows:
+        what = f"{self.name} choices[{choice.index}].{MASK_FIELD}"
+        prompt, completion = choice.placed(what)
+        value = choice.entry.get(MASK_FIELD)
+        if value is None:
+            return ChoiceRows(choice.index, (), (what,))
+        ids, counts = unpack_csr(value, what=what)
+        if prompt is None:
+            raise WireFormatError(f"{what}: cannot place the mask rows without the prompt length")
+        if completion is not None and counts.size != completion:
+            raise WireFormatError(
+                f"{what}: expected one kept-set size per completion token ({completion}), "
+                f"found {counts.size}"
+            )
+        meta = self.rows_meta(choice, prompt, counts.size)
+        rows = RaggedRows.from_lengths(ids, counts, what=what)
+        return ChoiceRows(choice.index, (InlineRows(MASK_FIELD, rows, prompt, meta),))
 
     def encode(self, request: EngineRequest) -> bytes:
         if request.sampling_mask is None:

@@ -25,31 +25,28 @@ from typing import Any
 
 import numpy as np
 import orjson
-import pybase64
 
 from r3data.errors import ConfigError, WireFormatError
 from r3data.wire.anchors import anchored_pos
 from r3data.wire.producers.base import (
-    NO_LENGTHS,
     ROUTES_FIELD,
+    Choice,
     ChoiceRows,
     EngineRequest,
-    Lengths,
     ProducerFormat,
     ShapeOptions,
     StartOptions,
 )
 from r3data.wire.producers.common import (
-    Stream,
+    array_base64,
     blob_nbytes,
-    flat_rows,
+    blob_rows,
+    documents,
     is_stream,
-    optional_position,
     parse_response,
-    placed_lengths,
-    rows_meta,
     sources_of,
     stream_events,
+    token_counts,
 )
 from r3data.wire.rows import RowSource
 
@@ -75,20 +72,13 @@ def flat_int32_rows(
             f"{what}: expected a multiple of {per_row} int32 ids (layers {options.num_layers} x "
             f"topk {options.topk}), found {nbytes} bytes"
         )
-    return flat_rows(
-        ROUTES_FIELD,
-        value,
-        dtype=INT32,
-        row_shape=(options.num_layers, options.topk),
-        pos=start,
-        meta=meta,
-        what=what,
-    )
+    shape = (nbytes // (per_row * INT32.itemsize), options.num_layers, options.topk)
+    return blob_rows(ROUTES_FIELD, value, dtype=INT32, shape=shape, pos=start, meta=meta, what=what)
 
 
 def flat_int32_base64(routes: np.ndarray) -> str:
     """Base64 of the flat int32 ids, as SGLang's detokenizer writes them."""
-    return pybase64.b64encode_as_string(np.ascontiguousarray(routes, dtype=INT32))
+    return array_base64(routes.astype(INT32, copy=False))
 
 
 def _final_chunk(raw: Any, what: str) -> Any:
@@ -96,8 +86,8 @@ def _final_chunk(raw: Any, what: str) -> Any:
     them when the request finishes; its chunks are cumulative)."""
     chunks = [parse_response(event, (ROUTES_FIELD,)) for event in stream_events(raw, what)]
     for number, chunk in enumerate(chunks[:-1]):
-        meta_info = chunk.get("meta_info") if isinstance(chunk, Mapping) else None
-        if isinstance(meta_info, Mapping) and meta_info.get(ROUTES_FIELD) is not None:
+        meta_info = _meta_info(chunk)
+        if meta_info is not None and meta_info.get(ROUTES_FIELD) is not None:
             raise WireFormatError(
                 f"{what}: routes on event {number} of {len(chunks)}; SGLang sends them in the "
                 f"final chunk only"
@@ -107,9 +97,15 @@ def _final_chunk(raw: Any, what: str) -> Any:
     return chunks[-1]
 
 
-def _carries_flat_ids(item: object) -> bool:
+def _meta_info(item: object) -> Mapping[str, Any] | None:
+    """An item's ``meta_info`` object, else None."""
     meta_info = item.get("meta_info") if isinstance(item, Mapping) else None
-    return isinstance(meta_info, Mapping) and isinstance(meta_info.get(ROUTES_FIELD), str)
+    return meta_info if isinstance(meta_info, Mapping) else None
+
+
+def _carries_flat_ids(item: object) -> bool:
+    meta_info = _meta_info(item)
+    return meta_info is not None and isinstance(meta_info.get(ROUTES_FIELD), str)
 
 
 class SglangFormat(ProducerFormat):
@@ -119,58 +115,42 @@ class SglangFormat(ProducerFormat):
     options = SglangOptions
     spliced = (ROUTES_FIELD,)
 
-    def start_of(self, options: SglangOptions) -> int:
-        """Where the rows start: the request's ``routed_experts_start_len``."""
-        return options.start
+    def parse(self, response: Any) -> Any:
+        if is_stream(response):
+            return _final_chunk(response, f"{self.name} stream")
+        return super().parse(response)
 
     def recognise(self, doc: Any) -> bool:
-        items = doc if isinstance(doc, list | Stream) else (doc,)
+        items = doc if isinstance(doc, list) else documents(doc)
         return any(_carries_flat_ids(item) for item in items)
 
-    def decode(
-        self,
-        response: Any,
-        options: ShapeOptions,
-        lengths: Lengths = NO_LENGTHS,
-        fields: frozenset[str] | None = None,
-    ) -> list[ChoiceRows]:
-        if is_stream(response):
-            parsed = _final_chunk(response, f"{self.name} stream")
-        else:
-            parsed = parse_response(response, self.spliced)
+    def choices(self, parsed: Any, options: ShapeOptions) -> list[tuple[int, Any]]:
+        """The items of a batch list (all, or ``options.choice``); a single response is one."""
         items = parsed if isinstance(parsed, list) else [parsed]
         if options.choice is not None and options.choice >= len(items):
             raise ConfigError(
                 f"{self.name} response: choice {options.choice} out of range; it has "
                 f"{len(items)} items"
             )
-        start = self.start_of(options)
-        out = []
-        for index in range(len(items)) if options.choice is None else (options.choice,):
-            what = f"{self.name} [{index}].meta_info.{ROUTES_FIELD}"
-            meta_info = items[index].get("meta_info") if isinstance(items[index], Mapping) else None
-            if not isinstance(meta_info, Mapping):
-                raise WireFormatError(f"{self.name} [{index}]: expected an object with 'meta_info'")
-            found = (
-                optional_position(
-                    meta_info.get("prompt_tokens"), f"{what}: prompt_tokens", WireFormatError
-                ),
-                optional_position(
-                    meta_info.get("completion_tokens"),
-                    f"{what}: completion_tokens",
-                    WireFormatError,
-                ),
+        picked = range(len(items)) if options.choice is None else (options.choice,)
+        return [(index, items[index]) for index in picked]
+
+    def decode_choice(self, choice: Choice) -> ChoiceRows:
+        what = f"{self.name} [{choice.index}].meta_info.{ROUTES_FIELD}"
+        meta_info = _meta_info(choice.entry)
+        if meta_info is None:
+            raise WireFormatError(
+                f"{self.name} [{choice.index}]: expected an object with 'meta_info'"
             )
-            prompt, completion = placed_lengths(found, lengths, options.role, what)
-            value = meta_info.get(ROUTES_FIELD)
-            if value is None:
-                out.append(ChoiceRows(index, (), (what,)))
-                continue
-            meta = rows_meta(self.name, options, index, prompt, completion)
-            rows = flat_int32_rows(value, options, start, meta, what)
-            anchored_pos(rows.rows, prompt, completion, start, what=what)
-            out.append(ChoiceRows(index, (rows,)))
-        return out
+        prompt, completion = choice.placed(what, token_counts(meta_info, f"{what}: "))
+        value = meta_info.get(ROUTES_FIELD)
+        if value is None:
+            return ChoiceRows(choice.index, (), (what,))
+        start = self.start_of(choice.options)
+        meta = self.rows_meta(choice, prompt, completion)
+        rows = flat_int32_rows(value, choice.options, start, meta, what)
+        anchored_pos(rows.rows, prompt, completion, start, what=what)
+        return ChoiceRows(choice.index, (rows,))
 
     def encode(self, request: EngineRequest) -> bytes:
         """A ``/generate`` body for one prompt (``meta_info`` fields in SGLang's order)."""

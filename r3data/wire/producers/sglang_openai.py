@@ -27,23 +27,19 @@ from r3data.errors import WireFormatError
 from r3data.validate import nonnegative_int
 from r3data.wire.anchors import anchored_pos
 from r3data.wire.producers.base import (
-    NO_LENGTHS,
     ROUTES_FIELD,
+    Choice,
     ChoiceRows,
     EngineRequest,
-    Lengths,
     ProducerFormat,
-    ShapeOptions,
 )
 from r3data.wire.producers.common import (
-    Stream,
+    documents,
     is_stream,
-    optional_position,
+    openai_usage,
     parse_response,
-    placed_lengths,
-    rows_meta,
-    select_choices,
     stream_events,
+    token_counts,
 )
 from r3data.wire.producers.sglang import SglangOptions, flat_int32_base64, flat_int32_rows
 
@@ -73,9 +69,10 @@ def _assemble(raw: Any, what: str) -> dict[str, Any]:
     return {**merged, "choices": [{"index": i} for i in range(choices)]}
 
 
-def _has_ext_routes(doc: object) -> bool:
+def _ext_routes(doc: object) -> object:
+    """The routes in a response's (or chunk's) ``sglext``, else None."""
     ext = doc.get(EXT) if isinstance(doc, Mapping) else None
-    return isinstance(ext, Mapping) and isinstance(ext.get(ROUTES_FIELD), str)
+    return ext.get(ROUTES_FIELD) if isinstance(ext, Mapping) else None
 
 
 class SglangOpenaiFormat(ProducerFormat):
@@ -85,57 +82,32 @@ class SglangOpenaiFormat(ProducerFormat):
     options = SglangOptions
     spliced = (ROUTES_FIELD,)
 
-    def start_of(self, options: SglangOptions) -> int:
-        return options.start
+    def parse(self, response: Any) -> Any:
+        if is_stream(response):
+            return _assemble(response, f"{self.name} stream")
+        return super().parse(response)
 
     def recognise(self, doc: Any) -> bool:
-        events = doc if isinstance(doc, Stream) else (doc,)
-        return any(_has_ext_routes(event) for event in events)
+        return any(isinstance(_ext_routes(event), str) for event in documents(doc))
 
-    def decode(
-        self,
-        response: Any,
-        options: ShapeOptions,
-        lengths: Lengths = NO_LENGTHS,
-        fields: frozenset[str] | None = None,
-    ) -> list[ChoiceRows]:
-        what_body = f"{self.name} response"
-        if is_stream(response):
-            parsed = _assemble(response, f"{self.name} stream")
-        else:
-            parsed = parse_response(response, self.spliced)
-        chosen = select_choices(parsed, options.choice, what_body)
-        ext = parsed.get(EXT)
-        value = ext.get(ROUTES_FIELD) if isinstance(ext, Mapping) else None
+    def decode_choice(self, choice: Choice) -> ChoiceRows:
+        what = f"{self.name} {EXT}.{ROUTES_FIELD}"
+        if choice.index:
+            first_only = f"{what} for choice {choice.index} (first sequence only)"
+            return ChoiceRows(choice.index, (), (first_only,))
         found: tuple[int | None, int | None] = (None, None)
-        usage = parsed.get("usage")
-        if isinstance(usage, Mapping) and len(parsed["choices"]) == 1:
-            found = (
-                optional_position(
-                    usage.get("prompt_tokens"), "usage.prompt_tokens", WireFormatError
-                ),
-                optional_position(
-                    usage.get("completion_tokens"), "usage.completion_tokens", WireFormatError
-                ),
-            )
-        start = self.start_of(options)
-        out = []
-        for index, _ in chosen:
-            what = f"{self.name} {EXT}.{ROUTES_FIELD}"
-            if index:
-                out.append(
-                    ChoiceRows(index, (), (f"{what} for choice {index} (first sequence only)",))
-                )
-                continue
-            if value is None:
-                out.append(ChoiceRows(index, (), (what,)))
-                continue
-            prompt, completion = placed_lengths(found, lengths, options.role, what)
-            meta = rows_meta(self.name, options, index, prompt, completion)
-            rows = flat_int32_rows(value, options, start, meta, what)
-            anchored_pos(rows.rows, prompt, completion, start, what=what)
-            out.append(ChoiceRows(index, (rows,)))
-        return out
+        usage = choice.response.get("usage")
+        if isinstance(usage, Mapping) and len(choice.response["choices"]) == 1:
+            found = token_counts(usage, "usage.")
+        value = _ext_routes(choice.response)
+        if value is None:
+            return ChoiceRows(choice.index, (), (what,))
+        prompt, completion = choice.placed(what, found)
+        start = self.start_of(choice.options)
+        meta = self.rows_meta(choice, prompt, completion)
+        rows = flat_int32_rows(value, choice.options, start, meta, what)
+        anchored_pos(rows.rows, prompt, completion, start, what=what)
+        return ChoiceRows(choice.index, (rows,))
 
     def encode(self, request: EngineRequest) -> bytes:
         """A ``/v1/chat/completions`` body for one sample (field order as SGLang's)."""
@@ -154,11 +126,7 @@ class SglangOpenaiFormat(ProducerFormat):
                     "matched_stop": None,
                 }
             ],
-            "usage": {
-                "prompt_tokens": request.prompt_len,
-                "total_tokens": request.prompt_len + request.completion_len,
-                "completion_tokens": request.completion_len,
-            },
+            "usage": openai_usage(request),
             "metadata": {"weight_version": "default"},
             EXT: {ROUTES_FIELD: flat_int32_base64(request.routes)},
         }

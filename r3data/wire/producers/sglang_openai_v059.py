@@ -17,8 +17,5 @@ class SglangOpenai059Format(SglangOpenaiFormat):
     prompt_start = False
     current = False
 
-    def start_of(self, options: ShapeOptions) -> int:
-        return 0
-
 
 FORMAT = SglangOpenai059Format()

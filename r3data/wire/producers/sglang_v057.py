@@ -22,8 +22,5 @@ class Sglang057Format(SglangFormat):
     prompt_start = False
     current = False
 
-    def start_of(self, options: ShapeOptions) -> int:
-        return 0
-
 
 FORMAT = Sglang057Format()

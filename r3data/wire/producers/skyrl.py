@@ -26,7 +26,6 @@ from typing import Any
 
 import numpy as np
 import orjson
-import pybase64
 
 from r3data.errors import ConfigError, PackedError, WireFormatError
 from r3data.ragged import RaggedRows
@@ -34,22 +33,18 @@ from r3data.wire.anchors import anchored_pos
 from r3data.wire.dtypes import ROUTE_DTYPES
 from r3data.wire.envelope import envelope_spec, unpack_ndarray
 from r3data.wire.producers.base import (
-    NO_LENGTHS,
     ROUTES_FIELD,
+    Choice,
     ChoiceRows,
     EngineRequest,
-    Lengths,
     ProducerFormat,
     StartOptions,
 )
 from r3data.wire.producers.common import (
+    any_choice,
+    array_base64,
     check_route_shape,
-    choice_token_lengths,
     envelope_rows,
-    parse_response,
-    placed_lengths,
-    rows_meta,
-    select_choices,
     sources_of,
 )
 from r3data.wire.rows import InlineRows, RowSource
@@ -70,8 +65,7 @@ def skyrl_dtype(routes: np.ndarray) -> np.dtype:
 def skyrl_envelope(array: np.ndarray) -> dict[str, Any]:
     """``pack_ndarray``'s envelope: ``data``, ``shape``, ``dtype``."""
     array = np.ascontiguousarray(array)
-    data = pybase64.b64encode_as_string(array)
-    return {"data": data, "shape": list(array.shape), "dtype": array.dtype.name}
+    return {"data": array_base64(array), "shape": list(array.shape), "dtype": array.dtype.name}
 
 
 def support_rows(
@@ -97,14 +91,15 @@ def support_rows(
     return InlineRows(SUPPORT_FIELD, rows, prompt, meta)
 
 
-def _envelope_routes(
-    envelope: object, start: int, prompt: int | None, completion: int | None, meta: dict, what: str
-) -> RowSource:
-    dtype, shape, _ = envelope_spec(envelope, allowed_dtypes=ROUTE_DTYPES, ndim=3, what=what)
-    anchored_pos(shape[0], prompt, completion, start, what=what)
-    rows = envelope_rows(envelope, ROUTES_FIELD, dtype, shape, pos=start, meta=meta, what=what)
-    check_route_shape(rows, what)
-    return rows
+def _sends_skyrl(choice: Mapping[str, Any]) -> bool:
+    """Whether a choice carries SkyRL's rows: a sampled support, or an envelope with ``dtype``
+    and no ``start``."""
+    routes = choice.get(ROUTES_FIELD)
+    return isinstance(choice.get(SUPPORT_FIELD), Mapping) or (
+        isinstance(routes, Mapping)
+        and "dtype" in routes
+        and "start" not in routes  # prime-rl's envelopes carry it
+    )
 
 
 class SkyrlFormat(ProducerFormat):
@@ -116,19 +111,7 @@ class SkyrlFormat(ProducerFormat):
     spliced = (ROUTES_FIELD, SUPPORT_FIELD)
 
     def recognise(self, doc: Any) -> bool:
-        choices = doc.get("choices") if isinstance(doc, Mapping) else None
-        return isinstance(choices, list) and any(
-            isinstance(c, Mapping)
-            and (
-                isinstance(c.get(SUPPORT_FIELD), Mapping)
-                or (
-                    isinstance(routes := c.get(ROUTES_FIELD), Mapping)
-                    and "dtype" in routes
-                    and "start" not in routes  # prime-rl's envelopes carry it
-                )
-            )
-            for c in choices
-        )
+        return any_choice(doc, _sends_skyrl)
 
     def route_rows(
         self,
@@ -139,41 +122,34 @@ class SkyrlFormat(ProducerFormat):
         meta: dict,
         what: str,
     ) -> RowSource:
-        return _envelope_routes(value, start, prompt, completion, meta, what)
+        """The rows of ``routed_experts`` as this version sends them (an envelope)."""
+        dtype, shape, _ = envelope_spec(value, allowed_dtypes=ROUTE_DTYPES, ndim=3, what=what)
+        anchored_pos(shape[0], prompt, completion, start, what=what)
+        rows = envelope_rows(value, ROUTES_FIELD, dtype, shape, pos=start, meta=meta, what=what)
+        check_route_shape(rows, what)
+        return rows
 
-    def parse(self, response: Any) -> Any:
-        return parse_response(response, self.spliced)
-
-    def decode(
-        self,
-        response: Any,
-        options: StartOptions,
-        lengths: Lengths = NO_LENGTHS,
-        fields: frozenset[str] | None = None,
-    ) -> list[ChoiceRows]:
-        parsed = self.parse(response)
-        out = []
-        for index, entry in select_choices(parsed, options.choice, f"{self.name} response"):
-            what = f"{self.name} choices[{index}]"
-            found = choice_token_lengths(parsed, entry)
-            prompt, completion = placed_lengths(found, lengths, options.role, what)
-            meta = rows_meta(self.name, options, index, prompt, completion)
-            sources: list[Any] = []
-            missing: list[str] = []
-            if fields is None or ROUTES_FIELD in fields:
-                value = entry.get(ROUTES_FIELD)
-                where = f"{what}.{ROUTES_FIELD}"
-                if value is None:
-                    missing.append(where)
-                else:
-                    rows = self.route_rows(value, options.start, prompt, completion, meta, where)
-                    if rows.rows:  # none (a request from its last position): nothing to place
-                        sources.append(rows)
-            if (fields is None or SUPPORT_FIELD in fields) and entry.get(SUPPORT_FIELD) is not None:
-                where = f"{what}.{SUPPORT_FIELD}"
-                sources.append(support_rows(entry[SUPPORT_FIELD], prompt, completion, meta, where))
-            out.append(ChoiceRows(index, tuple(sources), tuple(missing)))
-        return out
+    def decode_choice(self, choice: Choice) -> ChoiceRows:
+        what = f"{self.name} choices[{choice.index}]"
+        prompt, completion = choice.placed(what)
+        meta = self.rows_meta(choice, prompt, completion)
+        sources: list[Any] = []
+        missing: list[str] = []
+        if choice.wants(ROUTES_FIELD):
+            value = choice.entry.get(ROUTES_FIELD)
+            where = f"{what}.{ROUTES_FIELD}"
+            if value is None:
+                missing.append(where)
+            else:
+                start = self.start_of(choice.options)
+                rows = self.route_rows(value, start, prompt, completion, meta, where)
+                if rows.rows:  # none (a request from its last position): nothing to place
+                    sources.append(rows)
+        support = choice.entry.get(SUPPORT_FIELD)
+        if choice.wants(SUPPORT_FIELD) and support is not None:
+            where = f"{what}.{SUPPORT_FIELD}"
+            sources.append(support_rows(support, prompt, completion, meta, where))
+        return ChoiceRows(choice.index, tuple(sources), tuple(missing))
 
     def routes_value(self, routes: np.ndarray) -> Any:
         """``routed_experts`` as this version sends it."""

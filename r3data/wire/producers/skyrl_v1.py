@@ -13,7 +13,7 @@ import numpy as np
 
 from r3data.wire.anchors import anchored_pos
 from r3data.wire.producers.base import ROUTES_FIELD
-from r3data.wire.producers.common import nested_rows, parse_plain
+from r3data.wire.producers.common import any_choice, nested_rows
 from r3data.wire.producers.skyrl import SkyrlFormat
 from r3data.wire.rows import InlineRows, RowSource
 
@@ -28,18 +28,11 @@ class SkyrlV1Format(SkyrlFormat):
     current = False
 
     def recognise(self, doc: Any) -> bool:
-        choices = doc.get("choices") if isinstance(doc, Mapping) else None
         return (
             isinstance(doc, Mapping)
             and doc.keys() == {"choices"}
-            and isinstance(choices, list)
-            and any(
-                isinstance(c, Mapping) and isinstance(c.get(ROUTES_FIELD), list) for c in choices
-            )
+            and any_choice(doc, lambda c: isinstance(c.get(ROUTES_FIELD), list))
         )
-
-    def parse(self, response: Any) -> Any:
-        return parse_plain(response, f"{self.name} response")
 
     def route_rows(
         self,

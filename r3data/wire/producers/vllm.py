@@ -34,34 +34,40 @@ from r3data.validate import nonnegative_int
 from r3data.wire.anchors import anchored_pos
 from r3data.wire.blob import Blob, decode_base64
 from r3data.wire.dtypes import ROUTE_DTYPES, compact_route_dtype
-from r3data.wire.envelope import array_from_buffer, check_nbytes
+from r3data.wire.envelope import check_nbytes
 from r3data.wire.npy import NPY_PREFIX_BYTES, npy_header_length, parse_npy_header
 from r3data.wire.producers.base import (
-    NO_LENGTHS,
     ROUTES_FIELD,
+    Choice,
     ChoiceRows,
     EngineRequest,
-    Lengths,
     ProducerFormat,
     StartOptions,
 )
 from r3data.wire.producers.common import (
-    Stream,
+    any_choice,
     blob_nbytes,
+    blob_rows,
     check_route_shape,
-    choice_token_lengths,
+    documents,
     is_stream,
+    openai_usage,
     parse_response,
-    placed_lengths,
     raw_blob,
-    rows_meta,
-    select_choices,
     sources_of,
     stream_events,
 )
-from r3data.wire.rows import EncodedRows, InlineRows, RowSource
+from r3data.wire.rows import RowSource
 
-__all__ = ["FORMAT", "VllmFormat", "npy_base64", "npy_routes", "read_npy", "vllm_routes"]
+__all__ = [
+    "FORMAT",
+    "VllmFormat",
+    "completion_choice",
+    "npy_base64",
+    "npy_routes",
+    "read_npy",
+    "vllm_routes",
+]
 
 _NPY_BASE64 = "k05VTVBZ"
 """How base64 of a ``.npy`` file begins (``\\x93NUMPY``)."""
@@ -98,22 +104,9 @@ def npy_routes(
             f"{' in Fortran order' if fortran else ''}"
         )
     check_nbytes(blob_nbytes(blob, what) - offset, dtype, shape, what=what)
-    if isinstance(blob, Blob | str):
-        chars = blob.chars if isinstance(blob, Blob) else blob
-        rows: RowSource = EncodedRows(
-            field,
-            chars,
-            dtype=dtype,
-            row_shape=shape[1:],
-            rows=shape[0],
-            pos=pos,
-            skip=offset,
-            meta=meta,
-            what=what,
-        )
-    else:
-        view = memoryview(blob).cast("B")[offset:]
-        rows = InlineRows(field, array_from_buffer(view, dtype, shape, what=what), pos, meta)
+    rows = blob_rows(
+        field, blob, dtype=dtype, shape=shape, pos=pos, skip=offset, meta=meta, what=what
+    )
     check_route_shape(rows, what)
     return rows
 
@@ -180,11 +173,10 @@ def _is_npy(value: object) -> bool:
 
 
 def _sends_npy(doc: object) -> bool:
-    if not isinstance(doc, Mapping) or "prompt_routed_experts" in doc:
-        return False
-    choices = doc.get("choices")
-    return isinstance(choices, list) and any(
-        isinstance(c, Mapping) and _is_npy(c.get(ROUTES_FIELD)) for c in choices
+    return (
+        isinstance(doc, Mapping)
+        and "prompt_routed_experts" not in doc
+        and any_choice(doc, lambda c: _is_npy(c.get(ROUTES_FIELD)))
     )
 
 
@@ -195,6 +187,22 @@ def _vllm_dtype(num_experts: int | None, routes: np.ndarray) -> np.dtype:
     return compact_route_dtype(int(routes.max(initial=0)))
 
 
+def completion_choice(request: EngineRequest, routes: object) -> dict[str, Any]:
+    """A ``/v1/completions`` choice with ``return_token_ids`` (vLLM's field order, 0.21-0.33)
+    whose ``routed_experts`` are ``routes``."""
+    return {
+        "index": 0,
+        "text": "",
+        "logprobs": None,
+        "finish_reason": "length",
+        "stop_reason": None,
+        "token_ids": [int(t) for t in request.completion_ids],
+        "prompt_logprobs": None,
+        "prompt_token_ids": [int(t) for t in request.prompt_ids],
+        ROUTES_FIELD: routes,
+    }
+
+
 class VllmFormat(ProducerFormat):
     name = "vllm"
     producer = "vLLM"
@@ -202,57 +210,30 @@ class VllmFormat(ProducerFormat):
     options = StartOptions
     spliced = (ROUTES_FIELD,)
 
-    def recognise(self, doc: Any) -> bool:
-        events = doc if isinstance(doc, Stream) else (doc,)
-        return any(_sends_npy(event) for event in events)
+    def parse(self, response: Any) -> Any:
+        return _assemble(response) if is_stream(response) else super().parse(response)
 
-    def decode(
-        self,
-        response: Any,
-        options: StartOptions,
-        lengths: Lengths = NO_LENGTHS,
-        fields: frozenset[str] | None = None,
-    ) -> list[ChoiceRows]:
-        if is_stream(response):
-            parsed = _assemble(response)
-        else:
-            parsed = parse_response(response, self.spliced)
-        out = []
-        for index, entry in select_choices(parsed, options.choice, "vllm response"):
-            what = f"vllm choices[{index}].{ROUTES_FIELD}"
-            found = choice_token_lengths(parsed, entry)
-            prompt, completion = placed_lengths(found, lengths, options.role, what)
-            value = entry.get(ROUTES_FIELD)
-            if value is None:
-                out.append(ChoiceRows(index, (), (what,)))
-                continue
-            meta = rows_meta(self.name, options, index, prompt, completion)
-            rows = npy_routes(ROUTES_FIELD, value, pos=options.start, meta=meta, what=what)
-            anchored_pos(rows.rows, prompt, completion, options.start, what=what)
-            out.append(ChoiceRows(index, (rows,)))
-        return out
+    def recognise(self, doc: Any) -> bool:
+        return any(_sends_npy(event) for event in documents(doc))
+
+    def decode_choice(self, choice: Choice) -> ChoiceRows:
+        what = f"{self.name} choices[{choice.index}].{ROUTES_FIELD}"
+        prompt, completion = choice.placed(what)
+        value = choice.entry.get(ROUTES_FIELD)
+        if value is None:
+            return ChoiceRows(choice.index, (), (what,))
+        start = self.start_of(choice.options)
+        meta = self.rows_meta(choice, prompt, completion)
+        rows = npy_routes(ROUTES_FIELD, value, pos=start, meta=meta, what=what)
+        anchored_pos(rows.rows, prompt, completion, start, what=what)
+        return ChoiceRows(choice.index, (rows,))
 
     def encode(self, request: EngineRequest) -> bytes:
         """A ``/v1/completions`` body with ``return_token_ids`` (0.33 field order)."""
         routes = request.routes.astype(_vllm_dtype(request.num_experts, request.routes))
-        choice = {
-            "index": 0,
-            "text": "",
-            "logprobs": None,
-            "finish_reason": "length",
-            "stop_reason": None,
-            "token_ids": [int(t) for t in request.completion_ids],
-            "prompt_logprobs": None,
-            "prompt_token_ids": [int(t) for t in request.prompt_ids],
-            ROUTES_FIELD: npy_base64(routes),
-        }
-        usage = {
-            "prompt_tokens": request.prompt_len,
-            "total_tokens": request.prompt_len + request.completion_len,
-            "completion_tokens": request.completion_len,
-        }
+        choice = completion_choice(request, npy_base64(routes))
         body = {"object": "text_completion", "model": "r3data-synth", "choices": [choice]}
-        return orjson.dumps({**body, "usage": usage})
+        return orjson.dumps({**body, "usage": openai_usage(request)})
 
 
 FORMAT = VllmFormat()

@@ -27,22 +27,18 @@ import orjson
 
 from r3data.errors import EngineRoutesError, WireFormatError
 from r3data.wire.producers.base import (
-    NO_LENGTHS,
     ROUTES_FIELD,
+    Choice,
     ChoiceOptions,
     ChoiceRows,
     EngineRequest,
-    Lengths,
     ProducerFormat,
 )
 from r3data.wire.producers.common import (
     choice_token_lengths,
     nested_rows,
-    parse_plain,
-    placed_lengths,
-    rows_meta,
-    select_choices,
 )
+from r3data.wire.producers.vllm import completion_choice
 from r3data.wire.rows import InlineRows
 
 __all__ = ["FORMAT", "Vllm021Format"]
@@ -80,61 +76,54 @@ class Vllm021Format(ProducerFormat):
             and isinstance(doc.get("choices"), list)
         )
 
-    def decode(
-        self,
-        response: Any,
-        options: ChoiceOptions,
-        lengths: Lengths = NO_LENGTHS,
-        fields: frozenset[str] | None = None,
-    ) -> list[ChoiceRows]:
-        parsed = parse_plain(response, "vllm-0.21 response")
-        chosen = select_choices(parsed, options.choice, "vllm-0.21 response")
-        prompt_rows: np.ndarray | None = None
-        if parsed.get(PROMPT_FIELD) is not None:
-            prompt_rows = nested_rows(parsed[PROMPT_FIELD], 3, f"vllm-0.21 {PROMPT_FIELD}")
-        out = []
-        for index, entry in chosen:
-            what = f"vllm-0.21 choices[{index}].{ROUTES_FIELD}"
-            found = choice_token_lengths(parsed, entry)
-            shared = prompt_rows is not None and _shares_first_prompt(parsed, index, entry)
-            if shared and found[0] is None and lengths.prompt_len is None:
-                found = (prompt_rows.shape[0], found[1])
-            prompt, completion = placed_lengths(found, lengths, options.role, what)
-            meta = rows_meta(self.name, options, index, prompt, completion, self.layer_axis)
-            sources: list[InlineRows] = []
-            missing: list[str] = []
-            if shared:
-                if prompt is not None and prompt_rows.shape[0] != prompt:
-                    raise EngineRoutesError(
-                        f"vllm-0.21 {PROMPT_FIELD}: expected {prompt} rows (one per prompt "
-                        f"token of choice {index}), found {prompt_rows.shape[0]}"
-                    )
-                sources.append(InlineRows(ROUTES_FIELD, prompt_rows, 0, meta))
-            else:
-                missing.append(f"vllm-0.21 {PROMPT_FIELD} (for choice {index})")
-            value = entry.get(ROUTES_FIELD)
-            if value is not None:
-                generated = nested_rows(value, 3, what)
-                if prompt is None:
-                    raise WireFormatError(
-                        f"{what}: cannot place the generated rows without the prompt length "
-                        f"(request return_token_ids, or give the request's lengths)"
-                    )
-                if completion is not None and generated.shape[0] > completion:
-                    raise EngineRoutesError(
-                        f"{what}: expected at most {completion} generated rows (completion "
-                        f"{completion} - 1, or {completion} with MTP), found {generated.shape[0]}"
-                    )
-                if sources and generated.shape[1:] != prompt_rows.shape[1:]:
-                    raise WireFormatError(
-                        f"{what}: rows of {list(generated.shape[1:])}, but "
-                        f"{PROMPT_FIELD} has rows of {list(prompt_rows.shape[1:])}"
-                    )
-                sources.append(InlineRows(ROUTES_FIELD, generated, prompt, meta))
-            elif completion != 1:
-                missing.append(what)
-            out.append(ChoiceRows(index, tuple(sources), tuple(missing)))
-        return out
+    def shared_rows(self, parsed: Any) -> np.ndarray | None:
+        """The first prompt's rows (``prompt_routed_experts``)."""
+        if parsed.get(PROMPT_FIELD) is None:
+            return None
+        return nested_rows(parsed[PROMPT_FIELD], 3, f"{self.name} {PROMPT_FIELD}")
+
+    def decode_choice(self, choice: Choice) -> ChoiceRows:
+        index, entry, prompt_rows = choice.index, choice.entry, choice.shared
+        what = f"{self.name} choices[{index}].{ROUTES_FIELD}"
+        found = choice_token_lengths(choice.response, entry)
+        shared = prompt_rows is not None and _shares_first_prompt(choice.response, index, entry)
+        if shared and found[0] is None and choice.lengths.prompt_len is None:
+            found = (prompt_rows.shape[0], found[1])
+        prompt, completion = choice.placed(what, found)
+        meta = self.rows_meta(choice, prompt, completion)
+        sources: list[InlineRows] = []
+        missing: list[str] = []
+        if shared:
+            if prompt is not None and prompt_rows.shape[0] != prompt:
+                raise EngineRoutesError(
+                    f"{self.name} {PROMPT_FIELD}: expected {prompt} rows (one per prompt token "
+                    f"of choice {index}), found {prompt_rows.shape[0]}"
+                )
+            sources.append(InlineRows(ROUTES_FIELD, prompt_rows, 0, meta))
+        else:
+            missing.append(f"{self.name} {PROMPT_FIELD} (for choice {index})")
+        value = entry.get(ROUTES_FIELD)
+        if value is not None:
+            generated = nested_rows(value, 3, what)
+            if prompt is None:
+                raise WireFormatError(
+                    f"{what}: cannot place the generated rows without the prompt length "
+                    f"(request return_token_ids, or give the request's lengths)"
+                )
+            if completion is not None and generated.shape[0] > completion:
+                raise EngineRoutesError(
+                    f"{what}: expected at most {completion} generated rows (completion "
+                    f"{completion} - 1, or {completion} with MTP), found {generated.shape[0]}"
+                )
+            if sources and generated.shape[1:] != prompt_rows.shape[1:]:
+                raise WireFormatError(
+                    f"{what}: rows of {list(generated.shape[1:])}, but "
+                    f"{PROMPT_FIELD} has rows of {list(prompt_rows.shape[1:])}"
+                )
+            sources.append(InlineRows(ROUTES_FIELD, generated, prompt, meta))
+        elif completion != 1:
+            missing.append(what)
+        return ChoiceRows(index, tuple(sources), tuple(missing))
 
     def encode(self, request: EngineRequest) -> bytes:
         """A ``/v1/completions`` body as 0.21.0 sends it (rows from 0, MoE layers only)."""
@@ -142,17 +131,7 @@ class Vllm021Format(ProducerFormat):
         layers = request.moe_layers or range(request.routes.shape[1])
         full = request.routes[:, list(layers)].astype(np.int16)
         prompt, generated = full[: request.prompt_len], full[request.prompt_len :]
-        choice = {
-            "index": 0,
-            "text": "",
-            "logprobs": None,
-            "finish_reason": "length",
-            "stop_reason": None,
-            "token_ids": [int(t) for t in request.completion_ids],
-            "prompt_logprobs": None,
-            "prompt_token_ids": [int(t) for t in request.prompt_ids],
-            ROUTES_FIELD: generated.tolist() if generated.size else None,
-        }
+        choice = completion_choice(request, generated.tolist() if generated.size else None)
         body = {
             "object": "text_completion",
             PROMPT_FIELD: prompt.tolist() if prompt.size else None,
