@@ -344,7 +344,8 @@ def test_bad_sources_raise_typed_errors_naming_what_was_wrong():
     )
     good = {"producer": "vllm", "response": raw}
     with pytest.raises(
-        ConfigError, match=r"unknown \['strat'\]; expected some of \['choice', 'role', 'start'\]"
+        ConfigError,
+        match=r"unknown option 'strat' \(did you mean 'start'\?\); valid options: choice, role, start",
     ):
         one_batch([request(5, 3, {**good, "strat": 2})], 8)
     with pytest.raises(ConfigError, match=r"role: expected one of \['full', 'prefill', 'decode'\]"):

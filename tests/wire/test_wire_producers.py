@@ -295,6 +295,13 @@ def test_primerl_routes_start_at_start_and_end_at_the_last_forwarded_token():
     assert primerl_routes(body)[0].pos == 1  # without the prompt length: the start places them
 
 
+@pytest.mark.parametrize("shape", [[1, 0, 2], [1, 2, 0], [0, 0, 0]])
+def test_primerl_envelopes_with_an_empty_layer_or_topk_axis_are_refused(shape):
+    body = {"choices": [{"token_ids": [7], "routed_experts": {"data": "", "shape": shape}}]}
+    with pytest.raises(WireFormatError, match=r"layers > 0, topk > 0"):
+        primerl_routes(_http(body))
+
+
 def test_primerl_routes_without_start_or_dtype_and_by_handle():
     routes = _routes(3)
     envelope = pack_ndarray(routes)
@@ -434,11 +441,11 @@ def test_options_are_typed_and_misspellings_name_the_valid_ones():
     assert sglang.make_options({"num_layers": 4, "topk": 2, "start": 3}).start == 3
     with pytest.raises(
         ConfigError,
-        match=r"producer 'sglang' options: unknown \['stat'\]; expected some of \['choice', "
-        r"'num_layers', 'role', 'start', 'topk'\]",
+        match=r"producer 'sglang' options: unknown option 'stat' \(did you mean 'start'\?\); "
+        r"valid options: choice, num_layers, role, start, topk",
     ):
         sglang.make_options({"num_layers": 4, "topk": 2, "stat": 3})
-    with pytest.raises(ConfigError, match=r"missing 2 required keyword-only arguments"):
+    with pytest.raises(ConfigError, match=r"options: missing 'num_layers', 'topk'; valid options"):
         sglang.make_options({})
     assert FORMATS["vllm"].make_options({"start": 1}).start == 1  # cached: True is not 1
     for bad, match in [

@@ -188,7 +188,9 @@ def test_sglang_generate_start_len_by_version(version, name):
         (choice,) = decode(name, body, (5, 3), **options)
         assert_rows(choice, (first, item.routes[first:]))
     assert [f.name for f in detect(raw)] == ["sglang", "sglang-0.5.7"]  # the same body
-    with pytest.raises(ConfigError, match=r"unknown \['start'\]; expected some of"):
+    with pytest.raises(
+        ConfigError, match=r"unknown option 'start'; valid options: choice, num_layers, role, topk"
+    ):
         FORMATS["sglang-0.5.7"].make_options({"num_layers": 4, "topk": 2, "start": 3})
 
 
@@ -230,6 +232,21 @@ def test_sglang_openai_first_sequence_only(chat):
     old = sglang_bodies.openai_body(items[:1], chat=chat, start_len=2, version="0.5.10")
     (ignored,) = decode("sglang-openai-0.5.9", old, num_layers=LAYERS, topk=TOPK)
     assert_rows(ignored, (0, items[0].routes))  # 0.5.9-0.5.11 do not forward the start
+
+
+def test_stream_choice_indices_must_be_dense_not_a_count_to_allocate():
+    """A short stream naming choice 10**9 is refused; it never makes 10**9 choices."""
+    item = sglang_bodies.Item([1, 2, 3], [4, 5], engine_rows(5))
+    prompt = vllm_bodies.Prompt([1, 2, 3], [vllm_bodies.Sample([4, 5], engine_rows(5))])
+    streams = {
+        "sglang-openai": (sglang_bodies.openai_stream(item), {"num_layers": LAYERS, "topk": TOPK}),
+        "vllm": (vllm_bodies.tokens_stream(prompt, num_experts=8, tokens_per_chunk=1), {}),
+    }
+    for name, (stream, options) in streams.items():
+        hostile = stream.replace(b'"index":0', b'"index":1000000000')
+        assert hostile != stream
+        with pytest.raises(WireFormatError, match=r"expected choice indices 0\.\.n-1"):
+            decode(name, hostile, (3, 2), **options)
 
 
 # --- prime-rl ----------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal, NamedTuple
 import numpy as np
 
 from r3data.errors import ConfigError
+from r3data.options import unknown_names
 from r3data.ragged import RaggedRows
 from r3data.validate import checked_int, nonnegative_int
 from r3data.wire.producers.common import (
@@ -136,15 +137,20 @@ def options_from(
     :class:`ConfigError` naming it and the valid ones."""
     names = option_names(options)
     kwargs = {k: v for k, v in values.items() if k not in skip}
-    unknown = kwargs.keys() - names
-    if unknown:
+    unknown_names(f"{what} options", kwargs, names)
+    missing = sorted(
+        f.name
+        for f in dataclasses.fields(options)
+        if f.name not in kwargs
+        and f.default is dataclasses.MISSING
+        and f.default_factory is dataclasses.MISSING
+    )
+    if missing:
         raise ConfigError(
-            f"{what} options: unknown {sorted(unknown)}; expected some of {sorted(names)}"
+            f"{what} options: missing {', '.join(map(repr, missing))}; valid options: "
+            f"{', '.join(sorted(names))}"
         )
-    try:
-        return options(**kwargs)
-    except TypeError as err:  # a required option missing
-        raise ConfigError(f"{what} options: {err}; expected some of {sorted(names)}") from None
+    return options(**kwargs)
 
 
 class Lengths(NamedTuple):

@@ -290,6 +290,17 @@ def stream_events(raw: bytes | bytearray | memoryview | mmap.mmap, what: str) ->
     return events
 
 
+def check_stream_choices(indices: set[int] | dict[int, Any], what: str) -> int:
+    """The number of choices a stream's ``index`` values name, which must be ``0..n-1``: a
+    choice never comes from a number alone (an index of 10**9 in a short body is refused,
+    not allocated)."""
+    found = sorted(indices)
+    if found != list(range(len(found))):
+        shown = ", ".join(map(str, found[:8])) + (", ..." if len(found) > 8 else "")
+        raise WireFormatError(f"{what}: expected choice indices 0..n-1, found [{shown}]")
+    return len(found)
+
+
 def documents(doc: Any) -> tuple[Any, ...]:
     """The documents of a body :func:`sniff` parsed: a stream's events, else the body alone."""
     return doc if isinstance(doc, Stream) else (doc,)

@@ -34,6 +34,7 @@ from r3data.wire.producers.base import (
     ProducerFormat,
 )
 from r3data.wire.producers.common import (
+    check_stream_choices,
     documents,
     is_stream,
     openai_usage,
@@ -65,8 +66,8 @@ def _assemble(raw: Any, what: str) -> dict[str, Any]:
             merged[EXT] = chunk[EXT]
         if chunk.get("usage") is not None:
             merged["usage"] = chunk["usage"]
-    choices = max(indices, default=0) + 1
-    return {**merged, "choices": [{"index": i} for i in range(choices)]}
+    count = max(1, check_stream_choices(indices, what))
+    return {**merged, "choices": [{"index": i} for i in range(count)]}
 
 
 def _ext_routes(doc: object) -> object:

@@ -49,6 +49,7 @@ from r3data.wire.producers.common import (
     blob_nbytes,
     blob_rows,
     check_route_shape,
+    check_stream_choices,
     documents,
     is_stream,
     openai_usage,
@@ -161,9 +162,8 @@ def _assemble(raw: Any) -> dict[str, Any]:
                 )
             routed_at[index] = number
             merged[ROUTES_FIELD] = routes
-    if sorted(choices) != list(range(len(choices))):
-        raise WireFormatError(f"vllm stream: expected choices 0..n-1, found {sorted(choices)}")
-    return {**top, "choices": [choices[i] for i in range(len(choices))]}
+    count = check_stream_choices(choices, "vllm stream")
+    return {**top, "choices": [choices[i] for i in range(count)]}
 
 
 def _is_npy(value: object) -> bool:
