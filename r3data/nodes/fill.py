@@ -42,11 +42,11 @@ from r3data.packed import PackedTensor, aranges
 from r3data.packed_ragged import PackedRagged
 from r3data.parallel import fill_rows, pool_workers
 from r3data.payload.reader import OpenFiles, PayloadReader, RangeRead
-from r3data.payload.segment import PayloadSegment
 from r3data.ragged import RaggedRows
 from r3data.spans import format_spans, merge
 from r3data.trace.stitch import OnGap, PlaceholderRows, StitchedField, StitchStats, distinct_row
 from r3data.wire.rows import EncodedRows, InlineRows
+from r3data.wire.segment import PayloadSegment
 
 __all__ = ["MAX_BUFFER_BYTES", "FilledField", "fill_field", "materialize", "torch_dtype"]
 

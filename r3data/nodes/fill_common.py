@@ -14,8 +14,8 @@ from r3data.errors import SegmentError
 from r3data.packed import PackedTensor
 from r3data.packed_ragged import PackedRagged
 from r3data.payload.reader import OpenFiles, PayloadReader
-from r3data.payload.segment import PayloadSegment
 from r3data.trace.stitch import StitchStats
+from r3data.wire.segment import PayloadSegment
 
 __all__ = ["MAX_BUFFER_BYTES", "FilledField", "allocate", "check_sizes", "named", "torch_dtype"]
 

@@ -15,9 +15,9 @@ from r3data.packed import PackedTensor
 from r3data.packed_ragged import PackedRagged
 from r3data.parallel import fill_rows
 from r3data.payload.reader import PayloadReader, RangeRead, values_range
-from r3data.payload.segment import PayloadSegment
 from r3data.ragged import RaggedRows
 from r3data.trace.stitch import PlaceholderRows, StitchedField
+from r3data.wire.segment import PayloadSegment
 
 __all__ = ["fill_ragged"]
 

@@ -20,11 +20,11 @@ import numpy as np
 
 from r3data.errors import TraceError, with_message
 from r3data.nodes.options import TraceOptions
-from r3data.payload.segment import PayloadSegment
 from r3data.trace import Trace, TraceBuilder
 from r3data.trace.builder import Source
 from r3data.wire.producers import decode_source
 from r3data.wire.rows import EncodedRows, InlineRows
+from r3data.wire.segment import PayloadSegment
 
 
 @dataclass(frozen=True, eq=False)

@@ -16,8 +16,8 @@ from r3data.payload.retention import (
     gc,
     min_fresh_version,
 )
-from r3data.payload.segment import INDEX_DTYPE, PayloadSegment, clip, covers, gaps, shift
 from r3data.payload.writer import FieldData, PayloadWriter
+from r3data.wire.segment import INDEX_DTYPE, PayloadSegment, clip, covers, gaps, shift
 
 __all__ = [
     "FORMAT_VERSION",

@@ -23,8 +23,8 @@ from r3data.parallel import fill_rows, io_workers
 from r3data.payload.fileformat import MAGIC, FieldEntry, PayloadHeader, checksum, read_header
 from r3data.payload.fs import PayloadFile, PayloadRoot, open_file
 from r3data.payload.retention import VERSION_DIR, min_fresh_version
-from r3data.payload.segment import INDEX_DTYPE
 from r3data.payload.writer import TEMP_SUFFIX
+from r3data.wire.segment import INDEX_DTYPE
 
 __all__ = ["PayloadFileInfo", "VerifyReport", "inspect", "verify"]
 

@@ -27,8 +27,8 @@ import crc32c
 import orjson
 
 from r3data.errors import PayloadFormatError, SegmentError
-from r3data.payload.segment import INDEX_DTYPE, PayloadSegment
 from r3data.validate import checked_int
+from r3data.wire.segment import INDEX_DTYPE, PayloadSegment
 
 __all__ = [
     "DATA_ALIGN",

@@ -37,9 +37,9 @@ from r3data.errors import (
 from r3data.parallel import fill_rows, io_workers, pool_workers
 from r3data.payload.fileformat import checksum
 from r3data.payload.fs import PayloadFile, PayloadRoot
-from r3data.payload.segment import INDEX_DTYPE, PayloadSegment
 from r3data.ragged import RaggedRows
 from r3data.validate import checked_int
+from r3data.wire.segment import INDEX_DTYPE, PayloadSegment
 
 __all__ = ["CHUNK_BYTES", "OpenFiles", "PayloadReader", "RangeRead", "ReadJob"]
 

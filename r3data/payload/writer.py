@@ -17,9 +17,9 @@ from r3data.errors import PayloadHandleError, PayloadWriteError, SegmentError
 from r3data.payload.fileformat import FieldEntry, checksum, place_fields
 from r3data.payload.fs import PayloadRoot
 from r3data.payload.ragged import as_ragged, host_array
-from r3data.payload.segment import INDEX_DTYPE, PayloadSegment
 from r3data.ragged import RaggedRows
 from r3data.validate import checked_int
+from r3data.wire.segment import INDEX_DTYPE, PayloadSegment
 
 __all__ = ["FieldData", "PayloadWriter", "TEMP_SUFFIX"]
 

@@ -24,7 +24,6 @@ from types import MappingProxyType
 import numpy as np
 
 from r3data.errors import ConfigError, TraceError
-from r3data.payload.segment import PayloadSegment
 from r3data.ragged import RaggedRows
 from r3data.spans import Span, merge
 from r3data.trace.checks import check_row_shape, widened_dtype
@@ -32,6 +31,7 @@ from r3data.validate import nonnegative_int
 from r3data.wire.anchors import routes_end
 from r3data.wire.dtypes import ROUTE_DTYPES, parse_dtype
 from r3data.wire.rows import EncodedRows, InlineRows
+from r3data.wire.segment import PayloadSegment
 
 __all__ = ["ROUTES_FIELD", "FieldInfo", "Source", "Trace", "TraceBuilder", "clip_source"]
 

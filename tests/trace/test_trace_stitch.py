@@ -7,7 +7,7 @@ import pytest
 from trace_engine import engine_rows, materialized, routes
 
 from r3data.errors import ConfigError, SegmentError, TraceError, TraceGapError
-from r3data.payload.segment import PayloadSegment
+from r3data.wire.segment import PayloadSegment
 from r3data.trace import (
     PlaceholderRows,
     StitchStats,

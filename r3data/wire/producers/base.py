@@ -10,16 +10,13 @@ misspelt option is a :class:`~r3data.errors.ConfigError` naming it and the valid
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cache
-from typing import TYPE_CHECKING, Any, ClassVar, Literal, NamedTuple
-
-import numpy as np
+from typing import Any, ClassVar, Literal, NamedTuple
 
 from r3data.errors import ConfigError
 from r3data.options import unknown_names
-from r3data.ragged import RaggedRows
 from r3data.validate import checked_int, nonnegative_int
 from r3data.wire.producers.common import (
     choice_token_lengths,
@@ -28,10 +25,9 @@ from r3data.wire.producers.common import (
     placed_lengths,
     select_choices,
 )
+from r3data.wire.producers.request import NO_LENGTHS, EngineRequest, Lengths
 from r3data.wire.rows import RowSource
-
-if TYPE_CHECKING:
-    from r3data.payload.segment import PayloadSegment
+from r3data.wire.segment import PayloadSegment
 
 __all__ = [
     "MASK_FIELD",
@@ -153,17 +149,6 @@ def options_from(
     return options(**kwargs)
 
 
-class Lengths(NamedTuple):
-    """The request's token counts as the caller knows them (None: unknown)."""
-
-    prompt_len: int | None = None
-    completion_len: int | None = None
-
-
-NO_LENGTHS = Lengths()
-"""The request's lengths when the caller knows neither."""
-
-
 @dataclass(frozen=True, slots=True)
 class ChoiceRows:
     """The sources one choice (or batch item) of a response gave, by field and position;
@@ -201,56 +186,6 @@ class Choice(NamedTuple):
         if found is None:
             found = choice_token_lengths(self.response, self.entry)
         return placed_lengths(found, self.lengths, self.options.role, what)
-
-
-@dataclass(frozen=True, eq=False)
-class EngineRequest:
-    """What an engine computed for one request, for a format to serve as its producer would.
-
-    ``routes`` are the rows the request returns: positions ``[start, prompt + completion - 1)``
-    (``start`` the request's prompt start; a format whose engine has none is given ``start``
-    0). ``num_experts`` picks the dtype where the producer picks it by the model (default: by
-    the ids present). ``moe_layers`` are the layers with a router (a format that sends only
-    those keeps these; default: every layer). ``sampling_mask``: per completion token the ids
-    the sampler kept (a row of length 0: no mask there, the full vocabulary).
-    """
-
-    prompt_ids: Sequence[int]
-    completion_ids: Sequence[int]
-    routes: np.ndarray
-    start: int = 0
-    num_experts: int | None = None
-    moe_layers: tuple[int, ...] | None = None
-    sampling_mask: RaggedRows | None = None
-
-    def __post_init__(self) -> None:
-        routes = np.asarray(self.routes)
-        if routes.ndim != 3 or routes.dtype.kind not in "iu":
-            raise ConfigError(
-                f"EngineRequest.routes: expected integer [rows, layers, topk], found shape "
-                f"{routes.shape} of {routes.dtype}"
-            )
-        expected = self.prompt_len + self.completion_len - 1 - self.start
-        if not 0 <= self.start <= self.prompt_len or routes.shape[0] != expected:
-            raise ConfigError(
-                f"EngineRequest: expected {expected} route rows (prompt {self.prompt_len} + "
-                f"completion {self.completion_len} - 1 - start {self.start}), found "
-                f"{routes.shape[0]}"
-            )
-        if self.sampling_mask is not None and self.sampling_mask.rows != self.completion_len:
-            raise ConfigError(
-                f"EngineRequest.sampling_mask: expected one row per completion token "
-                f"({self.completion_len}), found {self.sampling_mask.rows}"
-            )
-        object.__setattr__(self, "routes", routes)
-
-    @property
-    def prompt_len(self) -> int:
-        return len(self.prompt_ids)
-
-    @property
-    def completion_len(self) -> int:
-        return len(self.completion_ids)
 
 
 class ProducerFormat:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import mmap
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import orjson
@@ -22,11 +22,9 @@ from r3data.validate import nonnegative_int
 from r3data.wire.blob import Blob, decode_base64, decoded_length
 from r3data.wire.dtypes import compact_route_dtype
 from r3data.wire.envelope import array_from_buffer, check_nbytes
+from r3data.wire.producers.request import EngineRequest, Lengths
 from r3data.wire.rows import EncodedRows, InlineRows, RowSource
 from r3data.wire.splice import load_packed_body
-
-if TYPE_CHECKING:
-    from r3data.wire.producers.base import EngineRequest, Lengths
 
 __all__ = [
     "Stream",

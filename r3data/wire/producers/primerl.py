@@ -64,6 +64,7 @@ from r3data.wire.producers.common import (
     sources_of,
 )
 from r3data.wire.rows import InlineRows, RowSource
+from r3data.wire.segment import PayloadSegment
 
 __all__ = ["FORMAT", "PrimeRlFormat", "kept_tokens_rows", "primerl_routes"]
 
@@ -144,9 +145,9 @@ def _route_rows(
     return rows
 
 
-def _segments(value: object, wanted: frozenset[str] | None, role: str, what: str) -> list[Any]:
-    from r3data.payload.segment import PayloadSegment  # payload builds on wire: imported late
-
+def _segments(
+    value: object, wanted: frozenset[str] | None, role: str, what: str
+) -> list[PayloadSegment]:
     if not isinstance(value, list):
         raise WireFormatError(f"{what}: expected a list of segments, found {type(value).__name__}")
     if role == "decode":
