@@ -7,7 +7,6 @@ import pytest
 from trace_engine import engine_rows, materialized, routes
 
 from r3data.errors import ConfigError, SegmentError, TraceError, TraceGapError
-from r3data.wire.segment import PayloadSegment
 from r3data.trace import (
     PlaceholderRows,
     StitchStats,
@@ -17,6 +16,7 @@ from r3data.trace import (
     stitch,
 )
 from r3data.wire.rows import InlineRows
+from r3data.wire.segment import PayloadSegment
 
 # Three chat turns: (prompt_len, completion_len). Each prompt holds every earlier token plus
 # 2 new user tokens, so the final sequence has 16 tokens and 15 forwarded positions.
