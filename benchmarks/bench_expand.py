@@ -11,6 +11,9 @@ Timed side by side in one run, interleaved, median of ``--repeats``:
   into memory from the same allocator ``expand``'s output comes from (on the CPU numpy's,
   which gets transparent huge pages from 4 MiB where the kernel allows; on a GPU torch's),
   allocation included, as ``expand`` allocates its output too;
+- widen on every CPU: the same widen cut into as many parts as the process may use CPUs
+  (:func:`r3data.parallel.pool_workers`), copied side by side, as ``expand`` copies on the
+  CPU (reported next to the target, which is the one-pass widen's);
 - for reference: ``clone()`` of an int32 tensor the size of the output (it reads 4x the bytes
   of the uint8 input and, on the CPU, takes 4 KiB pages), ``copy_`` into a preallocated one,
   and a numpy copy;
@@ -39,6 +42,7 @@ import torch
 from r3data.benchmarking import time_interleaved, write_report
 from r3data.layout import TokenLayout, expand
 from r3data.packed import PackedTensor
+from r3data.parallel import fill_rows, pool_workers
 
 TARGETS = {"widen_throughput_ratio": 0.8, "peak_extra_ratio": 1.2}
 DEFAULT_OUT = Path(__file__).parent / "results" / "bench_expand.json"
@@ -131,11 +135,23 @@ def bench_layout(
             return out
         return ids.to(torch.int32)
 
+    def widen_threads(ids: torch.Tensor) -> Any:
+        if device.type != "cpu":
+            return ids.to(torch.int32)
+        out = np.empty(ids.shape[0], np.int32)
+        cuts = np.linspace(0, ids.shape[0], pool_workers() + 1).astype(np.int64).tolist()
+        fill_rows(
+            lambda i: np.copyto(out[cuts[i] : cuts[i + 1]], ids.numpy()[cuts[i] : cuts[i + 1]]),
+            len(cuts) - 1,
+        )
+        return out
+
     def expand_all() -> list[list[torch.Tensor]]:
         return [expand(routes, layout) for routes in micro_batches]
 
     cases = {
         "widen": lambda: [widen(ids) for ids in narrow],
+        "widen_threads": lambda: [widen_threads(ids) for ids in narrow],
         "clone": lambda: [source.clone() for source in sources],
         "copy_into": lambda: [t.copy_(s) for t, s in zip(targets, sources, strict=True)],
         "expand": expand_all,
@@ -157,6 +173,8 @@ def bench_layout(
         "seconds_all": seconds,
         "expand_gib_per_s": output_bytes / median["expand"] / 2**30,
         "widen_throughput_ratio": ratio,
+        "widen_threads": pool_workers() if device.type == "cpu" else None,
+        "widen_threads_throughput_ratio": median["widen_threads"] / median["expand"],
         "clone_throughput_ratio": median["clone"] / median["expand"],
         "copy_into_throughput_ratio": median["copy_into"] / median["expand"],
         "numpy_copy_throughput_ratio": median["numpy_copy"] / median["expand"]
@@ -228,6 +246,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             f"{r['output_bytes'] / 2**20:8.1f} MiB, expand {r['expand_gib_per_s']:6.2f} GiB/s, "
             f"{r['widen_throughput_ratio']:.2f}x the one-pass widen "
             f"(target >= {TARGETS['widen_throughput_ratio']}), "
+            f"{r['widen_threads_throughput_ratio']:.2f}x the widen on {r['widen_threads']} "
+            "threads, "
             f"{r['clone_throughput_ratio']:.2f}x clone, {r['copy_into_throughput_ratio']:.2f}x copy_, "
             + ("" if numpy_copy is None else f"{numpy_copy:.2f}x numpy copy, ")
             + f"peak extra {peak} of output (target <= {TARGETS['peak_extra_ratio']})"

@@ -11,6 +11,7 @@ import itertools
 import math
 import os
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -26,10 +27,14 @@ IO_WORKERS_ENV = "R3DATA_IO_WORKERS"
 IO_WORKERS_PER_CPU = 4
 IO_WORKERS_MIN = 8
 IO_WORKERS_MAX = 32
+#: The machine's own quota is read again after this many seconds (a live resize is rare; the
+#: read costs about 100 us, too much for every fill).
+PERMITTED_CPUS_TTL_S = 5.0
 
 _pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
 _in_pool = threading.local()
+_permitted: tuple[float, int] | None = None  # (when read, count) for CGROUP_ROOT
 
 
 def _affinity_cpus() -> int:
@@ -66,8 +71,20 @@ def _cgroup_v1_cpus(root: Path) -> float | None:
 
 
 def permitted_cpus(cgroup_root: Path | str = CGROUP_ROOT) -> int:
-    """CPUs this process may use: min(affinity, cgroup v2 quota, cgroup v1 quota), at least 1."""
-    root = Path(cgroup_root)
+    """CPUs this process may use: min(affinity, cgroup v2 quota, cgroup v1 quota), at least 1.
+
+    The machine's own count (``CGROUP_ROOT``) is kept for ``PERMITTED_CPUS_TTL_S`` seconds.
+    """
+    global _permitted
+    if Path(cgroup_root) != CGROUP_ROOT:
+        return _read_permitted_cpus(Path(cgroup_root))
+    now = time.monotonic()
+    if _permitted is None or now - _permitted[0] > PERMITTED_CPUS_TTL_S:
+        _permitted = (now, _read_permitted_cpus(CGROUP_ROOT))
+    return _permitted[1]
+
+
+def _read_permitted_cpus(root: Path) -> int:
     limits = [float(_affinity_cpus())]
     for quota in (_cgroup_v2_cpus(root), _cgroup_v1_cpus(root)):
         if quota is not None:

@@ -8,6 +8,7 @@ import time
 
 import pytest
 
+from r3data import parallel
 from r3data.errors import ConfigError
 from r3data.parallel import (
     fill_rows,
@@ -136,3 +137,16 @@ def test_nested_fill_rows_runs_inline_in_pool_threads():
     assert fill_rows(lambda _: in_pool_thread(), 3, workers=1) == [False] * 3
     with pytest.raises(ConfigError, match="workers must be >= 1, found 0"):
         fill_rows(lambda i: i, 3, workers=0)
+
+
+def test_the_machines_own_count_is_read_again_only_after_its_ttl(monkeypatch):
+    reads = []
+    monkeypatch.setattr(parallel, "_read_permitted_cpus", lambda root: reads.append(root) or 3)
+    monkeypatch.setattr(parallel, "_permitted", None)
+    clock = [100.0]
+    monkeypatch.setattr(parallel.time, "monotonic", lambda: clock[0])
+    assert [permitted_cpus(), permitted_cpus()] == [3, 3]
+    assert len(reads) == 1
+    clock[0] += parallel.PERMITTED_CPUS_TTL_S + 1
+    assert permitted_cpus() == 3
+    assert len(reads) == 2

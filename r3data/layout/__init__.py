@@ -7,7 +7,8 @@ megatron import.
 from r3data.layout.gather import Fill, RoundRobin, expand, expand_batch_major, expand_mask
 from r3data.layout.rows import RankRows
 from r3data.layout.stages import ModelLayers
-from r3data.layout.token_layout import PAD, LayerAxis, TokenLayout
+from r3data.layout.token_layout import LayerAxis, TokenLayout
+from r3data.layout.token_runs import PAD, TokenRuns
 
 __all__ = [
     "PAD",
@@ -17,6 +18,7 @@ __all__ = [
     "RankRows",
     "RoundRobin",
     "TokenLayout",
+    "TokenRuns",
     "expand",
     "expand_batch_major",
     "expand_mask",

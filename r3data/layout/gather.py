@@ -22,7 +22,7 @@ rank holds it.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -32,8 +32,9 @@ import torch
 from r3data.errors import LayoutError
 from r3data.layout.rows import RankRows
 from r3data.layout.stages import ModelLayers
-from r3data.layout.token_layout import PAD, LayerAxis, TokenLayout, as_lengths
-from r3data.packed import PackedTensor
+from r3data.layout.token_layout import LayerAxis, TokenLayout, as_lengths
+from r3data.layout.token_runs import PAD, TokenRuns
+from r3data.packed import PackedTensor, aranges
 from r3data.tensor_buffer import bit_view
 from r3data.validate import checked_int
 
@@ -56,13 +57,12 @@ Fill = Literal["distinct"] | RoundRobin | Sequence[int] | torch.Tensor
 CHUNK_BYTES = 64 << 20
 #: On the CPU, a piece of the output reads at most this many source bytes (cache-sized).
 PIECE_BYTES = 128 << 10
-#: On the CPU, runs of consecutive rows (or of padding) this long get pieces of their own.
+#: On the CPU, runs of consecutive rows (or of padding) this long are slice copies.
 MIN_RUN_TOKENS = 32
 
 _ROUTE_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.uint16, torch.int32, torch.int64)
 #: What ``torch.gather`` and Megatron's ``RouterReplay`` take as indices.
 _OUTPUT_DTYPES = {torch.int32: np.int32, torch.int64: np.int64}
-_FILL, _SLICE, _GATHER = 0, 1, 2
 
 
 def expand(
@@ -100,13 +100,14 @@ def expand(
     dtype = _output_dtype(dtype)
     fill_row = _fill_row(fill, topk, dtype)
     layout, full, local = _geometry(routes, layout, local, lengths)
-    grid = layout.token_grid(full, local=local)
+    runs = layout.token_runs(full, local=local)
     layers = _moe_layers(routes, layout, layer_axis)
     _check_ids_fit(routes.values, dtype)
-    buffer = _gather(routes.values, grid, layers, fill_row, dtype, batch_major=False)
+    buffer = _gather(routes.values, runs, layers, fill_row, dtype, batch_major=False)
     if isinstance(fill, RoundRobin):
-        _spread_padding(buffer, grid, layout.token_grid(layout.padded_lengths(full)), fill)
-    return list(buffer.view(grid.size, len(layers), topk).unbind(1))
+        places = layout.token_grid(layout.padded_lengths(full))
+        _spread_padding(buffer, runs.grid(), places, fill)
+    return list(buffer.view(runs.local_seq * runs.columns, len(layers), topk).unbind(1))
 
 
 def expand_batch_major(
@@ -136,13 +137,13 @@ def expand_batch_major(
         raise LayoutError("expand_batch_major needs a BSHD layout (packed=False), found THD")
     dtype = _output_dtype(dtype)
     fill_row = _fill_row(fill, topk, dtype)
-    grid = layout.token_grid(full, local=local)
+    runs = layout.token_runs(full, local=local)
     layers = _moe_layers(routes, layout, layer_axis)
     _check_ids_fit(routes.values, dtype)
-    buffer = _gather(routes.values, grid, layers, fill_row, dtype, batch_major=True)
+    buffer = _gather(routes.values, runs, layers, fill_row, dtype, batch_major=True)
     if isinstance(fill, RoundRobin):
         places = layout.token_grid(layout.padded_lengths(full))
-        _spread_padding(buffer, grid.T, places.T, fill)
+        _spread_padding(buffer, runs.grid().T, places.T, fill)
     return list(buffer.unbind(2))
 
 
@@ -376,31 +377,34 @@ def _check_ids_fit(values: torch.Tensor, dtype: torch.dtype) -> None:
 
 def _gather(
     values: torch.Tensor,
-    grid: np.ndarray,
+    runs: TokenRuns,
     layers: tuple[int, ...],
     fill_row: torch.Tensor,
     dtype: torch.dtype,
     *,
     batch_major: bool,
 ) -> torch.Tensor:
-    """A token-major buffer with ``[s, b, j] = values[grid[s, b], layers[j]]`` (``fill_row`` at PAD).
+    """A token-major buffer whose place ``[s, b]`` holds ``values[row, layers]`` for the row
+    ``runs`` puts there (``fill_row`` at padding).
 
     The buffer is ``[S, B, L, K]``, or ``[B, S, L, K]`` when ``batch_major``.
     """
-    seq, batch = grid.shape
+    seq, batch = runs.local_seq, runs.columns
     shape = (len(layers), values.shape[2])
     buffer = _empty(
         (batch, seq, *shape) if batch_major else (seq, batch, *shape), dtype, values.device
     )
     if not buffer.numel():
         return buffer
-    index = (grid.T if batch_major else grid).reshape(-1)
-    flat = buffer.view(-1, *shape)
     fill = fill_row.to(buffer.device, dtype).expand(shape)
     if values.device.type == "cpu":
-        _copy_on_host(flat.numpy(), index, values.numpy(), layers, fill.contiguous().numpy())
+        places = buffer.numpy().swapaxes(0, 1) if batch_major else buffer.numpy()
+        fill_block = fill.contiguous().numpy()
+        _copy_on_host(places, runs, values.numpy(), layers, fill_block, seq_major=not batch_major)
     else:
-        _copy_on_device(flat, index, values, layers, fill)
+        grid = runs.grid()
+        index = (grid.T if batch_major else grid).reshape(-1)
+        _copy_on_device(buffer.view(-1, *shape), index, values, layers, fill)
     return buffer
 
 
@@ -431,80 +435,103 @@ def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     return torch.from_numpy(np.empty(shape, dtype=_OUTPUT_DTYPES[dtype]))
 
 
-def _pieces(index: np.ndarray, step: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Cut ``index`` into pieces of at most ``step`` tokens: (starts, stops, kinds).
-
-    A piece inside one run (consecutive rows, or padding) is a ``_SLICE`` (or ``_FILL``);
-    anything else is a ``_GATHER``. Runs of ``MIN_RUN_TOKENS`` or more start and end pieces.
-    """
-    size = index.size
-    pad = index == PAD
-    new_run = np.ones(size, dtype=bool)
-    new_run[1:] = (pad[1:] != pad[:-1]) | (~pad[1:] & (index[1:] != index[:-1] + 1))
-    run_starts = np.flatnonzero(new_run)
-    run_stops = np.append(run_starts[1:], size)
-    long = run_stops - run_starts >= MIN_RUN_TOKENS
-    cuts = np.unique(
-        np.concatenate((np.arange(0, size, step), run_starts[long], run_stops[long], [size]))
-    )
-    starts, stops = cuts[:-1], cuts[1:]
-    run_id = np.cumsum(new_run) - 1
-    one_run = run_id[starts] == run_id[stops - 1]
-    kinds = np.where(one_run, np.where(pad[starts], _FILL, _SLICE), _GATHER)
-    return starts, stops, kinds
-
-
 def _copy_on_host(
     out: np.ndarray,
-    index: np.ndarray,
+    runs: TokenRuns,
     values: np.ndarray,
     layers: tuple[int, ...],
     fill: np.ndarray,
+    *,
+    seq_major: bool,
 ) -> None:
-    """``out[i] = values[index[i], layers]`` (``fill`` at PAD), one cache-sized piece at a time.
+    """``out[s, b] = values[row, layers]`` (``fill`` at padding) for every place ``runs`` tile.
 
-    numpy works on the calling thread: hundreds of small torch ops would each open a parallel
-    region, which stalls whenever another process holds a core.
+    Each long run is one slice copy (or fill); short runs (tiny samples) are gathered
+    together. A seq-major grid of several columns interleaves them row by row, so it is
+    gathered a cache-sized block at a time and written front to back. numpy works on the
+    calling thread: hundreds of small torch ops would each open a parallel region, which
+    stalls whenever another process holds a core; a second thread on the copy made it slower
+    or bimodal here (page faults and the GIL contend).
     """
     span = _layer_span(layers)
-    picks = None if layers == tuple(range(values.shape[1])) else np.asarray(layers, np.int64)
-    step = max(1, PIECE_BYTES // max(1, out[0].size * values.itemsize))
-    staging = np.empty((step, *out.shape[1:]), dtype=values.dtype)
-    for start, stop, kind in zip(*(a.tolist() for a in _pieces(index, step)), strict=True):
-        dest, rows = out[start:stop], index[start:stop]
-        if kind == _FILL:
+    pick: slice | np.ndarray = span if span is not None else np.asarray(layers, np.int64)
+    step = max(1, PIECE_BYTES // max(1, out[0, 0].size * values.itemsize))
+
+    def rows_of(rows: slice | np.ndarray) -> np.ndarray:
+        """``values[rows]`` at the expanded layers (a view for a slice of consecutive layers)."""
+        return values[rows][:, pick]
+
+    if seq_major and runs.columns > 1:
+        flat = out.reshape(-1, *out.shape[2:])
+        _gather_blocks(flat, runs.grid().reshape(-1), rows_of, fill, step)
+        return
+    long = runs.count >= MIN_RUN_TOKENS
+    chosen = (runs.place[long], runs.column[long], runs.row[long], runs.count[long])
+    for place, column, row, count in zip(*(a.tolist() for a in chosen), strict=True):
+        dest = out[place : place + count, column]
+        if row == PAD:
             dest[...] = fill
             continue
-        if kind == _SLICE and span is not None:
-            block = values[rows[0] : rows[0] + rows.size, span]
+        block = count if span is not None else step  # picking layers copies: bound the copy
+        for at in range(0, count, block):
+            end = min(count, at + block)
+            np.copyto(dest[at:end], rows_of(slice(row + at, row + end)), casting="same_kind")
+    _copy_short_runs(out, runs, ~long, rows_of, fill, step)
+
+
+def _gather_blocks(
+    flat: np.ndarray,
+    index: np.ndarray,
+    rows_of: Callable[[np.ndarray], np.ndarray],
+    fill: np.ndarray,
+    step: int,
+) -> None:
+    """``flat[i] = values[index[i], layers]`` (``fill`` at PAD), a cache-sized block at a
+    time: rows and padding gathered into a block of the routes' dtype (when ``fill`` fits
+    it), then written once, front to back."""
+    block = np.empty((step, *flat.shape[1:]), dtype=rows_of(index[:0]).dtype)
+    fill_fits = np.array_equal(fill.astype(block.dtype), fill)
+    for at in range(0, index.size, step):
+        rows = index[at : at + step]
+        pads = rows == PAD
+        dest = flat[at : at + rows.size]
+        if pads.all():
+            dest[...] = fill
+        elif not pads.any():
+            np.copyto(dest, rows_of(rows), casting="same_kind")
+        elif fill_fits:
+            staged = block[: rows.size]
+            staged[~pads] = rows_of(rows[~pads])
+            staged[pads] = fill
+            np.copyto(dest, staged, casting="same_kind")
         else:
-            block = _read_rows(values, rows, picks, staging[: rows.size])
-        np.copyto(dest, block, casting="same_kind")
-        if kind == _GATHER:
-            pads = rows == PAD
-            if pads.any():
-                dest[pads] = fill
+            np.copyto(dest, rows_of(np.where(pads, rows[~pads][0], rows)), casting="same_kind")
+            dest[pads] = fill
 
 
-def _read_rows(
-    values: np.ndarray, rows: np.ndarray, picks: np.ndarray | None, staging: np.ndarray
-) -> np.ndarray:
-    """``values[rows]`` (at layers ``picks``, None for all) into ``staging``.
-
-    PAD rows read some real row; the caller overwrites them. ``np.take`` would first copy a
-    strided ``values`` whole, so those are indexed in place.
-    """
-    if not values.flags.c_contiguous:
-        staging[...] = values[rows] if picks is None else values[rows[:, None], picks]
-    elif picks is None:
-        np.take(values, rows, axis=0, out=staging, mode="clip")
-    else:
-        topk = values.shape[2]
-        flat_rows = (rows[:, None] * values.shape[1] + picks).reshape(-1)
-        np.take(
-            values.reshape(-1, topk), flat_rows, axis=0, out=staging.reshape(-1, topk), mode="clip"
-        )
-    return staging
+def _copy_short_runs(
+    out: np.ndarray,
+    runs: TokenRuns,
+    chosen: np.ndarray,
+    rows_of: Callable[[np.ndarray], np.ndarray],
+    fill: np.ndarray,
+    step: int,
+) -> None:
+    """The ``chosen`` runs' places at once: padding in one assignment, rows gathered a
+    cache-sized block at a time."""
+    pad = chosen & runs.padding
+    if pad.any():
+        count = runs.count[pad]
+        out[aranges(runs.place[pad], count), np.repeat(runs.column[pad], count)] = fill
+    real = chosen & ~runs.padding
+    if not real.any():
+        return
+    count = runs.count[real]
+    places = aranges(runs.place[real], count)
+    columns = np.repeat(runs.column[real], count)
+    rows = aranges(runs.row[real], count)
+    for at in range(0, rows.size, step):
+        out[places[at : at + step], columns[at : at + step]] = rows_of(rows[at : at + step])
 
 
 def _copy_on_device(

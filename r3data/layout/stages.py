@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 from r3data.errors import LayoutError
 from r3data.validate import checked_int
@@ -63,7 +64,7 @@ class ModelLayers:
                     f"runs, stage by stage, found {[list(s) for s in stages]}"
                 )
 
-    @property
+    @cached_property
     def is_moe(self) -> tuple[bool, ...]:
         """One flag per global layer: True where the layer has a router."""
         freq = self.moe_layer_freq
@@ -71,7 +72,7 @@ class ModelLayers:
             return tuple(bool(f) for f in freq)
         return tuple(i % freq == 0 for i in range(self.num_layers))
 
-    @property
+    @cached_property
     def moe_layer_ids(self) -> tuple[int, ...]:
         """Global ids of the MoE layers, ascending."""
         return tuple(i for i, moe in enumerate(self.is_moe) if moe)

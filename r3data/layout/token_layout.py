@@ -33,12 +33,9 @@ import numpy as np
 
 from r3data.errors import LayoutError
 from r3data.layout.stages import ModelLayers
-from r3data.packed import aranges
+from r3data.layout.token_runs import PAD, TokenRuns
 from r3data.spans import Span, merge
 from r3data.validate import checked_int
-
-#: ``token_index`` entry of a padding token.
-PAD = -1
 
 LayerAxis = Literal["all", "moe"]
 Ranges = list[list[Span]]
@@ -186,6 +183,37 @@ class TokenLayout:
         """Tokens this rank's routers see, padding included."""
         return int(self.padded_lengths(lengths).sum()) // (self.cp_size * self.sp_size)
 
+    def token_runs(self, lengths: Any, *, local: bool = False) -> TokenRuns:
+        """This rank's tokens as runs of consecutive packed-batch rows (or of padding).
+
+        The runs tile the ``[local_seq, batch]`` grid of :meth:`token_grid` column by column;
+        with ``local=True`` rows index a batch holding only each sample's
+        :meth:`local_ranges` back to back (a rank-local read).
+        """
+        lengths = as_lengths(lengths)
+        sample, first, count = self._position_runs(lengths)
+        columns = 1 if self.packed else lengths.size
+        local_seq = int(count.sum()) // columns if columns else 0
+        column = np.zeros_like(sample) if self.packed else sample
+        place = np.cumsum(count) - count - column * local_seq
+        # Each run is leading padding (BSHD left padding), real rows, trailing padding.
+        real_from = np.clip(-first, 0, count)
+        real_to = np.minimum(np.maximum(lengths[sample] - first, real_from), count)
+        real = real_to - real_from
+        if local:
+            rows = np.cumsum(real) - real  # a sample's local rows come in position order
+        else:
+            rows = np.cumsum(lengths)[sample] - lengths[sample] + first + real_from
+        pad = np.full_like(rows, PAD)
+        return TokenRuns.merged(
+            local_seq,
+            columns,
+            column=np.repeat(column, 3),
+            place=np.stack((place, place + real_from, place + real_to), axis=1).reshape(-1),
+            row=np.stack((pad, rows, pad), axis=1).reshape(-1),
+            count=np.stack((real_from, real, count - real_to), axis=1).reshape(-1),
+        )
+
     def token_grid(self, lengths: Any, *, local: bool = False) -> np.ndarray:
         """``[local_seq, batch]``: the packed-batch row of every local token, or ``PAD``.
 
@@ -193,11 +221,7 @@ class TokenLayout:
         row-major it is the router's token order. With ``local=True`` rows index a batch
         holding only each sample's :meth:`local_ranges` back to back (a rank-local read).
         """
-        lengths = as_lengths(lengths)
-        grid = self._thd_index(lengths)[:, None] if self.packed else self._bshd_index(lengths)
-        if local:
-            grid = self._to_local_rows(grid.reshape(-1), lengths).reshape(grid.shape)
-        return grid
+        return self.token_runs(lengths, local=local).grid()
 
     def token_index(self, lengths: Any, *, local: bool = False) -> np.ndarray:
         """For every local token in router order: its packed-batch row, or ``PAD``."""
@@ -296,36 +320,3 @@ class TokenLayout:
         shift = padded - lengths if self.padding_side == "left" else np.zeros_like(lengths)
         sample = np.repeat(np.arange(batch, dtype=np.int64), start.size)
         return sample, np.tile(start, batch) - np.repeat(shift, start.size), np.tile(count, batch)
-
-    def _thd_index(self, lengths: np.ndarray) -> np.ndarray:
-        sequence, start, count = self._sp_clip(self._cp_runs(self.padded_lengths(lengths)))
-        positions = aranges(start, count)
-        owner = np.repeat(sequence, count)
-        offsets = np.cumsum(lengths) - lengths
-        return np.where(positions < lengths[owner], offsets[owner] + positions, PAD)
-
-    def _bshd_index(self, lengths: np.ndarray) -> np.ndarray:
-        """``[local_seq, B]``: row of sample b at local sequence index s, or ``PAD``."""
-        padded = self.padded_lengths(lengths)
-        if not lengths.size:
-            return np.zeros((0, 0), dtype=np.int64)
-        _, start, count = self._sp_clip(self._cp_runs(padded[:1]))
-        positions = aranges(start, count)[:, None]
-        shift = padded - lengths if self.padding_side == "left" else np.zeros_like(lengths)
-        real = positions - shift[None, :]
-        offsets = np.cumsum(lengths) - lengths
-        inside = (real >= 0) & (real < lengths[None, :])
-        return np.where(inside, offsets[None, :] + real, PAD)
-
-    def _to_local_rows(self, index: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-        """Map full-batch rows to rows of the batch holding only the local ranges."""
-        offsets = np.cumsum(lengths) - lengths
-        ranges = self.local_ranges(lengths)
-        lo = np.array([offsets[b] + lo for b, rs in enumerate(ranges) for lo, _ in rs], np.int64)
-        size = np.array([hi - lo for rs in ranges for lo, hi in rs], np.int64)
-        local_start = np.cumsum(size) - size
-        real = index != PAD
-        which = np.searchsorted(lo, index[real], side="right") - 1
-        out = np.full_like(index, PAD)
-        out[real] = local_start[which] + index[real] - lo[which]
-        return out

@@ -19,10 +19,19 @@ def test_bench_expand_quick(tmp_path):
     assert [r["layout"] for r in result["results"]] == ["thd tp2 cp2 sp", "bshd tp2 cp2 sp"]
     assert result["results"][1]["micro_batches"] == 2
     for r in result["results"]:
-        assert set(r["seconds_median"]) == {"widen", "clone", "copy_into", "expand", "numpy_copy"}
+        assert set(r["seconds_median"]) == {
+            "widen",
+            "widen_threads",
+            "clone",
+            "copy_into",
+            "expand",
+            "numpy_copy",
+        }
         assert r["numpy_copy_throughput_ratio"] > 0
         assert r["output_bytes"] == r["local_tokens"] * 48 * 8 * 4
         assert r["widen_throughput_ratio"] > 0
+        assert r["widen_threads_throughput_ratio"] > 0
+        assert r["widen_threads"] >= 1
         assert set(r["met"]) == set(result["targets"])
     assert isinstance(result["met"], bool)
     assert "transparent_hugepage" in result["config"]

@@ -12,7 +12,15 @@ from hypothesis import strategies as st
 from layout_reference import PAD, rank_rows
 
 from r3data.errors import LayoutError
-from r3data.layout import ModelLayers, TokenLayout, expand, expand_batch_major, expand_mask, gather
+from r3data.layout import (
+    ModelLayers,
+    TokenLayout,
+    TokenRuns,
+    expand,
+    expand_batch_major,
+    expand_mask,
+    gather,
+)
 from r3data.packed import PackedTensor
 
 DTYPES = {torch.uint8: 256, torch.uint16: 65536, torch.int32: 2**31 - 1}
@@ -372,6 +380,8 @@ def token_index(segments) -> np.ndarray:
 @settings(max_examples=60, deadline=None)
 @given(
     segments=SEGMENTS,
+    columns=st.integers(1, 3),
+    batch_major=st.booleans(),
     layers=st.sampled_from([(0, 1, 2, 3), (1, 2), (3,), (0, 2, 3), (3, 1)]),
     dtype=st.sampled_from([torch.uint8, torch.uint16, torch.int64]),
     out_dtype=st.sampled_from([torch.int32, torch.int64]),
@@ -380,29 +390,53 @@ def token_index(segments) -> np.ndarray:
         [
             {"PIECE_BYTES": 1, "MIN_RUN_TOKENS": 1},
             {"PIECE_BYTES": 50, "MIN_RUN_TOKENS": 5},
+            {"MIN_RUN_TOKENS": 1000},
             {},
         ]
     ),
 )
-def test_host_pieces_and_device_chunks_copy_the_same_rows(
-    segments, layers, dtype, out_dtype, strided, sizes
+def test_host_runs_and_device_chunks_copy_the_same_rows(
+    segments, columns, batch_major, layers, dtype, out_dtype, strided, sizes
 ):
-    """Every piece kind and size, layer selection and (strided) source, against a loop."""
+    """Every run kind and size, grid shape, layer selection and (strided) source, against a
+    loop."""
     rng = np.random.default_rng(len(segments))
     index = token_index(segments)
+    index = np.concatenate((index, np.full(-index.size % columns, PAD)))
+    grid = index.reshape(columns, -1).T  # [S, B]: each column a stretch of the segments
+    seq = grid.shape[0]
+    runs = TokenRuns.merged(
+        seq,
+        columns,
+        column=np.repeat(np.arange(columns), seq),
+        place=np.tile(np.arange(seq), columns),
+        row=grid.T.reshape(-1),
+        count=np.ones(grid.size, dtype=np.int64),
+    )
+    assert np.array_equal(runs.grid(), grid)
     topk, rows = 3, 130
     source = rng.integers(0, 200, size=(rows, 5 if strided else 4, topk))
     values = torch.from_numpy(source).to(dtype)[:, :4]
     fill = torch.tensor([7, 8, 9], dtype=out_dtype).expand(len(layers), topk)
+    flat = grid.reshape(-1)
     want = np.stack(
-        [source[r][list(layers)] if r != PAD else fill.numpy() for r in index.tolist()]
-    ).reshape(index.size, len(layers), topk)
-    host = torch.empty((index.size, len(layers), topk), dtype=out_dtype)
-    device = torch.empty_like(host)
+        [source[r][list(layers)] if r != PAD else fill.numpy() for r in flat.tolist()]
+    ).reshape(seq, columns, len(layers), topk)
+    shape = (columns, seq) if batch_major else (seq, columns)
+    host = torch.empty((*shape, len(layers), topk), dtype=out_dtype)
+    places = host.numpy().swapaxes(0, 1) if batch_major else host.numpy()
+    device = torch.empty((flat.size, len(layers), topk), dtype=out_dtype)
     with pytest.MonkeyPatch.context() as patch:
         for name, value in sizes.items():
             patch.setattr(gather, name, value)
-        gather._copy_on_host(host.numpy(), index, values.numpy(), layers, fill.contiguous().numpy())
-        gather._copy_on_device(device, index, values, layers, fill)
-    np.testing.assert_array_equal(host.numpy(), want)
-    np.testing.assert_array_equal(device.numpy(), want)
+        gather._copy_on_host(
+            places,
+            runs,
+            values.numpy(),
+            layers,
+            fill.contiguous().numpy(),
+            seq_major=not batch_major,
+        )
+        gather._copy_on_device(device, flat, values, layers, fill)
+    np.testing.assert_array_equal(places, want)
+    np.testing.assert_array_equal(device.numpy().reshape(want.shape), want)

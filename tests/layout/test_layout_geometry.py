@@ -114,6 +114,26 @@ def test_local_token_index_points_into_the_local_rows(grid, lengths):
         )
 
 
+@settings(max_examples=50, deadline=None)
+@given(grid=GRIDS, lengths=LENGTHS, local=st.booleans())
+def test_token_runs_tile_the_grid_in_maximal_runs(grid, lengths, local):
+    """Runs are ordered, non-empty, tile every column exactly and are never split needlessly."""
+    for layout in layouts_of(grid):
+        runs = layout.token_runs(lengths, local=local)
+        assert (runs.local_seq, runs.columns) == layout.token_grid(lengths, local=local).shape
+        assert np.all(runs.count > 0)
+        for b in range(runs.columns):
+            mine = runs.column == b
+            ends = np.cumsum(runs.count[mine])
+            assert ends[-1:].tolist() == ([runs.local_seq] if runs.local_seq else [])
+            assert np.array_equal(runs.place[mine], ends - runs.count[mine])
+        same = runs.column[1:] == runs.column[:-1]
+        both_pad = runs.padding[1:] & runs.padding[:-1]
+        continues = ~runs.padding[1:] & ~runs.padding[:-1]
+        continues &= runs.row[1:] == runs.row[:-1] + runs.count[:-1]
+        assert not np.any(same & (both_pad | continues)), "adjacent runs left unjoined"
+
+
 @settings(max_examples=40, deadline=None)
 @given(grid=GRIDS, lengths=LENGTHS.filter(bool))
 def test_padded_lengths_and_offsets(grid, lengths):

@@ -1,0 +1,74 @@
+"""``TokenRuns``: a rank's token grid as runs of consecutive packed-batch rows or of padding.
+
+A rank's tokens are a few long runs (a sample's chunk, a sequence-parallel slice, padding);
+copying run by run moves rows with slice copies and no per-token index.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from r3data.packed import aranges
+
+#: ``token_index`` entry (and run row) of a padding token.
+PAD = -1
+
+
+@dataclass(frozen=True)
+class TokenRuns:
+    """Run i covers places ``place[i] : place[i] + count[i]`` of column ``column[i]`` of the
+    ``[local_seq, columns]`` token grid and holds packed-batch rows ``row[i] : row[i] +
+    count[i]``, or padding where ``row[i] == PAD``. Runs are ordered by (column, place), tile
+    the grid exactly, and none is empty."""
+
+    local_seq: int
+    columns: int
+    column: np.ndarray
+    place: np.ndarray
+    row: np.ndarray
+    count: np.ndarray
+
+    @classmethod
+    def merged(
+        cls,
+        local_seq: int,
+        columns: int,
+        *,
+        column: np.ndarray,
+        place: np.ndarray,
+        row: np.ndarray,
+        count: np.ndarray,
+    ) -> TokenRuns:
+        """Runs from ordered pieces: empty ones dropped, each joined to the one before it when
+        it continues it (same column, next places, next rows or padding after padding)."""
+        keep = count > 0
+        column, place, row, count = column[keep], place[keep], row[keep], count[keep]
+        pad = row == PAD
+        joins = np.zeros(count.size, dtype=bool)
+        joins[1:] = (
+            (column[1:] == column[:-1])
+            & (place[1:] == place[:-1] + count[:-1])
+            & (pad[1:] == pad[:-1])
+            & (pad[1:] | (row[1:] == row[:-1] + count[:-1]))
+        )
+        starts = np.flatnonzero(~joins)
+        total = np.add.reduceat(count, starts) if starts.size else count
+        return cls(local_seq, columns, column[starts], place[starts], row[starts], total)
+
+    @property
+    def padding(self) -> np.ndarray:
+        """Which runs are padding."""
+        return self.row == PAD
+
+    def grid(self) -> np.ndarray:
+        """``[local_seq, columns]``: the packed-batch row of every place, or ``PAD``."""
+        grid = np.full((self.local_seq, self.columns), PAD, dtype=np.int64)
+        real = ~self.padding
+        count = self.count[real]
+        places = aranges(self.place[real], count) * self.columns + np.repeat(
+            self.column[real], count
+        )
+        grid.reshape(-1)[places] = aranges(self.row[real], count)
+        return grid
