@@ -261,9 +261,10 @@ def _zero_layers(values: torch.Tensor) -> tuple[int, ...]:
     if not values.shape[0] or values.shape[2] < 2:
         return ()
     bits = bit_view(values)
-    candidates = torch.nonzero(~bits[0].bool().any(dim=-1)).reshape(-1)
-    if not candidates.numel():
+    first_row = np.flatnonzero(~bits[0].cpu().numpy().any(axis=-1))  # one row to the host
+    if not first_row.size:
         return ()
+    candidates = torch.from_numpy(first_row).to(values.device)
     zero = ~bits.index_select(1, candidates).bool().any(dim=2).any(dim=0)
     return tuple(candidates[zero].tolist())
 

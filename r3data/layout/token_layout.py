@@ -26,6 +26,7 @@ packed batch.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -197,21 +198,22 @@ class TokenLayout:
         column = np.zeros_like(sample) if self.packed else sample
         place = np.cumsum(count) - count - column * local_seq
         # Each run is leading padding (BSHD left padding), real rows, trailing padding.
-        real_from = np.clip(-first, 0, count)
+        pieces = np.empty((4, sample.size, 3), dtype=np.int64)  # place, row, count, column
+        place_of, row_of, count_of = pieces[0], pieces[1], pieces[2]
+        real_from = np.minimum(np.maximum(-first, 0), count)
         real_to = np.minimum(np.maximum(lengths[sample] - first, real_from), count)
         real = real_to - real_from
+        place_of[:, 0], place_of[:, 1], place_of[:, 2] = place, place + real_from, place + real_to
+        count_of[:, 0], count_of[:, 1], count_of[:, 2] = real_from, real, count - real_to
+        row_of[:, ::2] = PAD
         if local:
-            rows = np.cumsum(real) - real  # a sample's local rows come in position order
+            row_of[:, 1] = np.cumsum(real) - real  # a sample's local rows come in position order
         else:
-            rows = np.cumsum(lengths)[sample] - lengths[sample] + first + real_from
-        pad = np.full_like(rows, PAD)
+            row_of[:, 1] = np.cumsum(lengths)[sample] - lengths[sample] + first + real_from
+        pieces[3] = column[:, None]
+        place_of, row_of, count_of, column_of = pieces.reshape(4, -1)
         return TokenRuns.merged(
-            local_seq,
-            columns,
-            column=np.repeat(column, 3),
-            place=np.stack((place, place + real_from, place + real_to), axis=1).reshape(-1),
-            row=np.stack((pad, rows, pad), axis=1).reshape(-1),
-            count=np.stack((real_from, real, count - real_to), axis=1).reshape(-1),
+            local_seq, columns, column=column_of, place=place_of, row=row_of, count=count_of
         )
 
     def token_grid(self, lengths: Any, *, local: bool = False) -> np.ndarray:
@@ -256,19 +258,7 @@ class TokenLayout:
         """
         if layer_axis not in ("all", "moe"):
             raise LayoutError(f"layer_axis must be 'all' or 'moe', found {layer_axis!r}")
-        model = self.layers or ModelLayers(num_layers=max(route_layers, 1))
-        moe_ids = model.moe_layer_ids
-        expected = model.num_layers if layer_axis == "all" else len(moe_ids)
-        if route_layers != expected:
-            raise LayoutError(
-                f"routes hold {route_layers} layers; layer_axis={layer_axis!r} of a model with "
-                f"{model.num_layers} layers ({len(moe_ids)} MoE) expects {expected}"
-            )
-        local = model.moe_stage(self.pp_size, self.pp_rank)
-        if layer_axis == "all":
-            return local
-        position = {layer: i for i, layer in enumerate(moe_ids)}
-        return tuple(position[layer] for layer in local)
+        return _stage_moe_layers(self.layers, self.pp_size, self.pp_rank, route_layers, layer_axis)
 
     # --- internals ------------------------------------------------------------------------
 
@@ -320,3 +310,23 @@ class TokenLayout:
         shift = padded - lengths if self.padding_side == "left" else np.zeros_like(lengths)
         sample = np.repeat(np.arange(batch, dtype=np.int64), start.size)
         return sample, np.tile(start, batch) - np.repeat(shift, start.size), np.tile(count, batch)
+
+
+@functools.lru_cache(maxsize=256)
+def _stage_moe_layers(
+    layers: ModelLayers | None, pp_size: int, pp_rank: int, route_layers: int, layer_axis: str
+) -> tuple[int, ...]:
+    """:meth:`TokenLayout.moe_layers` (cached: layouts and layer patterns are frozen)."""
+    model = layers or ModelLayers(num_layers=max(route_layers, 1))
+    moe_ids = model.moe_layer_ids
+    expected = model.num_layers if layer_axis == "all" else len(moe_ids)
+    if route_layers != expected:
+        raise LayoutError(
+            f"routes hold {route_layers} layers; layer_axis={layer_axis!r} of a model with "
+            f"{model.num_layers} layers ({len(moe_ids)} MoE) expects {expected}"
+        )
+    local = model.moe_stage(pp_size, pp_rank)
+    if layer_axis == "all":
+        return local
+    position = {layer: i for i, layer in enumerate(moe_ids)}
+    return tuple(position[layer] for layer in local)
