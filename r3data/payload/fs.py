@@ -286,6 +286,7 @@ class PayloadRoot:
             path = fs._strip_protocol(os.fspath(root))
         self.fs: AbstractFileSystem = fs
         self.path: str = path.rstrip("/") or fs.root_marker or "/"
+        self._prefix = "/" + self.path.strip("/") + "/" if self.path.strip("/") else "/"
         self._os_path = _local_path(fs, self.path)
         self.local_backed: bool = self._os_path is not None
 
@@ -339,7 +340,7 @@ class PayloadRoot:
             path = self.fs._strip_protocol(path)
             if not path.startswith("/"):
                 path = "/" + path  # a URL names a whole path: never one relative to the root
-        prefix = "/" + self.path.strip("/") + "/" if self.path.strip("/") else "/"
+        prefix = self._prefix
         if path.startswith("/"):
             path = posixpath.normpath(path)
             if not path.startswith(prefix):

@@ -465,7 +465,7 @@ def _closed(handle: PayloadFile | None) -> None:
 def _check_crc(r: RangeRead, url: str) -> None:
     if r.crc is None:
         return
-    found = checksum(r.crc_tail, value=r.crc_running)
+    found = checksum(r.crc_tail, value=r.crc_running) if r.crc_tail else r.crc_running
     if found != r.crc:
         s = r.segment
         raise PayloadChecksumError(
