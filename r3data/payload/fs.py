@@ -22,7 +22,7 @@ import os
 import posixpath
 import stat
 import sys
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import fsspec
@@ -41,6 +41,9 @@ from r3data.errors import (
 __all__ = ["PayloadFile", "PayloadRoot", "open_file"]
 
 _DIRECTORY = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
+_ROOT = os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC
+_PATH = os.O_PATH | os.O_CLOEXEC  # names an inode: opens nothing, so blocks on nothing
+_READ = os.O_RDONLY | os.O_CLOEXEC
 _FILE_KINDS = {
     stat.S_IFDIR: "directory",
     stat.S_IFIFO: "FIFO",
@@ -88,9 +91,9 @@ class PayloadFile:
 class LocalPayloadFile(PayloadFile):
     """A local-backed payload file, read with ``os.preadv`` on its descriptor."""
 
-    def __init__(self, fd: int, url: str) -> None:
+    def __init__(self, fd: int, url: str, size: int | None = None) -> None:
         self.fd, self.url = fd, url
-        self.size = os.fstat(fd).st_size
+        self.size = os.fstat(fd).st_size if size is None else size
 
     def read_at(self, offset: int, dest: memoryview) -> int:
         if self.fd is None:
@@ -156,6 +159,7 @@ class _OpenHow(ctypes.Structure):
 _SYS_OPENAT2 = 437  # the same number on every Linux architecture
 _RESOLVE_BENEATH_ONLY = 0x02 | 0x08  # RESOLVE_NO_MAGICLINKS | RESOLVE_BENEATH
 _openat2_missing = sys.platform != "linux"
+_HOWS: dict[int, Any] = {}  # flags -> a by-reference ``open_how`` (the kernel only reads it)
 
 
 def _openat2(root_fd: int, rel: str, flags: int) -> int | None:
@@ -164,8 +168,10 @@ def _openat2(root_fd: int, rel: str, flags: int) -> int | None:
     global _openat2_missing
     if _openat2_missing:
         return None
-    how = _OpenHow(flags, 0, _RESOLVE_BENEATH_ONLY)
-    fd = _LIBC.syscall(_SYS_OPENAT2, root_fd, os.fsencode(rel), ctypes.byref(how), 24)
+    how = _HOWS.get(flags)
+    if how is None:
+        how = _HOWS[flags] = ctypes.byref(_OpenHow(flags, 0, _RESOLVE_BENEATH_ONLY))
+    fd = _LIBC.syscall(_SYS_OPENAT2, root_fd, os.fsencode(rel), how, 24)
     if fd >= 0:
         return fd
     code = ctypes.get_errno()
@@ -198,33 +204,34 @@ def _inside(path: str, root: str) -> bool:
     return path == root or path.startswith(root.rstrip("/") + "/")
 
 
-def _regular_or_refuse(fd: int, what: str) -> None:
-    kind = stat.S_IFMT(os.fstat(fd).st_mode)
+def _regular_size(fd: int, what: Callable[[], str]) -> int:
+    """The size of the regular file ``fd`` holds; anything else is refused (``what()`` names
+    it)."""
+    st = os.fstat(fd)
+    kind = stat.S_IFMT(st.st_mode)
     if kind != stat.S_IFREG:
         kind_name = _FILE_KINDS.get(kind, "special file")
-        raise PayloadHandleError(f"{what} is a {kind_name}, not a regular file")
+        raise PayloadHandleError(f"{what()} is a {kind_name}, not a regular file")
+    return st.st_size
 
 
 def _reopen_to_read(path_fd: int) -> int:
     """A readable descriptor of the very inode ``path_fd`` (an ``O_PATH`` descriptor) holds."""
-    return os.open(f"/proc/self/fd/{path_fd}", os.O_RDONLY | os.O_CLOEXEC)
+    return os.open(f"/proc/self/fd/{path_fd}", _READ)
 
 
-@contextlib.contextmanager
-def _local_errors(url: str, what: str) -> Iterator[None]:
-    """OS errors of an open as payload errors; ``what`` names the file (and the handle)."""
-    try:
-        yield
-    except FileNotFoundError as exc:
-        raise PayloadNotFoundError(f"payload file {url} does not exist") from exc
-    except NotADirectoryError as exc:
-        raise PayloadNotFoundError(f"payload file {url} does not exist: {exc}") from exc
-    except PermissionError as exc:
-        raise PayloadPermissionError(f"payload file {url} may not be read: {exc}") from exc
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:
-            raise PayloadHandleError(f"{what} loops through symlinks") from exc
-        raise PayloadReadError(f"opening payload file {url}: {exc}") from exc
+def _local_error(exc: OSError, url: str, what: str) -> Exception:
+    """The payload error an OS error of an open stands for; ``what`` names the file (and the
+    handle)."""
+    if isinstance(exc, FileNotFoundError):
+        return PayloadNotFoundError(f"payload file {url} does not exist")
+    if isinstance(exc, NotADirectoryError):
+        return PayloadNotFoundError(f"payload file {url} does not exist: {exc}")
+    if isinstance(exc, PermissionError):
+        return PayloadPermissionError(f"payload file {url} may not be read: {exc}")
+    if exc.errno == errno.ELOOP:
+        return PayloadHandleError(f"{what} loops through symlinks")
+    return PayloadReadError(f"opening payload file {url}: {exc}")
 
 
 def open_file(path: str | os.PathLike[str], fs: AbstractFileSystem | None = None) -> PayloadFile:
@@ -241,13 +248,15 @@ def open_file(path: str | os.PathLike[str], fs: AbstractFileSystem | None = None
     os_path = _local_path(fs, inner)
     if os_path is None:
         return _open_fsspec(fs, inner, shown)
-    with _local_errors(shown, shown):
-        path_fd = os.open(os_path, os.O_PATH | os.O_CLOEXEC)
+    try:
+        path_fd = os.open(os_path, _PATH)
         try:
-            _regular_or_refuse(path_fd, shown)
-            return LocalPayloadFile(_reopen_to_read(path_fd), shown)
+            size = _regular_size(path_fd, lambda: shown)
+            return LocalPayloadFile(_reopen_to_read(path_fd), shown, size)
         finally:
             os.close(path_fd)
+    except OSError as exc:
+        raise _local_error(exc, shown, shown) from exc
 
 
 def _open_fsspec(fs: AbstractFileSystem, path: str, what: str) -> FsspecPayloadFile:
@@ -277,6 +286,7 @@ class PayloadRoot:
             path = fs._strip_protocol(os.fspath(root))
         self.fs: AbstractFileSystem = fs
         self.path: str = path.rstrip("/") or fs.root_marker or "/"
+        self._prefix = "/" + self.path.strip("/") + "/" if self.path.strip("/") else "/"
         self._os_path = _local_path(fs, self.path)
         self.local_backed: bool = self._os_path is not None
 
@@ -330,7 +340,7 @@ class PayloadRoot:
             path = self.fs._strip_protocol(path)
             if not path.startswith("/"):
                 path = "/" + path  # a URL names a whole path: never one relative to the root
-        prefix = "/" + self.path.strip("/") + "/" if self.path.strip("/") else "/"
+        prefix = self._prefix
         if path.startswith("/"):
             path = posixpath.normpath(path)
             if not path.startswith(prefix):
@@ -390,12 +400,22 @@ class PayloadRoot:
         """
         rel = self.relative(handle)
         url = self.url_of(rel)
-        what = f"payload handle {handle!r} ({url})"
+
+        def what() -> str:
+            return f"payload handle {handle!r} ({url})"
+
         if self._os_path is None:
-            return _open_fsspec(self.fs, posixpath.join(self.path, rel), what)
-        with _local_errors(url, what), self._beneath(rel, os.O_PATH | os.O_CLOEXEC, what) as fd:
-            _regular_or_refuse(fd, what)
-            return LocalPayloadFile(_reopen_to_read(fd), url)
+            return _open_fsspec(self.fs, posixpath.join(self.path, rel), what())
+        try:
+            path_fd = self._open_beneath(rel, _PATH, what)
+            try:
+                size = _regular_size(path_fd, what)
+                fd = _reopen_to_read(path_fd)
+            finally:
+                os.close(path_fd)
+        except OSError as exc:
+            raise _local_error(exc, url, what()) from exc
+        return LocalPayloadFile(fd, url, size)
 
     @contextlib.contextmanager
     def open_directory(self, folder: str, *, create: bool = False) -> Iterator[int]:
@@ -415,8 +435,11 @@ class PayloadRoot:
                     os.fsync(root_fd)
             finally:
                 os.close(root_fd)
-        with self._beneath(folder, _DIRECTORY, f"folder {folder!r}") as fd:
+        fd = self._open_beneath(folder, _DIRECTORY, lambda: f"folder {folder!r}")
+        try:
             yield fd
+        finally:
+            os.close(fd)
 
     def remove(self, name: str) -> None:
         """Delete the root-relative file ``name`` (a symlink itself, never its target); raises
@@ -429,11 +452,11 @@ class PayloadRoot:
         with self.open_directory(folder or ".") as fd:
             os.unlink(base, dir_fd=fd)
 
-    @contextlib.contextmanager
-    def _beneath(self, rel: str, flags: int, what: str) -> Iterator[int]:
-        """``rel`` opened with ``flags`` relative to a fresh descriptor of the root, refused
-        unless the kernel's own path of what was opened lies inside the root's."""
-        root_fd = os.open(self._os_path, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    def _open_beneath(self, rel: str, flags: int, what: Callable[[], str]) -> int:
+        """A descriptor of ``rel`` opened with ``flags`` relative to a fresh descriptor of the
+        root, refused unless the kernel's own path of what was opened lies inside the root's
+        (``what()`` names it); the caller closes it."""
+        root_fd = os.open(self._os_path, _ROOT)
         try:
             try:
                 fd = _openat2(root_fd, rel, flags)
@@ -447,15 +470,12 @@ class PayloadRoot:
                     real, root_real = _fd_path(fd), _fd_path(root_fd)
                     if not _inside(real, root_real):
                         raise PayloadHandleError(
-                            f"{what} resolves through a symlink to {real!r}, outside the root "
+                            f"{what()} resolves through a symlink to {real!r}, outside the root "
                             f"{self.url}"
                         )
                 except BaseException:
                     os.close(fd)
                     raise
-            try:
-                yield fd
-            finally:
-                os.close(fd)
+            return fd
         finally:
             os.close(root_fd)

@@ -20,6 +20,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -89,6 +90,8 @@ def _runs(ranges: list[RangeRead]) -> list[list[RangeRead]]:
 
 def _views(run: list[RangeRead], start: int, want: int) -> list[tuple[RangeRead, int, int]]:
     """``(range, lo, hi)``: the destination slices holding run bytes ``[start, start + want)``."""
+    if len(run) == 1:
+        return [(run[0], start, start + want)]
     out = []
     at = 0
     for r in run:
@@ -113,14 +116,15 @@ def _read_chunk(handle: Any, offset: int, views: list[memoryview]) -> int:
     return got
 
 
-def _landed(pieces: list[tuple[RangeRead, int, int]], got: int) -> None:
-    """Account ``got`` bytes of a chunk: checksums and ``on_bytes`` of every range touched."""
-    for r, lo, hi in pieces:
+def _landed(pieces: list[tuple[RangeRead, int, int]], views: list[memoryview], got: int) -> None:
+    """Account ``got`` bytes of a chunk (``views`` of ``pieces``): checksums and ``on_bytes`` of
+    every range touched."""
+    for (r, lo, hi), view in zip(pieces, views, strict=True):
         n = min(hi - lo, got)
         if n <= 0:
             break
         if r.crc is not None:
-            r.crc_running = checksum(r.dest[lo : lo + n], value=r.crc_running)
+            r.crc_running = checksum(view if n == hi - lo else view[:n], value=r.crc_running)
         r.done = lo + n
         if r.on_bytes is not None:
             r.on_bytes(r.done)
@@ -211,18 +215,24 @@ class PayloadReader:
         alongside other work (empty ranges are done at once); a file ``opened`` kept from
         :meth:`check_sizes` is read without opening it again."""
         by_file: dict[str, list[RangeRead]] = {}
+        names: dict[str, str] = {}  # handle -> root-relative name: ranges share files
         for r in ranges:
             if r.nbytes == 0:
                 r.dest = memoryview(b"") if r.dest is None else r.dest
                 _check_crc(r, r.segment.file)
                 continue
-            by_file.setdefault(self.root.relative(r.segment.file), []).append(r)
-        return [
-            lambda name=name, group=group: self._read_file(
-                name, group, None if opened is None else opened.take(name)
-            )
-            for name, group in by_file.items()
-        ]
+            name = names.get(r.segment.file)
+            if name is None:
+                name = names[r.segment.file] = self.root.relative(r.segment.file)
+            group = by_file.get(name)
+            if group is None:
+                by_file[name] = [r]
+            else:
+                group.append(r)
+        # Largest first: lanes pulling the next job then finish together (a heavy tail of file
+        # sizes otherwise leaves one lane reading the biggest file alone at the end).
+        groups = sorted(by_file.items(), key=_group_bytes, reverse=True)
+        return [partial(self._read_file, name, group, opened) for name, group in groups]
 
     def check_sizes(
         self, segments: Iterable[PayloadSegment], keep: OpenFiles | None = None
@@ -295,13 +305,15 @@ class PayloadReader:
                 delay = min(2 * delay, self.max_backoff)
         raise self._failed(name, s.offset, failure, attempt)
 
-    def _read_file(self, name: str, ranges: list[RangeRead], handle: Any = None) -> None:
-        """Read ``ranges`` of one file; a failure carries the range it happened in
-        (``exc.r3data_range``), so a caller can name what needed it."""
-        ranges.sort(key=lambda r: r.offset)
-        run: list[RangeRead] = ranges[:1]
+    def _read_file(self, name: str, ranges: list[RangeRead], opened: OpenFiles | None) -> None:
+        """Read ``ranges`` of one file (the one kept ``opened``, if any); a failure carries the
+        range it happened in (``exc.r3data_range``), so a caller can name what needed it."""
+        handle = None if opened is None else opened.take(name)
+        run = ranges
         try:
-            for run in _runs(ranges):
+            if len(ranges) > 1:
+                ranges.sort(key=_offset)
+            for run in _runs(ranges) if len(ranges) > 1 else (ranges,):
                 handle = self._read_run(name, handle, run)
         except Exception as exc:
             exc.r3data_range = next((r for r in run if r.done < r.nbytes), run[0])  # type: ignore[attr-defined]
@@ -310,46 +322,36 @@ class PayloadReader:
             if handle is not None:
                 handle.close()
 
-    def _read_run(self, name: str, handle: Any, run: list[RangeRead]) -> Any:
+    def _read_run(self, name: str, handle: PayloadFile | None, run: list[RangeRead]) -> Any:
         """Read one run completely, reopening and backing off on a short read or I/O error.
         Returns the open file (the caller closes it); on any failure it is already closed
         (a close is idempotent: a descriptor is closed exactly once)."""
+        total = run[0].nbytes if len(run) == 1 else sum(r.nbytes for r in run)
+        done, size, failure, delay = 0, None, None, self.backoff
         try:
-            return self._read_run_retrying(name, handle, run)
+            for attempt in range(1, self.retries + 2):
+                failure = None
+                try:
+                    if handle is None:
+                        handle = self._open(name)
+                    size = handle.size
+                    done = _fill_run(handle, run, done, size, total)
+                except PermissionError as exc:
+                    raise self._denied(name, exc) from exc
+                except OSError as exc:
+                    failure = exc
+                if done == total and failure is None:
+                    for r in run:  # a mismatch is the bytes themselves: not retried
+                        if r.crc is not None:
+                            _check_crc(r, handle.url)
+                    return handle
+                handle = _closed(handle)
+                if attempt <= self.retries:
+                    time.sleep(delay)
+                    delay = min(2 * delay, self.max_backoff)
         except BaseException:
             _closed(handle)
             raise
-
-    def _read_run_retrying(self, name: str, handle: Any, run: list[RangeRead]) -> Any:
-        total = sum(r.nbytes for r in run)
-        done, size, failure, delay = 0, None, None, self.backoff
-        for attempt in range(1, self.retries + 2):
-            failure = None
-            try:
-                if handle is None:
-                    handle = self._open(name)
-                size = handle.size
-                done = self._fill_run(handle, run, done, size)
-            except PermissionError as exc:
-                handle = _closed(handle)
-                raise self._denied(name, exc) from exc
-            except OSError as exc:
-                failure = exc
-            except BaseException:
-                _closed(handle)
-                raise
-            if done == total and failure is None:
-                try:
-                    for r in run:  # a mismatch is the bytes themselves: not retried
-                        _check_crc(r, handle.url)
-                except PayloadChecksumError:
-                    _closed(handle)
-                    raise
-                return handle
-            handle = _closed(handle)
-            if attempt <= self.retries:
-                time.sleep(delay)
-                delay = min(2 * delay, self.max_backoff)
         if failure is not None:
             raise self._failed(name, run[0].offset, failure, attempt)
         short = next(r for r in run if r.done < r.nbytes)
@@ -359,26 +361,6 @@ class PayloadReader:
             f"{short.offset}, got {short.done} after {attempt} attempts (file size {size}; "
             f"field {s.field!r} rows [{s.pos}, {s.end}))"
         )
-
-    @staticmethod
-    def _fill_run(handle: Any, run: list[RangeRead], done: int, size: int) -> int:
-        """Read the run from its byte ``done`` on until it is complete or the file ends."""
-        total = sum(r.nbytes for r in run)
-        if done == 0 and any(r.dest is None for r in run):
-            if run[-1].offset + run[-1].nbytes > size:
-                return 0  # allocate only once the file proved large enough
-            for r in run:
-                if r.dest is None:
-                    r.dest = memoryview(np.empty(r.nbytes, np.uint8))
-        while done < total:
-            want = min(CHUNK_BYTES, total - done)
-            pieces = _views(run, done, want)
-            got = _read_chunk(handle, run[0].offset + done, [r.dest[lo:hi] for r, lo, hi in pieces])
-            if got <= 0:
-                break
-            _landed(pieces, got)
-            done += got
-        return done
 
     def _url(self, name: str) -> str:
         return self.root.url_of(name)
@@ -445,7 +427,36 @@ class PayloadReader:
         self.read_ranges([r for segments, out in jobs for r in _into_ranges(segments, out)])
 
 
-def _closed(handle: Any) -> None:
+def _fill_run(handle: PayloadFile, run: list[RangeRead], done: int, size: int, total: int) -> int:
+    """Read the run (``total`` bytes) from its byte ``done`` on until it is complete or the file
+    ends; returns the bytes in place."""
+    if done == 0 and any(r.dest is None for r in run):
+        if run[-1].offset + run[-1].nbytes > size:
+            return 0  # allocate only once the file proved large enough
+        for r in run:
+            if r.dest is None:
+                r.dest = memoryview(np.empty(r.nbytes, np.uint8))
+    start = run[0].offset
+    while done < total:
+        pieces = _views(run, done, min(CHUNK_BYTES, total - done))
+        views = [r.dest[lo:hi] for r, lo, hi in pieces]
+        got = _read_chunk(handle, start + done, views)
+        if got <= 0:
+            break
+        _landed(pieces, views, got)
+        done += got
+    return done
+
+
+def _group_bytes(group: tuple[str, list[RangeRead]]) -> int:
+    return sum(r.nbytes for r in group[1])
+
+
+def _offset(r: RangeRead) -> int:
+    return r.offset
+
+
+def _closed(handle: PayloadFile | None) -> None:
     """Close ``handle`` (once) and forget it."""
     if handle is not None:
         handle.close()
@@ -454,7 +465,7 @@ def _closed(handle: Any) -> None:
 def _check_crc(r: RangeRead, url: str) -> None:
     if r.crc is None:
         return
-    found = checksum(r.crc_tail, value=r.crc_running)
+    found = checksum(r.crc_tail, value=r.crc_running) if r.crc_tail else r.crc_running
     if found != r.crc:
         s = r.segment
         raise PayloadChecksumError(
@@ -519,8 +530,10 @@ def _into_ranges(segments: Sequence[PayloadSegment], out: Any) -> list[RangeRead
     if not segments:
         raise SegmentError("read_into needs at least one segment")
     first = segments[0]
+    kind = (first.dtype, first.shape, first.ragged)
     for s in segments:
-        _check_same_kind([first], s)
+        if (s.dtype, s.shape, s.ragged) != kind:
+            _check_same_kind([first], s)
     if first.ragged:
         raise SegmentError(
             f"read_into fills fixed-width fields; {first.field!r} is ragged (use read())"
@@ -539,10 +552,12 @@ def _into_ranges(segments: Sequence[PayloadSegment], out: Any) -> list[RangeRead
             f"{first.shape}; out is {array.dtype} {array.shape}"
         )
     view = memoryview(array.reshape(-1).view(np.uint8))
+    row_bytes = first.row_bytes  # the same for every segment: same dtype and shape
     ranges, cursor = [], 0
     for s in segments:
-        ranges.append(RangeRead(s, s.offset, s.nbytes, view[cursor : cursor + s.nbytes], s.crc32c))
-        cursor += s.nbytes
+        end = cursor + s.rows * row_bytes
+        ranges.append(RangeRead(s, s.offset, end - cursor, view[cursor:end], s.crc32c))
+        cursor = end
     return ranges
 
 
