@@ -463,7 +463,8 @@ def _copy_on_host(
         return values[rows][:, pick]
 
     if seq_major and runs.columns > 1:
-        flat = out.reshape(-1, *out.shape[2:])
+        flat = out.view()
+        flat.shape = (-1, *out.shape[2:])  # raises rather than copy: writes must land in out
         _gather_blocks(flat, runs.grid().reshape(-1), rows_of, fill, step)
         return
     long = runs.count >= MIN_RUN_TOKENS
