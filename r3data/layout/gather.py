@@ -7,11 +7,12 @@ torchtitan-style MoE).
 
 Every row is read once from the packed values into one token-major output buffer
 ``[tokens, layers, topk]`` on the routes' device; the per-layer tensors are views of it (row
-stride ``layers * topk``; ``torch.gather``/``scatter`` take them as they are). The buffer is
-written front to back: on the CPU in cache-sized pieces, each a fill of padding, a slice copy
-of consecutive rows, or a gather of scattered rows through a small staging block; on
-accelerators a gather of a bounded chunk of rows at a time. There is no padded full-batch
-rectangle and no full-size intermediate. Padding tokens get ``fill``, by default
+stride ``layers * topk``; ``torch.gather``/``scatter`` take them as they are). On the CPU the
+rank's tokens come as runs (:meth:`~r3data.layout.TokenLayout.token_runs`): each long run is
+one slice copy or padding fill, short runs are gathered together, and a seq-major grid of
+several samples (whose rows interleave) is gathered a cache-sized block at a time and written
+front to back; on accelerators a gather of a bounded chunk of rows at a time. There is no
+padded full-batch rectangle and no full-size intermediate. Padding tokens get ``fill``, by default
 ``arange(topk)``: the all-to-all dispatcher assumes exactly ``tokens * topk`` distinct
 assignments, so a padding row must never repeat an expert. ``RoundRobin(num_experts)``
 instead gives each padding token its own run of ``topk`` experts by its place in the padded
