@@ -10,9 +10,10 @@ drops the checksum, since it no longer describes the bytes named.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import numpy as np
@@ -40,10 +41,26 @@ def _check_int(name: str, value: Any, minimum: int = 0, maximum: int | None = No
 
 
 def _canonical_dtype(name: Any) -> str:
+    if isinstance(name, str):
+        return _canonical_dtype_name(name)
     try:
         return parse_dtype(name).name
     except WireFormatError as exc:
         raise SegmentError(f"segment {exc}") from None
+
+
+@functools.lru_cache(maxsize=64)
+def _canonical_dtype_name(name: str) -> str:
+    """The canonical name of a dtype name from the wire (cached: every handle names one)."""
+    try:
+        return parse_dtype(name).name
+    except WireFormatError as exc:
+        raise SegmentError(f"segment {exc}") from None
+
+
+@functools.lru_cache(maxsize=64)
+def _itemsize(dtype: str) -> int:
+    return np.dtype(dtype).itemsize
 
 
 @dataclass(frozen=True)
@@ -99,7 +116,7 @@ class PayloadSegment:
     @property
     def itemsize(self) -> int:
         """Bytes of one element."""
-        return np.dtype(self.dtype).itemsize
+        return _itemsize(self.dtype)
 
     @property
     def row_bytes(self) -> int:
@@ -159,7 +176,15 @@ class PayloadSegment:
             moved = {"index": self.index + skipped * INDEX_DTYPE.itemsize}
         else:
             moved = {"offset": self.offset + skipped * self.row_bytes}
-        return replace(self, pos=start, rows=stop - start, crc32c=None, **moved)
+        return self._derived(pos=start, rows=stop - start, crc32c=None, **moved)
+
+    def _derived(self, **changes: int | None) -> PayloadSegment:
+        """A copy with ``changes``: positions, counts and byte offsets computed from this
+        validated segment (each an int within its bounds by construction), so not checked
+        again; clipping thousands of handles per batch would otherwise validate each twice."""
+        derived = object.__new__(PayloadSegment)
+        derived.__dict__.update(self.__dict__, **changes)
+        return derived
 
 
 def clip(segments: list[PayloadSegment], lo: int, hi: int) -> list[PayloadSegment]:
@@ -185,7 +210,7 @@ def shift(segments: list[PayloadSegment], delta: int) -> list[PayloadSegment]:
             raise SegmentError(
                 f"shift by {delta} moves segment of {s.field!r} at pos {s.pos} below 0"
             )
-    return [replace(s, pos=s.pos + int(delta)) for s in segments]
+    return [s._derived(pos=s.pos + int(delta)) for s in segments]
 
 
 def gaps(segments: list[PayloadSegment], field: str, lo: int, hi: int) -> list[tuple[int, int]]:
