@@ -157,11 +157,7 @@ class PayloadSegment:
             raise SegmentError(f"segment must have keys {list(REQUIRED_KEYS)}, missing {missing}")
         if not isinstance(data["shape"], (list, tuple)):
             raise SegmentError(f"segment shape must be a list of ints, found {data['shape']!r}")
-        optional = {
-            f.name: data[f.name]
-            for f in fields(cls)
-            if f.name not in REQUIRED_KEYS and data.get(f.name) is not None
-        }
+        optional = {name: data[name] for name in _OPTIONAL_KEYS if data.get(name) is not None}
         return cls(**{name: data[name] for name in REQUIRED_KEYS}, **optional)
 
     def clipped(self, lo: int, hi: int) -> PayloadSegment | None:
@@ -185,6 +181,9 @@ class PayloadSegment:
         derived = object.__new__(PayloadSegment)
         derived.__dict__.update(self.__dict__, **changes)
         return derived
+
+
+_OPTIONAL_KEYS = tuple(f.name for f in fields(PayloadSegment) if f.name not in REQUIRED_KEYS)
 
 
 def clip(segments: list[PayloadSegment], lo: int, hi: int) -> list[PayloadSegment]:
