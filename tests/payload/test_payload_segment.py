@@ -90,6 +90,19 @@ def test_shift_moves_positions_not_bytes(segments, delta):
 
 
 @SETTINGS
+@given(segment_lists(), st.integers(0, 90), st.integers(0, 90), st.integers(0, 60))
+def test_clipped_and_shifted_handles_are_what_validation_makes_of_them(segments, a, b, delta):
+    """Derived handles skip validation: each must equal the handle its dict validates to,
+    field for field (ints stay ints, the checksum of a cut is gone)."""
+    lo, hi = min(a, b), max(a, b)
+    for derived in clip(segments, lo, hi) + shift(segments, delta):
+        again = PayloadSegment.from_dict(derived.to_dict())
+        assert again == derived
+        assert vars(again) == vars(derived)
+        assert all(type(v) is type(vars(again)[k]) for k, v in vars(derived).items())
+
+
+@SETTINGS
 @given(segment_lists(), st.integers(0, 90), st.integers(0, 90))
 def test_gaps_and_covers_match_a_coverage_model(segments, a, b):
     lo, hi = min(a, b), max(a, b)
