@@ -25,6 +25,8 @@ VENV_ENV = "R3DATA_S3_VENV"
 """Where the SeaweedFS venv is (default ``<repo>/.venv-s3``, as the Makefile makes it)."""
 ACCESS_KEY, SECRET_KEY = "r3key", "r3secret"
 READY_TIMEOUT_S = 60.0
+PROBE_BUCKET = "r3data-ready"
+"""The bucket the readiness check writes its probe object to (no test uses it)."""
 STOP_TIMEOUT_S = 15.0
 
 # Ports `weed mini` opens besides S3. The admin server's gRPC port must be its HTTP port +
@@ -137,30 +139,43 @@ class SeaweedServer:
             *flags,
         ]
 
-    def launch(self) -> None:
-        """Start the process and wait until an authenticated listing succeeds."""
+    def launch(self, readable: tuple[str, ...] = ()) -> None:
+        """Start the process and wait until it answers (see :meth:`_answers`)."""
         self.started_s = self.process.launch(
-            self.command(), self._answers, ready_timeout_s=READY_TIMEOUT_S, poll_s=0.1
+            self.command(),
+            lambda: self._answers(readable),
+            ready_timeout_s=READY_TIMEOUT_S,
+            poll_s=0.1,
         )
         self.starts.append(self.started_s)
 
-    def _answers(self) -> bool:
+    def _answers(self, readable: tuple[str, ...]) -> bool:
+        """An authenticated listing, a tiny object written and read back, and the objects
+        ``readable`` names (``bucket/key``) read: the gateway, the filer and the volumes
+        behind them all answer (after a restart the listing answers seconds before stored
+        objects are readable again)."""
         import s3fs
 
         try:
-            s3fs.S3FileSystem(**self.storage_options()).ls("")
-        except Exception:  # not up yet: the gateway or the filer behind it
+            fs = s3fs.S3FileSystem(**self.storage_options())
+            fs.ls("")
+            if not fs.exists(PROBE_BUCKET):
+                fs.mkdir(PROBE_BUCKET)
+            fs.pipe_file(f"{PROBE_BUCKET}/probe", b"ready")
+            probes = [f"{PROBE_BUCKET}/probe", *readable]
+            return all(fs.cat_file(path, start=0, end=1) for path in probes)
+        except Exception:  # not up yet: the gateway, the filer or a volume behind it
             return False
-        return True
 
     def kill(self) -> None:
         """SIGKILL, as a crash: no clean shutdown."""
         self.process.kill()
 
-    def restart(self) -> None:
-        """Bring a killed store back on the same ports and data."""
+    def restart(self, readable: tuple[str, ...] = ()) -> None:
+        """Bring a killed store back on the same ports and data; return once it answers and
+        the objects ``readable`` names read again."""
         self.kill()
-        self.launch()
+        self.launch(readable)
 
     def stop(self) -> int | None:
         """SIGTERM to its PID, SIGKILL to its group after a grace period; its exit status."""
