@@ -41,21 +41,16 @@ def _check_int(name: str, value: Any, minimum: int = 0, maximum: int | None = No
 
 
 def _canonical_dtype(name: Any) -> str:
-    if isinstance(name, str):
-        return _canonical_dtype_name(name)
     try:
-        return parse_dtype(name).name
+        return _dtype_name(name) if isinstance(name, str) else parse_dtype(name).name
     except WireFormatError as exc:
         raise SegmentError(f"segment {exc}") from None
 
 
 @functools.lru_cache(maxsize=64)
-def _canonical_dtype_name(name: str) -> str:
+def _dtype_name(name: str) -> str:
     """The canonical name of a dtype name from the wire (cached: every handle names one)."""
-    try:
-        return parse_dtype(name).name
-    except WireFormatError as exc:
-        raise SegmentError(f"segment {exc}") from None
+    return parse_dtype(name).name
 
 
 @functools.lru_cache(maxsize=64)
