@@ -23,6 +23,8 @@ def checked_int(
     error: type[R3DataError] = ConfigError,
 ) -> int:
     """``value`` as an int in ``[minimum, maximum]``, else ``error`` naming ``name``."""
+    if type(value) is int and value >= minimum and (maximum is None or value <= maximum):
+        return value  # the usual case, checked without the slower instance tests
     if (
         isinstance(value, bool)
         or not isinstance(value, int | np.integer)

@@ -45,8 +45,9 @@ class RolloutSample:
 
 
 def _get(obj: Any, *names: str, default: Any = None) -> Any:
+    mapping = type(obj) is dict or isinstance(obj, Mapping)
     for name in names:
-        if isinstance(obj, Mapping):
+        if mapping:
             if name in obj:
                 return obj[name]
         elif hasattr(obj, name):
@@ -71,12 +72,13 @@ def _vector(name: str, value: Any, length: int | None, dtype: Any) -> np.ndarray
 def source_rows(source: Any, *, prompt_len: int, completion_len: int) -> list[Source]:
     """Turn one request source into trace sources (decoding producer responses through the
     registry)."""
+    mapping = type(source) is dict or isinstance(source, Mapping)
+    if mapping and "file" in source:
+        return [PayloadSegment.from_dict(source)]
+    if mapping and "producer" in source:
+        return decode_source(source, prompt_len=prompt_len, completion_len=completion_len)
     if isinstance(source, (InlineRows, EncodedRows, PayloadSegment)):
         return [source]
-    if isinstance(source, Mapping) and "file" in source:
-        return [PayloadSegment.from_dict(source)]
-    if isinstance(source, Mapping) and "producer" in source:
-        return decode_source(source, prompt_len=prompt_len, completion_len=completion_len)
     raise TraceError(
         "a request source must be InlineRows, EncodedRows, a PayloadSegment, a segment dict with "
         f"'file' or a producer response with 'producer', found {type(source).__name__}"
@@ -101,7 +103,11 @@ def _trace_of(
     builder = TraceBuilder(sample_id, **trace_options.builder_options)
     every_source: list[Any] = []
     for number, request in enumerate(requests):
-        if not isinstance(request, Mapping) or not {"prompt_len", "completion_len"} <= set(request):
+        if not (
+            (type(request) is dict or isinstance(request, Mapping))
+            and "prompt_len" in request
+            and "completion_len" in request
+        ):
             raise TraceError(
                 f"request {number}: expected a dict with 'prompt_len', 'completion_len' and "
                 f"'sources', found {request!r:.80}"
@@ -181,7 +187,7 @@ def as_rollout(obj: Any, index: int, trace: TraceOptions | None = None) -> Rollo
     their class and name the sample once: ``sample 'id' (index i): ...``."""
     if isinstance(obj, RolloutSample):
         return obj
-    if not (dataclasses.is_dataclass(obj) or isinstance(obj, Mapping)):
+    if not (type(obj) is dict or dataclasses.is_dataclass(obj) or isinstance(obj, Mapping)):
         raise TraceError(
             f"sample {str(index)!r} (index {index}): expected a dict or a dataclass, found "
             f"{type(obj).__name__}"
