@@ -66,39 +66,42 @@ def _words(flat: np.ndarray) -> np.ndarray:
     return raw
 
 
-def _below(ored: np.ndarray, dtype: np.dtype, limit: int) -> bool:
-    """Whether every id is below ``limit``, from the bitwise OR of the rows' words: exact for
-    unsigned ids and a power-of-two ``limit`` (no id has a bit at or above it)."""
-    if dtype.kind != "u" or limit & (limit - 1):
-        return False
-    every = np.bitwise_or.reduce(ored)
-    return int(np.bitwise_or.reduce(np.frombuffer(every.tobytes(), dtype))) < limit
+def _zero_rows(flat: np.ndarray) -> np.ndarray | None:
+    """Which rows are zero in every entry (None: none is).
+
+    A real route row is never zero in a word that holds one layer's ``topk`` distinct ids, so
+    one word column that is non-zero in the first row settles almost every row with one
+    comparison; only the rows zero in that column are looked at whole.
+    """
+    words = _words(flat)
+    probe = np.flatnonzero(words[0])
+    if probe.size == 0:  # the first row is zero: every row looked at whole
+        return np.bitwise_or.reduce(words, axis=1) == 0
+    candidates = np.flatnonzero(words[:, int(probe[0])] == 0)
+    if candidates.size == 0:
+        return None
+    whole = ~words[candidates].any(axis=1)
+    if not whole.any():
+        return None
+    zero = np.zeros(flat.shape[0], bool)
+    zero[candidates[whole]] = True
+    return zero
 
 
 def screen_rows(rows: np.ndarray, options: ScreenOptions) -> RowFlags:
-    """Screen ``rows`` (``[n, *row_shape]``, C-contiguous): one pass over the bytes (the OR of
-    each row's words) in the usual case, another only for what it cannot settle."""
+    """Screen ``rows`` (``[n, *row_shape]``, C-contiguous): the extremes of every id and one
+    word column of each row in the usual case; whole rows only where those cannot settle it."""
     n = rows.shape[0]
     if n == 0 or rows.size == 0:
         return RowFlags(None, None, None)
     flat = rows.reshape(n, -1)
-    ored = np.bitwise_or.reduce(_words(flat), axis=1)
-    zero = None
-    if options.zero_rows != "keep":
-        zero = ored == 0
-        if not zero.any():
-            zero = None
+    zero = None if options.zero_rows == "keep" else _zero_rows(flat)
     negative = None
     if flat.dtype.kind == "i" and int(flat.min()) < 0:
         negative = flat.min(axis=1) < 0
     too_large = None
     limit = options.num_experts
-    if (
-        limit is not None
-        and limit - 1 < np.iinfo(flat.dtype).max
-        and not _below(ored, flat.dtype, limit)
-        and int(flat.max()) >= limit
-    ):
+    if limit is not None and limit - 1 < np.iinfo(flat.dtype).max and int(flat.max()) >= limit:
         row, entry = np.unravel_index(int(np.argmax(flat >= limit)), flat.shape)
         too_large = (int(row), int(entry), int(flat[row, entry]))
     return RowFlags(zero, negative, too_large)
