@@ -5,8 +5,9 @@ size is known from the length alone, so every claim is checked before anything i
 and :func:`decode_base64_into` writes a byte range of the decoded blob into its final place,
 chunk by chunk, the bytes still in cache when the caller screens them. The chunks decode
 straight into the destination with the SIMD decoder pybase64 is built on (libbase64's
-``base64_decode``, which its extension exports; the GIL is released for the call), else, and
-for the partial groups at either end, through pybase64 and a cache-sized bounce: never a
+``base64_decode``, which its extension exports; the GIL is released for the call); the one
+group at either end that the range cuts or that holds padding goes through pybase64, and so
+does everything, a cache-sized bounce at a time, where that decoder is missing: never a
 temporary of the blob's size.
 """
 
@@ -156,19 +157,24 @@ def decode_base64_into(
     got = ctypes.c_size_t()
     written = 0
     while written < nbytes:
-        groups = min(_CHUNK_GROUPS, -(-(nbytes - written + drop) // 3))
-        at = 4 * group
-        whole = drop == 0 and 3 * groups <= nbytes - written and data[at + 4 * groups - 1] != _PAD
-        if direct is not None and whole:  # every decoded byte of the chunk is the caller's
-            ok = direct(source + at, 4 * groups, target + written, ctypes.byref(got), 0)
-            if ok != 1 or got.value != 3 * groups:
+        remaining = nbytes - written
+        # Whole groups, none padded, whose every decoded byte is the caller's: straight in.
+        whole = min(_CHUNK_GROUPS, remaining // 3) if direct is not None and drop == 0 else 0
+        if whole and data[4 * (group + whole) - 1] == _PAD:
+            whole -= 1
+        if whole:
+            at = 4 * group
+            ok = direct(source + at, 4 * whole, target + written, ctypes.byref(got), 0)
+            if ok != 1 or got.value != 3 * whole:
                 raise WireFormatError(
-                    f"{what}: invalid base64 in characters [{at}, {at + 4 * groups})"
+                    f"{what}: invalid base64 in characters [{at}, {at + 4 * whole})"
                 )
-            take = 3 * groups
-        else:
+            take, groups = 3 * whole, whole
+        else:  # a group cut by the range or padded (or no direct decoder): through a bounce
+            groups = 1 if direct is not None else min(_CHUNK_GROUPS, -(-(remaining + drop) // 3))
+            at = 4 * group
             piece = _decode(data[at : at + 4 * groups], what, at)
-            take = min(len(piece) - drop, nbytes - written)
+            take = min(len(piece) - drop, remaining)
             np.copyto(out[written : written + take], np.frombuffer(piece, np.uint8, take, drop))
         written += take
         group += groups

@@ -47,10 +47,12 @@ def test_chunks_larger_than_the_bounce_and_bad_characters_anywhere(decoder):
     out = np.empty(len(raw) - 7, np.uint8)
     decode_base64_into(bytes(encoded), out, skip=7)
     assert out.tobytes() == raw[7:]
-    for at in (0, 3 << 20, len(encoded) - 5):
+    # the first group, one inside the bulk, the last whole one, the padded last group, and
+    # the group a range starting at byte 7 cuts
+    for at, skip in ((0, 0), (3 << 20, 0), (len(encoded) - 5, 0), (len(encoded) - 3, 0), (9, 7)):
         bad = bytearray(encoded)
         bad[at] = ord("!")
         with pytest.raises(WireFormatError, match="invalid base64 in characters"):
-            decode_base64_into(bytes(bad), np.empty(len(raw), np.uint8))
+            decode_base64_into(bytes(bad), np.empty(len(raw) - skip, np.uint8), skip=skip)
     with pytest.raises(WireFormatError, match="inside the"):
         decode_base64_into(bytes(encoded), np.empty(len(raw) + 1, np.uint8))
