@@ -62,6 +62,20 @@ class TokenRuns:
         """Which runs are padding."""
         return self.row == PAD
 
+    def segments(self) -> tuple[np.ndarray, np.ndarray]:
+        """``(bounds, first)``: the grid's places cut wherever a run of any column starts or
+        ends, so that within segment ``k`` (places ``bounds[k] : bounds[k + 1]``) column
+        ``b`` holds rows ``first[k, b]`` onwards, one per place, or padding where
+        ``first[k, b] == PAD``. ``first`` is ``[segments, columns]``."""
+        bounds = np.union1d(0, self.place + self.count)  # a run starts at 0 or another's end
+        starts = bounds[:-1]
+        key = self.column * self.local_seq + self.place  # ascending: runs are ordered
+        wanted = np.arange(self.columns) * self.local_seq + starts[:, None]
+        at = np.searchsorted(key, wanted, side="right") - 1
+        row = self.row[at]
+        first = np.where(row == PAD, PAD, row + starts[:, None] - self.place[at])
+        return bounds, first
+
     def grid(self) -> np.ndarray:
         """``[local_seq, columns]``: the packed-batch row of every place, or ``PAD``."""
         grid = np.full((self.local_seq, self.columns), PAD, dtype=np.int64)

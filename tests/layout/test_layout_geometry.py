@@ -134,6 +134,35 @@ def test_token_runs_tile_the_grid_in_maximal_runs(grid, lengths, local):
         assert not np.any(same & (both_pad | continues)), "adjacent runs left unjoined"
 
 
+@settings(max_examples=50, deadline=None)
+@given(grid=GRIDS, lengths=LENGTHS, local=st.booleans())
+def test_segments_cut_the_grid_wherever_a_column_stops_continuing(grid, lengths, local):
+    """Within a segment every column holds consecutive rows or padding, and a segment ends
+    only where some column stops continuing (against a loop over the grid)."""
+    for layout in layouts_of(grid):
+        rows = layout.token_grid(lengths, local=local)
+        bounds, first = layout.token_runs(lengths, local=local).segments()
+        seq, columns = rows.shape
+        cuts = [0] + [
+            s
+            for s in range(1, seq)
+            if any(
+                (rows[s, b] == PAD) != (rows[s - 1, b] == PAD)
+                or (rows[s, b] != PAD and rows[s, b] != rows[s - 1, b] + 1)
+                for b in range(columns)
+            )
+        ]
+        assert bounds.tolist() == cuts + ([seq] if seq else [])
+        assert first.shape == (len(cuts) if seq else 0, columns)
+        for k in range(first.shape[0]):
+            for b in range(columns):
+                held = rows[bounds[k] : bounds[k + 1], b]
+                expected = np.arange(first[k, b], first[k, b] + held.size)
+                assert held.tolist() == (
+                    [PAD] * held.size if first[k, b] == PAD else expected.tolist()
+                )
+
+
 @settings(max_examples=40, deadline=None)
 @given(grid=GRIDS, lengths=LENGTHS.filter(bool))
 def test_padded_lengths_and_offsets(grid, lengths):
