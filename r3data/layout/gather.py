@@ -23,7 +23,6 @@ rank holds it.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -399,14 +398,15 @@ def _gather(
     )
     if not buffer.numel():
         return buffer
-    fill = fill_row.to(buffer.device, dtype).expand(shape)
     if values.device.type == "cpu":
         places = buffer.numpy().swapaxes(0, 1) if batch_major else buffer.numpy()
-        fill_block = fill.contiguous().numpy()
+        fill_block = np.empty(shape, dtype=places.dtype)
+        fill_block[...] = fill_row.cpu().numpy()
         _copy_on_host(places, runs, values.numpy(), layers, fill_block, seq_major=not batch_major)
     else:
         grid = runs.grid()
         index = (grid.T if batch_major else grid).reshape(-1)
+        fill = fill_row.to(buffer.device, dtype).expand(shape)
         _copy_on_device(buffer.view(-1, *shape), index, values, layers, fill)
     return buffer
 
@@ -499,8 +499,7 @@ def _interleave_columns(
     """
     bounds, first = runs.segments()
     edges = bounds.tolist()
-    staging = _Staging(out, rows_of, fill, max(1, step // runs.columns))
-    grid = functools.cache(runs.grid)  # built for the first short segment, if any
+    staging = _Staging(out, runs, rows_of, fill, step)
     short: list[int] = []  # [start, stop] of consecutive short segments not gathered yet
     for start, stop, starts in zip(edges[:-1], edges[1:], first.tolist(), strict=True):
         padding = max(starts) == PAD
@@ -508,35 +507,37 @@ def _interleave_columns(
             short = [short[0] if short else start, stop]
             continue
         if short:
-            _gather_places(out, grid(), *short, rows_of, fill, step)
+            staging.gather(*short)
             short = []
         if padding:
             staging.fill(start, stop)
         else:
             staging.copy(start, stop, starts)
     if short:
-        _gather_places(out, grid(), *short, rows_of, fill, step)
+        staging.gather(*short)
 
 
 class _Staging:
-    """A cache-sized ``[places, columns, layers, topk]`` block in the routes' dtype (or
-    ``out``'s when ``fill`` does not fit it) that places of ``out`` are staged in."""
+    """Writes places of a seq-major ``out`` through a cache-sized ``[places, columns,
+    layers, topk]`` block in the routes' dtype (or ``out``'s when ``fill`` does not fit it)."""
 
     def __init__(
         self,
         out: np.ndarray,
+        runs: TokenRuns,
         rows_of: Callable[[slice | np.ndarray], np.ndarray],
         fill: np.ndarray,
-        places: int,
+        step: int,
     ) -> None:
+        self.out, self.runs, self.rows_of, self.fill_row, self.step = out, runs, rows_of, fill, step
+        self.places = max(1, step // out.shape[1])
         dtype = rows_of(slice(0, 0)).dtype
-        if not np.array_equal(fill.astype(dtype), fill):
-            dtype = out.dtype
-        self.out, self.rows_of, self.places = out, rows_of, places
-        self.fill_row = fill
-        self.block = np.empty((places, *out.shape[1:]), dtype=dtype)
         self.fill_staged = fill.astype(dtype)
+        if not (self.fill_staged == fill).all():
+            self.fill_staged = fill
+        self.block = np.empty((self.places, *out.shape[1:]), dtype=self.fill_staged.dtype)
         self.filled = [0] * out.shape[1]  # leading places of each column holding fill
+        self.grid: np.ndarray | None = None
 
     def fill(self, start: int, stop: int) -> None:
         """``out[start:stop] = fill``."""
@@ -565,20 +566,13 @@ class _Staging:
                     self.filled[column] = count
             np.copyto(self.out[at : at + count], staged, casting="same_kind")
 
-
-def _gather_places(
-    out: np.ndarray,
-    grid: np.ndarray,
-    start: int,
-    stop: int,
-    rows_of: Callable[[np.ndarray], np.ndarray],
-    fill: np.ndarray,
-    step: int,
-) -> None:
-    """``out[start:stop]`` of a seq-major grid (:meth:`TokenRuns.grid`), gathered row by row."""
-    flat = out[start:stop].view()
-    flat.shape = (-1, *out.shape[2:])  # raises rather than copy: writes must land in out
-    _gather_blocks(flat, grid[start:stop].reshape(-1), rows_of, fill, step)
+    def gather(self, start: int, stop: int) -> None:
+        """``out[start:stop]`` gathered row by row (from :meth:`TokenRuns.grid`)."""
+        self.grid = self.runs.grid() if self.grid is None else self.grid
+        flat = self.out[start:stop].view()
+        flat.shape = (-1, *self.out.shape[2:])  # raises rather than copy: writes must land in out
+        rows = self.grid[start:stop].reshape(-1)
+        _gather_blocks(flat, rows, self.rows_of, self.fill_row, self.step)
 
 
 def _gather_blocks(

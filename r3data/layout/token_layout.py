@@ -207,8 +207,8 @@ class TokenLayout:
             first = start - (common - length) if self.padding_side == "left" else start[None]
             local_seq = int(count.sum()) if columns else 0
         # Each run is leading padding (BSHD left padding), real rows, trailing padding.
-        real_from = np.clip(-first, 0, count)
-        real_to = np.clip(length - first, real_from, count)
+        real_from = np.minimum(np.maximum(-first, 0), count)
+        real_to = np.minimum(np.maximum(length - first, real_from), count)
         real = real_to - real_from
         pieces = np.empty((4, *real.shape, 3), dtype=np.int64)  # place, row, count, column
         place_of, row_of, count_of = pieces[0], pieces[1], pieces[2]

@@ -53,7 +53,7 @@ class TokenRuns:
             & (pad[1:] == pad[:-1])
             & (pad[1:] | (row[1:] == row[:-1] + count[:-1]))
         )
-        starts = np.flatnonzero(~joins)
+        starts = np.nonzero(~joins)[0]
         total = np.add.reduceat(count, starts) if starts.size else count
         return cls(local_seq, columns, column[starts], place[starts], row[starts], total)
 
@@ -67,13 +67,13 @@ class TokenRuns:
         ends, so that within segment ``k`` (places ``bounds[k] : bounds[k + 1]``) column
         ``b`` holds rows ``first[k, b]`` onwards, one per place, or padding where
         ``first[k, b] == PAD``. ``first`` is ``[segments, columns]``."""
-        bounds = np.union1d(0, self.place + self.count)  # a run starts at 0 or another's end
-        starts = bounds[:-1]
+        # Every run starts at 0 or where another of its column ends; runs are not empty.
+        bounds = np.concatenate(([0], np.unique(self.place + self.count)))
+        starts = bounds[:-1, None]
         key = self.column * self.local_seq + self.place  # ascending: runs are ordered
-        wanted = np.arange(self.columns) * self.local_seq + starts[:, None]
-        at = np.searchsorted(key, wanted, side="right") - 1
+        at = np.searchsorted(key, np.arange(self.columns) * self.local_seq + starts, "right") - 1
         row = self.row[at]
-        first = np.where(row == PAD, PAD, row + starts[:, None] - self.place[at])
+        first = np.where(row == PAD, PAD, row + starts - self.place[at])
         return bounds, first
 
     def grid(self) -> np.ndarray:
