@@ -262,7 +262,8 @@ def _zero_layers(values: torch.Tensor) -> tuple[int, ...]:
     if not values.shape[0] or values.shape[2] < 2:
         return ()
     bits = bit_view(values)
-    first_row = np.flatnonzero(~bits[0].cpu().numpy().any(axis=-1))  # one row to the host
+    row = values.numpy()[0] if values.device.type == "cpu" else bits[0].cpu().numpy()
+    first_row = np.flatnonzero(~row.any(axis=-1))  # one row to the host
     if not first_row.size:
         return ()
     candidates = torch.from_numpy(first_row).to(values.device)
@@ -460,9 +461,11 @@ def _copy_on_host(
     pick: slice | np.ndarray = span if span is not None else np.asarray(layers, np.int64)
     step = max(1, PIECE_BYTES // max(1, out[0, 0].size * values.itemsize))
 
+    source = values[:, span] if span is not None else values
+
     def rows_of(rows: slice | np.ndarray) -> np.ndarray:
         """``values[rows]`` at the expanded layers (a view for a slice of consecutive layers)."""
-        return values[rows][:, pick]
+        return source[rows] if span is not None else values[rows][:, pick]
 
     if seq_major and runs.columns > 1:
         _interleave_columns(out, runs, rows_of, fill, step)
@@ -536,6 +539,7 @@ class _Staging:
         if not (self.fill_staged == fill).all():
             self.fill_staged = fill
         self.block = np.empty((self.places, *out.shape[1:]), dtype=self.fill_staged.dtype)
+        self.columns = [self.block[:, column] for column in range(out.shape[1])]
         self.filled = [0] * out.shape[1]  # leading places of each column holding fill
         self.grid: np.ndarray | None = None
 
@@ -555,16 +559,16 @@ class _Staging:
         """``out[start:stop, b]`` = rows ``starts[b]`` onwards, or ``fill`` where PAD."""
         for at in range(start, stop, self.places):
             count = min(stop, at + self.places) - at
-            staged = self.block[:count]
-            for column, row in enumerate(starts):
+            columns = self.columns if count == self.places else [c[:count] for c in self.columns]
+            for column, (row, staged) in enumerate(zip(starts, columns, strict=True)):
                 if row != PAD:
                     first = row + at - start
-                    staged[:, column] = self.rows_of(slice(first, first + count))
+                    staged[...] = self.rows_of(slice(first, first + count))
                     self.filled[column] = 0
                 elif self.filled[column] < count:
-                    staged[:, column] = self.fill_staged
+                    staged[...] = self.fill_staged
                     self.filled[column] = count
-            np.copyto(self.out[at : at + count], staged, casting="same_kind")
+            np.copyto(self.out[at : at + count], self.block[:count], casting="same_kind")
 
     def gather(self, start: int, stop: int) -> None:
         """``out[start:stop]`` gathered row by row (from :meth:`TokenRuns.grid`)."""
