@@ -210,8 +210,9 @@ class TokenLayout:
         real_from = np.minimum(np.maximum(-first, 0), count)
         real_to = np.minimum(np.maximum(length - first, real_from), count)
         real = real_to - real_from
-        pieces = np.empty((4, *real.shape, 3), dtype=np.int64)  # place, row, count, column
-        place_of, row_of, count_of = pieces[0], pieces[1], pieces[2]
+        pieces = np.empty((4, *real.shape, 3), dtype=np.int64)  # column, place, row, count
+        column_of, place_of, row_of, count_of = pieces
+        column_of[...] = column[..., None]
         place_of[..., 0], place_of[..., 1] = place, place + real_from
         place_of[..., 2] = place + real_to
         count_of[..., 0], count_of[..., 1], count_of[..., 2] = real_from, real, count - real_to
@@ -220,11 +221,7 @@ class TokenLayout:
             row_of[..., 1] = (np.cumsum(real) - real.reshape(-1)).reshape(real.shape)
         else:
             row_of[..., 1] = offset + first + real_from
-        pieces[3] = column[..., None]
-        place_of, row_of, count_of, column_of = pieces.reshape(4, -1)
-        return TokenRuns.merged(
-            local_seq, columns, column=column_of, place=place_of, row=row_of, count=count_of
-        )
+        return TokenRuns.from_pieces(local_seq, columns, pieces.reshape(4, -1))
 
     def token_grid(self, lengths: Any, *, local: bool = False) -> np.ndarray:
         """``[local_seq, batch]``: the packed-batch row of every local token, or ``PAD``.

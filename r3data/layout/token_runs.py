@@ -43,19 +43,25 @@ class TokenRuns:
     ) -> TokenRuns:
         """Runs from ordered pieces: empty ones dropped, each joined to the one before it when
         it continues it (same column, next places, next rows or padding after padding)."""
-        keep = count > 0
-        column, place, row, count = column[keep], place[keep], row[keep], count[keep]
-        pad = row == PAD
+        return cls.from_pieces(local_seq, columns, np.stack([column, place, row, count]))
+
+    @classmethod
+    def from_pieces(cls, local_seq: int, columns: int, pieces: np.ndarray) -> TokenRuns:
+        """:meth:`merged` of ``pieces``, an int64 ``[4, n]`` array of ordered pieces' columns,
+        places, rows and counts (one array: a handful of numpy calls for any ``n``)."""
+        pieces = pieces[:, pieces[3] > 0]
+        count = pieces[3]
+        before = pieces[:3, :-1].copy()  # where the piece before each would continue
+        before[1:] += count[:-1]
+        same = pieces[:3, 1:] == before  # column, place, row
+        pad = pieces[2] == PAD
         joins = np.zeros(count.size, dtype=bool)
-        joins[1:] = (
-            (column[1:] == column[:-1])
-            & (place[1:] == place[:-1] + count[:-1])
-            & (pad[1:] == pad[:-1])
-            & (pad[1:] | (row[1:] == row[:-1] + count[:-1]))
-        )
+        joins[1:] = same[0] & same[1] & (pad[1:] == pad[:-1]) & (pad[1:] | same[2])
         starts = np.nonzero(~joins)[0]
-        total = np.add.reduceat(count, starts) if starts.size else count
-        return cls(local_seq, columns, column[starts], place[starts], row[starts], total)
+        runs = pieces[:, starts]
+        if starts.size:
+            runs[3] = np.add.reduceat(count, starts)
+        return cls(local_seq, columns, *runs)
 
     @property
     def padding(self) -> np.ndarray:
