@@ -10,9 +10,10 @@ Every row is read once from the packed values into one token-major output buffer
 stride ``layers * topk``; ``torch.gather``/``scatter`` take them as they are). On the CPU the
 rank's tokens come as runs (:meth:`~r3data.layout.TokenLayout.token_runs`): each long run is
 one slice copy or padding fill, short runs are gathered together, and a seq-major grid of
-several samples (whose rows interleave) is gathered a cache-sized block at a time and written
-front to back; on accelerators a gather of a bounded chunk of rows at a time. There is no
-padded full-batch rectangle and no full-size intermediate. Padding tokens get ``fill``, by default
+several samples (whose rows interleave) is cut into segments where every sample's rows run on,
+staged a cache-sized block at a time by slice copies and written front to back; on
+accelerators a gather of a bounded chunk of rows at a time. There is no padded full-batch
+rectangle and no full-size intermediate. Padding tokens get ``fill``, by default
 ``arange(topk)``: the all-to-all dispatcher assumes exactly ``tokens * topk`` distinct
 assignments, so a padding row must never repeat an expert. ``RoundRobin(num_experts)``
 instead gives each padding token its own run of ``topk`` experts by its place in the padded
@@ -261,11 +262,11 @@ def _zero_layers(values: torch.Tensor) -> tuple[int, ...]:
     """
     if not values.shape[0] or values.shape[2] < 2:
         return ()
-    bits = bit_view(values)
-    row = values.numpy()[0] if values.device.type == "cpu" else bits[0].cpu().numpy()
+    row = values.numpy()[0] if values.device.type == "cpu" else bit_view(values[0]).cpu().numpy()
     first_row = np.flatnonzero(~row.any(axis=-1))  # one row to the host
     if not first_row.size:
         return ()
+    bits = bit_view(values)
     candidates = torch.from_numpy(first_row).to(values.device)
     zero = ~bits.index_select(1, candidates).bool().any(dim=2).any(dim=0)
     return tuple(candidates[zero].tolist())
@@ -452,10 +453,11 @@ def _copy_on_host(
 
     Each long run is one slice copy (or fill); short runs (tiny samples) are gathered
     together. A seq-major grid of several columns interleaves them row by row, so it is
-    gathered a cache-sized block at a time and written front to back. numpy works on the
-    calling thread: hundreds of small torch ops would each open a parallel region, which
-    stalls whenever another process holds a core; a second thread on the copy made it slower
-    or bimodal here (page faults and the GIL contend).
+    staged a cache-sized block at a time and written front to back
+    (:func:`_interleave_columns`). numpy works on the calling thread: hundreds of small torch
+    ops would each open a parallel region, which stalls whenever another process holds a
+    core; a second thread on the copy made it slower or bimodal here (page faults and the GIL
+    contend).
     """
     span = _layer_span(layers)
     pick: slice | np.ndarray = span if span is not None else np.asarray(layers, np.int64)
@@ -553,7 +555,7 @@ class _Staging:
             self.filled = [self.places] * len(self.filled)
         for at in range(start, stop, self.places):
             end = min(stop, at + self.places)
-            np.copyto(self.out[at:end], self.block[: end - at], casting="same_kind")
+            self.out[at:end] = self.block[: end - at]
 
     def copy(self, start: int, stop: int, starts: list[int]) -> None:
         """``out[start:stop, b]`` = rows ``starts[b]`` onwards, or ``fill`` where PAD."""
@@ -568,7 +570,7 @@ class _Staging:
                 elif self.filled[column] < count:
                     staged[...] = self.fill_staged
                     self.filled[column] = count
-            np.copyto(self.out[at : at + count], self.block[:count], casting="same_kind")
+            self.out[at : at + count] = self.block[:count]  # ids fit out: checked before
 
     def gather(self, start: int, stop: int) -> None:
         """``out[start:stop]`` gathered row by row (from :meth:`TokenRuns.grid`)."""
