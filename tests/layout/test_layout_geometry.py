@@ -13,7 +13,7 @@ from layout_reference import rank_rows, round_up
 
 from r3data import spans
 from r3data.errors import LayoutError
-from r3data.layout import PAD, ModelLayers, TokenLayout
+from r3data.layout import PAD, ModelLayers, TokenLayout, TokenRuns
 from r3data.packed import aranges
 
 GRIDS = st.fixed_dictionaries(
@@ -132,6 +132,43 @@ def test_token_runs_tile_the_grid_in_maximal_runs(grid, lengths, local):
         continues = ~runs.padding[1:] & ~runs.padding[:-1]
         continues &= runs.row[1:] == runs.row[:-1] + runs.count[:-1]
         assert not np.any(same & (both_pad | continues)), "adjacent runs left unjoined"
+
+
+PIECES = st.lists(
+    st.lists(st.tuples(st.integers(0, 4), st.sampled_from(["pad", "next", "jump"])), max_size=6),
+    min_size=1,
+    max_size=3,
+)
+
+
+@settings(max_examples=80, deadline=None)
+@given(columns=PIECES)
+def test_runs_from_pieces_hold_the_pieces_rows_in_maximal_runs(columns):
+    """Ordered pieces (empty ones, padding, rows that continue or jump) merge into runs that
+    hold the same grid (built by a loop) and leave nothing joinable."""
+    pieces, cells, row = [], [], 0
+    for b, column in enumerate(columns):
+        place, cells_of = 0, []
+        for count, kind in column:
+            row += 0 if kind == "next" else 7
+            first = PAD if kind == "pad" else row
+            pieces.append((b, place, first, count))
+            cells_of += [PAD] * count if kind == "pad" else list(range(row, row + count))
+            place, row = place + count, row + (0 if kind == "pad" else count)
+        cells.append(cells_of)
+    seq = max(len(c) for c in cells)
+    for b, cells_of in enumerate(cells):  # pad every column to the grid's length
+        pieces.append((b, len(cells_of), PAD, seq - len(cells_of)))
+        cells_of += [PAD] * (seq - len(cells_of))
+    array = np.array(sorted(pieces, key=lambda p: (p[0], p[1])), dtype=np.int64).T
+    runs = TokenRuns.from_pieces(seq, len(columns), array.reshape(4, -1))
+    assert runs.grid().T.tolist() == cells
+    assert np.all(runs.count > 0)
+    same = runs.column[1:] == runs.column[:-1]
+    both_pad = runs.padding[1:] & runs.padding[:-1]
+    continues = ~runs.padding[1:] & ~runs.padding[:-1]
+    continues &= runs.row[1:] == runs.row[:-1] + runs.count[:-1]
+    assert not np.any(same & (both_pad | continues))
 
 
 @settings(max_examples=50, deadline=None)
