@@ -10,9 +10,10 @@ Every row is read once from the packed values into one token-major output buffer
 stride ``layers * topk``; ``torch.gather``/``scatter`` take them as they are). On the CPU the
 rank's tokens come as runs (:meth:`~r3data.layout.TokenLayout.token_runs`): each long run is
 one slice copy or padding fill, short runs are gathered together, and a seq-major grid of
-several samples (whose rows interleave) is gathered a cache-sized block at a time and written
-front to back; on accelerators a gather of a bounded chunk of rows at a time. There is no
-padded full-batch rectangle and no full-size intermediate. Padding tokens get ``fill``, by default
+several samples (whose rows interleave) is cut into segments where every sample's rows run on,
+staged a cache-sized block at a time by slice copies and written front to back; on
+accelerators a gather of a bounded chunk of rows at a time. There is no padded full-batch
+rectangle and no full-size intermediate. Padding tokens get ``fill``, by default
 ``arange(topk)``: the all-to-all dispatcher assumes exactly ``tokens * topk`` distinct
 assignments, so a padding row must never repeat an expert. ``RoundRobin(num_experts)``
 instead gives each padding token its own run of ``topk`` experts by its place in the padded
@@ -261,10 +262,11 @@ def _zero_layers(values: torch.Tensor) -> tuple[int, ...]:
     """
     if not values.shape[0] or values.shape[2] < 2:
         return ()
-    bits = bit_view(values)
-    first_row = np.flatnonzero(~bits[0].cpu().numpy().any(axis=-1))  # one row to the host
+    row = values.numpy()[0] if values.device.type == "cpu" else bit_view(values[0]).cpu().numpy()
+    first_row = np.flatnonzero(~row.any(axis=-1))  # one row to the host
     if not first_row.size:
         return ()
+    bits = bit_view(values)
     candidates = torch.from_numpy(first_row).to(values.device)
     zero = ~bits.index_select(1, candidates).bool().any(dim=2).any(dim=0)
     return tuple(candidates[zero].tolist())
@@ -398,14 +400,15 @@ def _gather(
     )
     if not buffer.numel():
         return buffer
-    fill = fill_row.to(buffer.device, dtype).expand(shape)
     if values.device.type == "cpu":
         places = buffer.numpy().swapaxes(0, 1) if batch_major else buffer.numpy()
-        fill_block = fill.contiguous().numpy()
+        fill_block = np.empty(shape, dtype=places.dtype)
+        fill_block[...] = fill_row.cpu().numpy()
         _copy_on_host(places, runs, values.numpy(), layers, fill_block, seq_major=not batch_major)
     else:
         grid = runs.grid()
         index = (grid.T if batch_major else grid).reshape(-1)
+        fill = fill_row.to(buffer.device, dtype).expand(shape)
         _copy_on_device(buffer.view(-1, *shape), index, values, layers, fill)
     return buffer
 
@@ -450,23 +453,24 @@ def _copy_on_host(
 
     Each long run is one slice copy (or fill); short runs (tiny samples) are gathered
     together. A seq-major grid of several columns interleaves them row by row, so it is
-    gathered a cache-sized block at a time and written front to back. numpy works on the
-    calling thread: hundreds of small torch ops would each open a parallel region, which
-    stalls whenever another process holds a core; a second thread on the copy made it slower
-    or bimodal here (page faults and the GIL contend).
+    staged a cache-sized block at a time and written front to back
+    (:func:`_interleave_columns`). numpy works on the calling thread: hundreds of small torch
+    ops would each open a parallel region, which stalls whenever another process holds a
+    core; a second thread on the copy made it slower or bimodal here (page faults and the GIL
+    contend).
     """
     span = _layer_span(layers)
     pick: slice | np.ndarray = span if span is not None else np.asarray(layers, np.int64)
     step = max(1, PIECE_BYTES // max(1, out[0, 0].size * values.itemsize))
 
+    source = values[:, span] if span is not None else values
+
     def rows_of(rows: slice | np.ndarray) -> np.ndarray:
         """``values[rows]`` at the expanded layers (a view for a slice of consecutive layers)."""
-        return values[rows][:, pick]
+        return source[rows] if span is not None else values[rows][:, pick]
 
     if seq_major and runs.columns > 1:
-        flat = out.view()
-        flat.shape = (-1, *out.shape[2:])  # raises rather than copy: writes must land in out
-        _gather_blocks(flat, runs.grid().reshape(-1), rows_of, fill, step)
+        _interleave_columns(out, runs, rows_of, fill, step)
         return
     long = runs.count >= MIN_RUN_TOKENS
     chosen = (runs.place[long], runs.column[long], runs.row[long], runs.count[long])
@@ -480,6 +484,101 @@ def _copy_on_host(
             end = min(count, at + block)
             np.copyto(dest[at:end], rows_of(slice(row + at, row + end)), casting="same_kind")
     _copy_short_runs(out, runs, ~long, rows_of, fill, step)
+
+
+def _interleave_columns(
+    out: np.ndarray,
+    runs: TokenRuns,
+    rows_of: Callable[[slice | np.ndarray], np.ndarray],
+    fill: np.ndarray,
+    step: int,
+) -> None:
+    """A seq-major grid of several columns, written front to back.
+
+    Within a segment (:meth:`TokenRuns.segments`) each column's rows are consecutive or
+    padding: a block of places is staged column by column with slice copies, then widened
+    into ``out`` in one contiguous copy (strided writes straight into fresh memory were
+    about twice as slow as the widen). A segment of padding only is widened from a staged
+    block of ``fill`` (faster than broadcasting one row into fresh memory). Consecutive
+    segments shorter than ``MIN_RUN_TOKENS`` (other than padding) are gathered row by row.
+    """
+    bounds, first = runs.segments()
+    edges = bounds.tolist()
+    staging = _Staging(out, runs, rows_of, fill, step)
+    short: list[int] = []  # [start, stop] of consecutive short segments not gathered yet
+    for start, stop, starts in zip(edges[:-1], edges[1:], first.tolist(), strict=True):
+        padding = max(starts) == PAD
+        if not padding and stop - start < MIN_RUN_TOKENS:
+            short = [short[0] if short else start, stop]
+            continue
+        if short:
+            staging.gather(*short)
+            short = []
+        if padding:
+            staging.fill(start, stop)
+        else:
+            staging.copy(start, stop, starts)
+    if short:
+        staging.gather(*short)
+
+
+class _Staging:
+    """Writes places of a seq-major ``out`` through a cache-sized ``[places, columns,
+    layers, topk]`` block in the routes' dtype (or ``out``'s when ``fill`` does not fit it)."""
+
+    def __init__(
+        self,
+        out: np.ndarray,
+        runs: TokenRuns,
+        rows_of: Callable[[slice | np.ndarray], np.ndarray],
+        fill: np.ndarray,
+        step: int,
+    ) -> None:
+        self.out, self.runs, self.rows_of, self.fill_row, self.step = out, runs, rows_of, fill, step
+        self.places = max(1, step // out.shape[1])
+        dtype = rows_of(slice(0, 0)).dtype
+        self.fill_staged = fill.astype(dtype)
+        if not (self.fill_staged == fill).all():
+            self.fill_staged = fill
+        self.block = np.empty((self.places, *out.shape[1:]), dtype=self.fill_staged.dtype)
+        self.columns = [self.block[:, column] for column in range(out.shape[1])]
+        self.filled = [0] * out.shape[1]  # leading places of each column holding fill
+        self.grid: np.ndarray | None = None
+
+    def fill(self, start: int, stop: int) -> None:
+        """``out[start:stop] = fill``."""
+        if self.block.itemsize == self.out.itemsize:  # nothing to widen: broadcast the row
+            self.out[start:stop] = self.fill_row
+            return
+        if min(self.filled) < self.places:
+            self.block[...] = self.fill_staged
+            self.filled = [self.places] * len(self.filled)
+        for at in range(start, stop, self.places):
+            end = min(stop, at + self.places)
+            self.out[at:end] = self.block[: end - at]
+
+    def copy(self, start: int, stop: int, starts: list[int]) -> None:
+        """``out[start:stop, b]`` = rows ``starts[b]`` onwards, or ``fill`` where PAD."""
+        for at in range(start, stop, self.places):
+            count = min(stop, at + self.places) - at
+            columns = self.columns if count == self.places else [c[:count] for c in self.columns]
+            for column, (row, staged) in enumerate(zip(starts, columns, strict=True)):
+                if row != PAD:
+                    first = row + at - start
+                    staged[...] = self.rows_of(slice(first, first + count))
+                    self.filled[column] = 0
+                elif self.filled[column] < count:
+                    staged[...] = self.fill_staged
+                    self.filled[column] = count
+            self.out[at : at + count] = self.block[:count]  # ids fit out: checked before
+
+    def gather(self, start: int, stop: int) -> None:
+        """``out[start:stop]`` gathered row by row (from :meth:`TokenRuns.grid`)."""
+        self.grid = self.runs.grid() if self.grid is None else self.grid
+        flat = self.out[start:stop].view()
+        flat.shape = (-1, *self.out.shape[2:])  # raises rather than copy: writes must land in out
+        rows = self.grid[start:stop].reshape(-1)
+        _gather_blocks(flat, rows, self.rows_of, self.fill_row, self.step)
 
 
 def _gather_blocks(

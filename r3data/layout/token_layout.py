@@ -192,29 +192,36 @@ class TokenLayout:
         :meth:`local_ranges` back to back (a rank-local read).
         """
         lengths = as_lengths(lengths)
-        sample, first, count = self._position_runs(lengths)
-        columns = 1 if self.packed else lengths.size
-        local_seq = int(count.sum()) // columns if columns else 0
-        column = np.zeros_like(sample) if self.packed else sample
-        place = np.cumsum(count) - count - column * local_seq
+        offsets = np.cumsum(lengths) - lengths
+        if self.packed:
+            sample, first, count = self._sp_clip(self._cp_runs(self.padded_lengths(lengths)))
+            columns, column = 1, np.zeros_like(sample)
+            place = np.cumsum(count) - count
+            length, offset = lengths[sample], offsets[sample]
+            local_seq = int(count.sum())
+        else:  # [samples, pieces]: every sample keeps the same pieces of the common length
+            common = self._common_length(lengths)
+            start, count, place = _sequence_pieces(self, common)
+            columns, column = lengths.size, np.arange(lengths.size)[:, None]
+            length, offset = lengths[:, None], offsets[:, None]
+            first = start - (common - length) if self.padding_side == "left" else start[None]
+            local_seq = int(count.sum()) if columns else 0
         # Each run is leading padding (BSHD left padding), real rows, trailing padding.
-        pieces = np.empty((4, sample.size, 3), dtype=np.int64)  # place, row, count, column
-        place_of, row_of, count_of = pieces[0], pieces[1], pieces[2]
         real_from = np.minimum(np.maximum(-first, 0), count)
-        real_to = np.minimum(np.maximum(lengths[sample] - first, real_from), count)
+        real_to = np.minimum(np.maximum(length - first, real_from), count)
         real = real_to - real_from
-        place_of[:, 0], place_of[:, 1], place_of[:, 2] = place, place + real_from, place + real_to
-        count_of[:, 0], count_of[:, 1], count_of[:, 2] = real_from, real, count - real_to
-        row_of[:, ::2] = PAD
-        if local:
-            row_of[:, 1] = np.cumsum(real) - real  # a sample's local rows come in position order
+        pieces = np.empty((4, *real.shape, 3), dtype=np.int64)  # column, place, row, count
+        column_of, place_of, row_of, count_of = pieces
+        column_of[...] = column[..., None]
+        place_of[..., 0], place_of[..., 1] = place, place + real_from
+        place_of[..., 2] = place + real_to
+        count_of[..., 0], count_of[..., 1], count_of[..., 2] = real_from, real, count - real_to
+        row_of[..., ::2] = PAD
+        if local:  # a sample's local rows come in position order
+            row_of[..., 1] = (np.cumsum(real) - real.reshape(-1)).reshape(real.shape)
         else:
-            row_of[:, 1] = np.cumsum(lengths)[sample] - lengths[sample] + first + real_from
-        pieces[3] = column[:, None]
-        place_of, row_of, count_of, column_of = pieces.reshape(4, -1)
-        return TokenRuns.merged(
-            local_seq, columns, column=column_of, place=place_of, row=row_of, count=count_of
-        )
+            row_of[..., 1] = offset + first + real_from
+        return TokenRuns.from_pieces(local_seq, columns, pieces.reshape(4, -1))
 
     def token_grid(self, lengths: Any, *, local: bool = False) -> np.ndarray:
         """``[local_seq, batch]``: the packed-batch row of every local token, or ``PAD``.
@@ -305,11 +312,27 @@ class TokenLayout:
         padded = self.padded_lengths(lengths)
         if self.packed:
             return self._sp_clip(self._cp_runs(padded))
-        _, start, count = self._sp_clip(self._cp_runs(padded[:1]))
+        start, count, _ = _sequence_pieces(self, int(padded[0]) if padded.size else 0)
         batch = lengths.size
         shift = padded - lengths if self.padding_side == "left" else np.zeros_like(lengths)
         sample = np.repeat(np.arange(batch, dtype=np.int64), start.size)
         return sample, np.tile(start, batch) - np.repeat(shift, start.size), np.tile(count, batch)
+
+
+@functools.lru_cache(maxsize=4096)
+def _sequence_pieces(layout: TokenLayout, length: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(start, count, place)`` of the pieces of one sequence of padded ``length`` that
+    ``layout``'s rank keeps, in local order (``place``: where each begins locally); read-only.
+
+    Cached: every BSHD sample of a micro-batch has this length, and micro-batches repeat it
+    (a fixed ``seq_length``, or the few multiples of ``pad_multiple`` the longest sample
+    rounds up to).
+    """
+    _, start, count = layout._sp_clip(layout._cp_runs(np.array([length], dtype=np.int64)))
+    place = np.cumsum(count) - count
+    for array in (start, count, place):
+        array.setflags(write=False)
+    return start, count, place
 
 
 @functools.lru_cache(maxsize=256)

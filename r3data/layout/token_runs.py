@@ -43,24 +43,44 @@ class TokenRuns:
     ) -> TokenRuns:
         """Runs from ordered pieces: empty ones dropped, each joined to the one before it when
         it continues it (same column, next places, next rows or padding after padding)."""
-        keep = count > 0
-        column, place, row, count = column[keep], place[keep], row[keep], count[keep]
-        pad = row == PAD
+        return cls.from_pieces(local_seq, columns, np.stack([column, place, row, count]))
+
+    @classmethod
+    def from_pieces(cls, local_seq: int, columns: int, pieces: np.ndarray) -> TokenRuns:
+        """:meth:`merged` of ``pieces``, an int64 ``[4, n]`` array of ordered pieces' columns,
+        places, rows and counts (one array: a handful of numpy calls for any ``n``)."""
+        pieces = pieces[:, pieces[3] > 0]
+        count = pieces[3]
+        before = pieces[:3, :-1].copy()  # where the piece before each would continue
+        before[1:] += count[:-1]
+        same = pieces[:3, 1:] == before  # column, place, row
+        pad = pieces[2] == PAD
         joins = np.zeros(count.size, dtype=bool)
-        joins[1:] = (
-            (column[1:] == column[:-1])
-            & (place[1:] == place[:-1] + count[:-1])
-            & (pad[1:] == pad[:-1])
-            & (pad[1:] | (row[1:] == row[:-1] + count[:-1]))
-        )
-        starts = np.flatnonzero(~joins)
-        total = np.add.reduceat(count, starts) if starts.size else count
-        return cls(local_seq, columns, column[starts], place[starts], row[starts], total)
+        joins[1:] = same[0] & same[1] & (pad[1:] == pad[:-1]) & (pad[1:] | same[2])
+        starts = np.nonzero(~joins)[0]
+        runs = pieces[:, starts]
+        if starts.size:
+            runs[3] = np.add.reduceat(count, starts)
+        return cls(local_seq, columns, *runs)
 
     @property
     def padding(self) -> np.ndarray:
         """Which runs are padding."""
         return self.row == PAD
+
+    def segments(self) -> tuple[np.ndarray, np.ndarray]:
+        """``(bounds, first)``: the grid's places cut wherever a run of any column starts or
+        ends, so that within segment ``k`` (places ``bounds[k] : bounds[k + 1]``) column
+        ``b`` holds rows ``first[k, b]`` onwards, one per place, or padding where
+        ``first[k, b] == PAD``. ``first`` is ``[segments, columns]``."""
+        # Every run starts at 0 or where another of its column ends; runs are not empty.
+        bounds = np.concatenate(([0], np.unique(self.place + self.count)))
+        starts = bounds[:-1, None]
+        key = self.column * self.local_seq + self.place  # ascending: runs are ordered
+        at = np.searchsorted(key, np.arange(self.columns) * self.local_seq + starts, "right") - 1
+        row = self.row[at]
+        first = np.where(row == PAD, PAD, row + starts - self.place[at])
+        return bounds, first
 
     def grid(self) -> np.ndarray:
         """``[local_seq, columns]``: the packed-batch row of every place, or ``PAD``."""

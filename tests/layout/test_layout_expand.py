@@ -400,6 +400,32 @@ def test_host_runs_and_device_chunks_copy_the_same_rows(
 ):
     """Every run kind and size, grid shape, layer selection and (strided) source, against a
     loop."""
+    check_host_and_device_copies(
+        segments, columns, batch_major, layers, dtype, out_dtype, strided, sizes, [7, 8, 9]
+    )
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    segments=SEGMENTS,
+    columns=st.integers(2, 4),
+    dtype=st.sampled_from([torch.uint8, torch.int8, torch.uint16]),
+    sizes=st.sampled_from([{"PIECE_BYTES": 1}, {"PIECE_BYTES": 50, "MIN_RUN_TOKENS": 5}, {}]),
+)
+def test_interleaved_columns_with_a_fill_the_routes_dtype_cannot_hold(
+    segments, columns, dtype, sizes
+):
+    """Seq-major grids of several columns stage rows in the routes' dtype; a fill it cannot
+    hold (300 in uint8) must still land whole."""
+    check_host_and_device_copies(
+        segments, columns, False, (0, 1, 2, 3), dtype, torch.int32, False, sizes, [300, 1, 2]
+    )
+
+
+def check_host_and_device_copies(
+    segments, columns, batch_major, layers, dtype, out_dtype, strided, sizes, fill_row
+):
+    """Copy the grid the segments make, on the host and by the device path, against a loop."""
     rng = np.random.default_rng(len(segments))
     index = token_index(segments)
     index = np.concatenate((index, np.full(-index.size % columns, PAD)))
@@ -415,9 +441,10 @@ def test_host_runs_and_device_chunks_copy_the_same_rows(
     )
     assert np.array_equal(runs.grid(), grid)
     topk, rows = 3, 130
-    source = rng.integers(0, 200, size=(rows, 5 if strided else 4, topk))
+    high = min(200, torch.iinfo(dtype).max + 1)
+    source = rng.integers(0, high, size=(rows, 5 if strided else 4, topk))
     values = torch.from_numpy(source).to(dtype)[:, :4]
-    fill = torch.tensor([7, 8, 9], dtype=out_dtype).expand(len(layers), topk)
+    fill = torch.tensor(fill_row, dtype=out_dtype).expand(len(layers), topk)
     flat = grid.reshape(-1)
     want = np.stack(
         [source[r][list(layers)] if r != PAD else fill.numpy() for r in flat.tolist()]

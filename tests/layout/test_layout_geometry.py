@@ -13,7 +13,7 @@ from layout_reference import rank_rows, round_up
 
 from r3data import spans
 from r3data.errors import LayoutError
-from r3data.layout import PAD, ModelLayers, TokenLayout
+from r3data.layout import PAD, ModelLayers, TokenLayout, TokenRuns
 from r3data.packed import aranges
 
 GRIDS = st.fixed_dictionaries(
@@ -132,6 +132,72 @@ def test_token_runs_tile_the_grid_in_maximal_runs(grid, lengths, local):
         continues = ~runs.padding[1:] & ~runs.padding[:-1]
         continues &= runs.row[1:] == runs.row[:-1] + runs.count[:-1]
         assert not np.any(same & (both_pad | continues)), "adjacent runs left unjoined"
+
+
+PIECES = st.lists(
+    st.lists(st.tuples(st.integers(0, 4), st.sampled_from(["pad", "next", "jump"])), max_size=6),
+    min_size=1,
+    max_size=3,
+)
+
+
+@settings(max_examples=80, deadline=None)
+@given(columns=PIECES)
+def test_runs_from_pieces_hold_the_pieces_rows_in_maximal_runs(columns):
+    """Ordered pieces (empty ones, padding, rows that continue or jump) merge into runs that
+    hold the same grid (built by a loop) and leave nothing joinable."""
+    pieces, cells, row = [], [], 0
+    for b, column in enumerate(columns):
+        place, cells_of = 0, []
+        for count, kind in column:
+            row += 0 if kind == "next" else 7
+            first = PAD if kind == "pad" else row
+            pieces.append((b, place, first, count))
+            cells_of += [PAD] * count if kind == "pad" else list(range(row, row + count))
+            place, row = place + count, row + (0 if kind == "pad" else count)
+        cells.append(cells_of)
+    seq = max(len(c) for c in cells)
+    for b, cells_of in enumerate(cells):  # pad every column to the grid's length
+        pieces.append((b, len(cells_of), PAD, seq - len(cells_of)))
+        cells_of += [PAD] * (seq - len(cells_of))
+    array = np.array(sorted(pieces, key=lambda p: (p[0], p[1])), dtype=np.int64).T
+    runs = TokenRuns.from_pieces(seq, len(columns), array.reshape(4, -1))
+    assert runs.grid().T.tolist() == cells
+    assert np.all(runs.count > 0)
+    same = runs.column[1:] == runs.column[:-1]
+    both_pad = runs.padding[1:] & runs.padding[:-1]
+    continues = ~runs.padding[1:] & ~runs.padding[:-1]
+    continues &= runs.row[1:] == runs.row[:-1] + runs.count[:-1]
+    assert not np.any(same & (both_pad | continues))
+
+
+@settings(max_examples=50, deadline=None)
+@given(grid=GRIDS, lengths=LENGTHS, local=st.booleans())
+def test_segments_cut_the_grid_wherever_a_column_stops_continuing(grid, lengths, local):
+    """Within a segment every column holds consecutive rows or padding, and a segment ends
+    only where some column stops continuing (against a loop over the grid)."""
+    for layout in layouts_of(grid):
+        rows = layout.token_grid(lengths, local=local)
+        bounds, first = layout.token_runs(lengths, local=local).segments()
+        seq, columns = rows.shape
+        cuts = [0] + [
+            s
+            for s in range(1, seq)
+            if any(
+                (rows[s, b] == PAD) != (rows[s - 1, b] == PAD)
+                or (rows[s, b] != PAD and rows[s, b] != rows[s - 1, b] + 1)
+                for b in range(columns)
+            )
+        ]
+        assert bounds.tolist() == cuts + ([seq] if seq else [])
+        assert first.shape == (len(cuts) if seq else 0, columns)
+        for k in range(first.shape[0]):
+            for b in range(columns):
+                held = rows[bounds[k] : bounds[k + 1], b]
+                expected = np.arange(first[k, b], first[k, b] + held.size)
+                assert held.tolist() == (
+                    [PAD] * held.size if first[k, b] == PAD else expected.tolist()
+                )
 
 
 @settings(max_examples=40, deadline=None)
