@@ -71,6 +71,20 @@ class PayloadSegment:
     shape: tuple[int, ...] = ()
     index: int | None = None
     crc32c: int | None = field(default=None, compare=False)
+    # Derived once from the fields above (the loader reads them for every piece of a batch);
+    # ``_derived`` keeps them in step with the positions and counts it changes.
+    ragged: bool = field(init=False, repr=False, compare=False)
+    """Rows of varying width, located through the index table at byte ``index``."""
+    end: int = field(init=False, repr=False, compare=False)
+    """One past the last token position."""
+    row_shape: tuple[int, ...] = field(init=False, repr=False, compare=False)
+    """The per-row shape (``shape``, prime-rl's name), as ``InlineRows.row_shape``."""
+    itemsize: int = field(init=False, repr=False, compare=False)
+    """Bytes of one element."""
+    row_bytes: int = field(init=False, repr=False, compare=False)
+    """Bytes of one fixed-width row (of one element for ragged segments)."""
+    nbytes: int = field(init=False, repr=False, compare=False)
+    """Bytes this handle names directly: the rows, or for a ragged field the index table."""
 
     def __post_init__(self) -> None:
         for name in ("field", "file"):
@@ -92,38 +106,14 @@ class PayloadSegment:
                 )
         if self.crc32c is not None:
             object.__setattr__(self, "crc32c", _check_int("crc32c", self.crc32c, 0, CRC32C_MAX))
-
-    @property
-    def ragged(self) -> bool:
-        """Rows of varying width, located through the index table at byte ``index``."""
-        return self.index is not None
-
-    @property
-    def end(self) -> int:
-        """One past the last token position."""
-        return self.pos + self.rows
-
-    @property
-    def row_shape(self) -> tuple[int, ...]:
-        """The per-row shape (``shape``, prime-rl's name), as ``InlineRows.row_shape``."""
-        return self.shape
-
-    @property
-    def itemsize(self) -> int:
-        """Bytes of one element."""
-        return _itemsize(self.dtype)
-
-    @property
-    def row_bytes(self) -> int:
-        """Bytes of one fixed-width row (of one element for ragged segments)."""
-        return self.itemsize * math.prod(self.shape)
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes this handle names directly: the rows, or for a ragged field the index table."""
-        if self.ragged:
-            return (self.rows + 1) * INDEX_DTYPE.itemsize
-        return self.rows * self.row_bytes
+        itemsize = _itemsize(self.dtype)
+        self.__dict__.update(
+            ragged=self.index is not None,
+            row_shape=shape,
+            itemsize=itemsize,
+            row_bytes=itemsize * math.prod(shape),
+        )
+        _count(self.__dict__)
 
     def to_dict(self) -> dict[str, Any]:
         """prime-rl's field names; the optional extensions appear only when set."""
@@ -175,10 +165,23 @@ class PayloadSegment:
         again; clipping thousands of handles per batch would otherwise validate each twice."""
         derived = object.__new__(PayloadSegment)
         derived.__dict__.update(self.__dict__, **changes)
+        _count(derived.__dict__)
         return derived
 
 
-_OPTIONAL_KEYS = tuple(f.name for f in fields(PayloadSegment) if f.name not in REQUIRED_KEYS)
+def _count(values: dict[str, Any]) -> None:
+    """Set ``end`` and ``nbytes`` in a segment's attribute ``values`` from its ``pos`` and
+    ``rows`` (and ``ragged``, ``row_bytes``)."""
+    rows = values["rows"]
+    values["end"] = values["pos"] + rows
+    values["nbytes"] = (
+        (rows + 1) * INDEX_DTYPE.itemsize if values["ragged"] else rows * values["row_bytes"]
+    )
+
+
+_OPTIONAL_KEYS = tuple(
+    f.name for f in fields(PayloadSegment) if f.init and f.name not in REQUIRED_KEYS
+)
 
 
 def clip(segments: list[PayloadSegment], lo: int, hi: int) -> list[PayloadSegment]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import FrozenInstanceError, replace
+
 import numpy as np
 import orjson
 import pytest
@@ -100,6 +102,29 @@ def test_clipped_and_shifted_handles_are_what_validation_makes_of_them(segments,
         assert again == derived
         assert vars(again) == vars(derived)
         assert all(type(v) is type(vars(again)[k]) for k, v in vars(derived).items())
+
+
+@SETTINGS
+@given(segment_lists(), st.integers(0, 90), st.integers(0, 90), st.integers(0, 60))
+def test_sizes_follow_the_fields_of_every_handle(segments, a, b, delta):
+    """Sizes are stored once per handle: every handle, made or derived (clipped, shifted,
+    replaced), must still have the sizes its fields give, and keep them."""
+    lo, hi = min(a, b), max(a, b)
+    derived = clip(segments, lo, hi) + shift(segments, delta)
+    derived += [replace(s, rows=s.rows + 1, pos=s.pos + 2) for s in segments]
+    for s in segments + derived:
+        itemsize = np.dtype(s.dtype).itemsize
+        row_bytes = itemsize * int(np.prod(s.shape, dtype=np.int64))
+        nbytes = (s.rows + 1) * INDEX_DTYPE.itemsize if s.index is not None else s.rows * row_bytes
+        assert (s.end, s.nbytes, s.row_bytes, s.itemsize) == (
+            s.pos + s.rows,
+            nbytes,
+            row_bytes,
+            itemsize,
+        )
+        assert (s.ragged, s.row_shape) == (s.index is not None, s.shape)
+        with pytest.raises(FrozenInstanceError):
+            s.nbytes = 0  # type: ignore[misc]
 
 
 @SETTINGS
