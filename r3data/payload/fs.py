@@ -44,6 +44,7 @@ _DIRECTORY = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
 _ROOT = os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC
 _PATH = os.O_PATH | os.O_CLOEXEC  # names an inode: opens nothing, so blocks on nothing
 _READ = os.O_RDONLY | os.O_CLOEXEC
+_FORMAT_BITS = 0o170000  # the file-type bits of ``st_mode`` (what ``stat.S_IFMT`` keeps)
 _FILE_KINDS = {
     stat.S_IFDIR: "directory",
     stat.S_IFIFO: "FIFO",
@@ -171,7 +172,7 @@ def _openat2(root_fd: int, rel: str, flags: int) -> int | None:
     how = _HOWS.get(flags)
     if how is None:
         how = _HOWS[flags] = ctypes.byref(_OpenHow(flags, 0, _RESOLVE_BENEATH_ONLY))
-    fd = _LIBC.syscall(_SYS_OPENAT2, root_fd, os.fsencode(rel), how, 24)
+    fd = _LIBC.syscall(_SYS_OPENAT2, root_fd, rel.encode(_FS_ENCODING, _FS_ERRORS), how, 24)
     if fd >= 0:
         return fd
     code = ctypes.get_errno()
@@ -193,6 +194,8 @@ def _probe_openat2() -> bool:
 
 _LIBC = ctypes.CDLL(None, use_errno=True)
 _LIBC.syscall.restype = ctypes.c_long
+_FS_ENCODING, _FS_ERRORS = sys.getfilesystemencoding(), sys.getfilesystemencodeerrors()
+"""How ``os.fsencode`` turns a path into bytes."""
 
 
 def _fd_path(fd: int) -> str:
@@ -208,7 +211,7 @@ def _regular_size(fd: int, what: Callable[[], str]) -> int:
     """The size of the regular file ``fd`` holds; anything else is refused (``what()`` names
     it)."""
     st = os.fstat(fd)
-    kind = stat.S_IFMT(st.st_mode)
+    kind = st.st_mode & _FORMAT_BITS
     if kind != stat.S_IFREG:
         kind_name = _FILE_KINDS.get(kind, "special file")
         raise PayloadHandleError(f"{what()} is a {kind_name}, not a regular file")
@@ -288,6 +291,7 @@ class PayloadRoot:
         self.path: str = path.rstrip("/") or fs.root_marker or "/"
         self._prefix = "/" + self.path.strip("/") + "/" if self.path.strip("/") else "/"
         self._os_path = _local_path(fs, self.path)
+        self._os_dir = None if self._os_path is None else posixpath.join(self._os_path, "")
         self.local_backed: bool = self._os_path is not None
 
     def __repr__(self) -> str:
@@ -398,16 +402,24 @@ class PayloadRoot:
         :class:`PayloadHandleError` (escape, symlink out of the root, not a regular file) or
         :class:`PayloadReadError` (other I/O).
         """
-        rel = self.relative(handle)
-        url = self.url_of(rel)
+        return self.open_name(self.relative(handle), handle)
+
+    def open_name(self, name: str, handle: str | None = None) -> PayloadFile:
+        """:meth:`open_read` of ``name``, what :meth:`relative` made of ``handle`` (default:
+        ``name`` itself), for a caller that normalised its handles once; only ever a name
+        :meth:`relative` returned (on a filesystem that is not local-backed, that is the
+        confinement). ``handle`` names the file in messages."""
+        shown = name if handle is None else handle
+        # url_of(name), which on a local-backed root is a join that never replaces the root
+        url = self.url_of(name) if self._os_dir is None else self._os_dir + name
 
         def what() -> str:
-            return f"payload handle {handle!r} ({url})"
+            return f"payload handle {shown!r} ({url})"
 
-        if self._os_path is None:
-            return _open_fsspec(self.fs, posixpath.join(self.path, rel), what())
+        if self._os_dir is None:
+            return _open_fsspec(self.fs, posixpath.join(self.path, name), what())
         try:
-            path_fd = self._open_beneath(rel, _PATH, what)
+            path_fd = self._open_beneath(name, _PATH, what)
             try:
                 size = _regular_size(path_fd, what)
                 fd = _reopen_to_read(path_fd)

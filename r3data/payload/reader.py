@@ -88,20 +88,24 @@ def _runs(ranges: list[RangeRead]) -> list[list[RangeRead]]:
     return runs
 
 
-def _views(run: list[RangeRead], start: int, want: int) -> list[tuple[RangeRead, int, int]]:
-    """``(range, lo, hi)``: the destination slices holding run bytes ``[start, start + want)``."""
+def _views(
+    run: list[RangeRead], start: int, want: int
+) -> tuple[list[tuple[RangeRead, int, int]], list[memoryview]]:
+    """``(range, lo, hi)`` of the destination slices holding run bytes ``[start, start +
+    want)``, and the slices."""
     if len(run) == 1:
-        return [(run[0], start, start + want)]
-    out = []
+        r = run[0]
+        return [(r, start, start + want)], [r.dest[start : start + want]]
+    pieces = []
     at = 0
     for r in run:
         lo, hi = max(start - at, 0), min(start + want - at, r.nbytes)
         if lo < hi:
-            out.append((r, lo, hi))
+            pieces.append((r, lo, hi))
         at += r.nbytes
         if at >= start + want:
             break
-    return out
+    return pieces, [r.dest[lo:hi] for r, lo, hi in pieces]
 
 
 def _read_chunk(handle: Any, offset: int, views: list[memoryview]) -> int:
@@ -134,13 +138,16 @@ def _landed(pieces: list[tuple[RangeRead, int, int]], views: list[memoryview], g
 class OpenFiles:
     """Files opened to check their sizes, kept open for the reads of the same plan (at most
     ``budget`` of them: a batch may name thousands of files). Whatever no read took is closed
-    by :meth:`close`."""
+    by :meth:`close`. ``names`` holds the root-relative name of each handle checked, so the
+    plan's reads normalise no handle twice (a name is a function of the handle and the root: an
+    ``OpenFiles`` serves one reader)."""
 
     def __init__(self, budget: int | None = None) -> None:
         if budget is None:
             soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
             budget = _KEEP_OPEN if soft == resource.RLIM_INFINITY else min(_KEEP_OPEN, soft // 4)
         self.budget = budget
+        self.names: dict[str, str] = {}
         self._handles: dict[str, PayloadFile] = {}
         self._lock = threading.Lock()
 
@@ -215,24 +222,30 @@ class PayloadReader:
         alongside other work (empty ranges are done at once); a file ``opened`` kept from
         :meth:`check_sizes` is read without opening it again."""
         by_file: dict[str, list[RangeRead]] = {}
-        names: dict[str, str] = {}  # handle -> root-relative name: ranges share files
+        file_bytes: dict[str, int] = {}
+        # handle -> root-relative name (ranges share files; the sizes check named them already)
+        names: dict[str, str] = {} if opened is None else opened.names
         for r in ranges:
-            if r.nbytes == 0:
+            nbytes = r.nbytes
+            if nbytes == 0:
                 r.dest = memoryview(b"") if r.dest is None else r.dest
                 _check_crc(r, r.segment.file)
                 continue
-            name = names.get(r.segment.file)
+            file = r.segment.file
+            name = names.get(file)
             if name is None:
-                name = names[r.segment.file] = self.root.relative(r.segment.file)
+                name = names[file] = self.root.relative(file)
             group = by_file.get(name)
             if group is None:
                 by_file[name] = [r]
+                file_bytes[name] = nbytes
             else:
                 group.append(r)
+                file_bytes[name] += nbytes
         # Largest first: lanes pulling the next job then finish together (a heavy tail of file
         # sizes otherwise leaves one lane reading the biggest file alone at the end).
-        groups = sorted(by_file.items(), key=_group_bytes, reverse=True)
-        return [partial(self._read_file, name, group, opened) for name, group in groups]
+        order = sorted(file_bytes, key=file_bytes.__getitem__, reverse=True)
+        return [partial(self._read_file, name, by_file[name], opened) for name in order]
 
     def check_sizes(
         self, segments: Iterable[PayloadSegment], keep: OpenFiles | None = None
@@ -242,60 +255,57 @@ class PayloadReader:
         again, with the read's backoff, in case it is still growing. Files checked are kept
         open in ``keep`` (up to its budget) for the reads that follow."""
         ends: dict[str, tuple[int, PayloadSegment]] = {}
+        names: dict[str, str] = {} if keep is None else keep.names  # handle -> name
         for s in segments:
-            end = s.index + s.nbytes if s.ragged else s.offset + s.nbytes
-            try:
-                name = self.root.relative(s.file)
-            except Exception as exc:
-                exc.r3data_segment = s  # type: ignore[attr-defined]  # which claim failed
-                raise
-            if name not in ends or end > ends[name][0]:
+            end = (s.offset if s.index is None else s.index) + s.nbytes
+            name = names.get(s.file)
+            if name is None:
+                try:
+                    name = names[s.file] = self.root.relative(s.file)
+                except Exception as exc:
+                    exc.r3data_segment = s  # type: ignore[attr-defined]  # which claim failed
+                    raise
+            claim = ends.get(name)
+            if claim is None or end > claim[0]:
                 ends[name] = (end, s)
-        groups = list(ends.items())
+        claims = list(ends.items())
         workers = 1 if self.root.local_backed else self.workers  # an open is microseconds here
-        fill_rows(lambda i: self._check_size(*groups[i], keep), len(groups), workers)
+        fill_rows(partial(self._check_size, claims, keep), len(claims), workers)
 
     def _check_size(
-        self, name: str, claim: tuple[int, PayloadSegment], keep: OpenFiles | None
+        self, claims: list[tuple[str, tuple[int, PayloadSegment]]], keep: OpenFiles | None, i: int
     ) -> None:
-        end, s = claim
+        """Check claim ``i``: the furthest byte any segment claims of one file."""
+        name, (end, s) = claims[i]
         try:
-            self._check_size_retrying(name, end, s, keep)
+            delay = self.backoff
+            for attempt in range(1, self.retries + 2):
+                handle = self._open_retrying(name, s)
+                size, url = handle.size, handle.url
+                if end <= size and keep is not None and keep.put(name, handle):
+                    return
+                handle.close()
+                if end <= size:
+                    return
+                if attempt <= self.retries:
+                    time.sleep(delay)
+                    delay = min(2 * delay, self.max_backoff)
+            raise SegmentError(
+                f"{url}: segment of field {s.field!r} rows [{s.pos}, {s.end}) claims bytes up "
+                f"to {end}, but the file has {size} bytes (looked {attempt} times)"
+            )
         except Exception as exc:
             exc.r3data_segment = s  # type: ignore[attr-defined]  # which claim failed
             raise
 
-    def _check_size_retrying(
-        self, name: str, end: int, s: PayloadSegment, keep: OpenFiles | None
-    ) -> None:
-        delay = self.backoff
-        for attempt in range(1, self.retries + 2):
-            handle = self._open_retrying(name, s)
-            size, url = handle.size, handle.url
-            if end <= size and keep is not None and keep.put(name, handle):
-                return
-            handle.close()
-            if end <= size:
-                return
-            if attempt <= self.retries:
-                time.sleep(delay)
-                delay = min(2 * delay, self.max_backoff)
-        raise SegmentError(
-            f"{url}: segment of field {s.field!r} rows [{s.pos}, {s.end}) claims bytes up to "
-            f"{end}, but the file has {size} bytes (looked {attempt} times)"
-        )
-
     # --- reading files --------------------------------------------------------------------------
-
-    def _open(self, name: str) -> PayloadFile:
-        return self.root.open_read(name)
 
     def _open_retrying(self, name: str, s: PayloadSegment) -> Any:
         """Open ``name``; a missing file or an I/O error is retried like a short read."""
         delay, failure = self.backoff, None
         for attempt in range(1, self.retries + 2):
             try:
-                return self._open(name)
+                return self.root.open_name(name)
             except PermissionError as exc:
                 raise self._denied(name, exc) from exc
             except OSError as exc:
@@ -333,7 +343,7 @@ class PayloadReader:
                 failure = None
                 try:
                     if handle is None:
-                        handle = self._open(name)
+                        handle = self.root.open_name(name)
                     size = handle.size
                     done = _fill_run(handle, run, done, size, total)
                 except PermissionError as exc:
@@ -430,26 +440,25 @@ class PayloadReader:
 def _fill_run(handle: PayloadFile, run: list[RangeRead], done: int, size: int, total: int) -> int:
     """Read the run (``total`` bytes) from its byte ``done`` on until it is complete or the file
     ends; returns the bytes in place."""
-    if done == 0 and any(r.dest is None for r in run):
-        if run[-1].offset + run[-1].nbytes > size:
-            return 0  # allocate only once the file proved large enough
-        for r in run:
-            if r.dest is None:
-                r.dest = memoryview(np.empty(r.nbytes, np.uint8))
+    for r in run if done == 0 else ():
+        if r.dest is None:  # destinations to allocate, once the file proved large enough
+            if run[-1].offset + run[-1].nbytes > size:
+                return 0
+            for unallocated in run:
+                if unallocated.dest is None:
+                    unallocated.dest = memoryview(np.empty(unallocated.nbytes, np.uint8))
+            break
     start = run[0].offset
     while done < total:
-        pieces = _views(run, done, min(CHUNK_BYTES, total - done))
-        views = [r.dest[lo:hi] for r, lo, hi in pieces]
+        pieces, views = _views(
+            run, done, CHUNK_BYTES if total - done > CHUNK_BYTES else total - done
+        )
         got = _read_chunk(handle, start + done, views)
         if got <= 0:
             break
         _landed(pieces, views, got)
         done += got
     return done
-
-
-def _group_bytes(group: tuple[str, list[RangeRead]]) -> int:
-    return sum(r.nbytes for r in group[1])
 
 
 def _offset(r: RangeRead) -> int:

@@ -7,13 +7,16 @@ import os
 import threading
 from dataclasses import replace
 from pathlib import Path
+from typing import ClassVar
 
 import numpy as np
 import pytest
+from fsspec.implementations.memory import MemoryFileSystem
 
 from r3data.errors import PayloadHandleError
 from r3data.payload import PayloadReader, PayloadRoot, PayloadWriter
 from r3data.payload.reader import OpenFiles, RangeRead
+from r3data.wire.segment import PayloadSegment
 
 SHAPE = (48, 8)
 
@@ -51,13 +54,13 @@ def test_one_open_per_file_however_handles_spell_it(tmp_path):
     (s,), (routes,) = write_files(root, [10])
     reader = PayloadReader(str(root), workers=1)
     opened: list[str] = []
-    real_open = reader.root.open_read
+    real_open = reader.root.open_name
 
-    def counting_open(handle: str):
-        opened.append(handle)
-        return real_open(handle)
+    def counting_open(name: str, handle: str | None = None):
+        opened.append(name)
+        return real_open(name, handle)
 
-    reader.root.open_read = counting_open  # type: ignore[method-assign]
+    reader.root.open_name = counting_open  # type: ignore[method-assign]
     half = s.rows // 2
     first = replace(s, rows=half, crc32c=None)
     second = replace(  # the same file, named absolutely
@@ -131,3 +134,26 @@ def test_a_device_node_is_refused_without_being_opened(tmp_path):
         pytest.skip("creating a device node needs privileges")
     with pytest.raises(PayloadHandleError, match="is a character device, not a regular file"):
         PayloadRoot(str(root)).open_read("v1/tty.bin")
+
+
+class _BucketFileSystem(MemoryFileSystem):
+    """Paths named as an object store names them: no root marker, ``bucket/key`` is whole."""
+
+    root_marker = ""
+    protocol = ("bucketmem",)
+    store: ClassVar[dict] = {}  # its own files, not memory://'s
+    pseudo_dirs: ClassVar[list] = [""]
+
+
+def test_a_handle_is_normalised_once_on_a_bucket_root():
+    """On a bucket root ``bucket/run/bucket/run/x.bin`` names ``x.bin`` under ``run/bucket/run``
+    (the root's own path spelled first); normalising that name again would read the root's
+    ``x.bin``, another file."""
+    fs = _BucketFileSystem()
+    fs.pipe("/b/run/b/run/x.bin", b"inner" * 4)
+    fs.pipe("/b/run/x.bin", b"outer" * 4)
+    segment = PayloadSegment("bytes", "b/run/b/run/x.bin", 0, 0, 20, "uint8")
+    reader = PayloadReader("b/run", fs=fs)
+    assert bytes(reader.read([segment])["bytes"]) == b"inner" * 4
+    with reader.root.open_read(segment.file) as f:
+        assert f.url.endswith("/b/run/b/run/x.bin")
