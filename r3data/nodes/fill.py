@@ -34,6 +34,7 @@ from r3data.nodes.fill_common import (
     allocate,
     check_sizes,
     named,
+    naming_failures,
     torch_dtype,
 )
 from r3data.nodes.ragged_fill import fill_ragged
@@ -112,16 +113,16 @@ class _FixedFill:
         self.reader = reader
         self.screen = screen
         self.row_bytes = dtype.itemsize * math.prod(row_shape)
-        lengths = np.array([sum(p.rows for p in f.pieces) for f in fields], dtype=np.int64)
         self.offsets = np.zeros(len(fields) + 1, np.int64)
-        np.cumsum(lengths, out=self.offsets[1:])
+        """Each sample's first batch row, and the batch's rows (set by :meth:`plan`)."""
         self.out: np.ndarray = np.empty((0, *row_shape), dtype)
         self.flags = _Flags()
         self.placed: list[_Placed] = []
-        self.rows: list[int] = []
-        """Rows of every piece, in batch order (they tile the buffer)."""
-        self.real: list[bool] = []
-        """Whether each piece is engine rows (else a placeholder)."""
+        """Pieces (and the source rows placeholders repeat) at their batch rows, in row order."""
+        self.segments: list[PayloadSegment] = []
+        """The by-handle pieces among them, whose claims are checked before allocating."""
+        self.range_samples: dict[int, int] = {}
+        """``id`` of each range read -> the sample it is in (a failed read names its sample)."""
         self.placeholders: dict[str, list[tuple[int, int]]] = {
             "repeat_previous": [],
             "distinct": [],
@@ -138,12 +139,12 @@ class _FixedFill:
         """Place every piece at its batch rows; returns the by-handle ones (``id`` of the
         segment -> the sample it is in), to check before allocating."""
         handles: dict[int, int] = {}
+        starts = []
+        lo = 0
         for sample, stitched in enumerate(self.fields):
-            lo = int(self.offsets[sample])
+            starts.append(lo)
             previous = None
             for piece in stitched.pieces:
-                self.rows.append(piece.rows)
-                self.real.append(type(piece) is not PlaceholderRows)
                 if type(piece) is PlaceholderRows:
                     if piece.source is not None and _repeats_previous(piece, previous):
                         self.repeat_before.append((lo, piece.rows))  # already in the buffer
@@ -151,6 +152,9 @@ class _FixedFill:
                         self.placeholders[piece.kind].append((lo, piece.rows))
                         if piece.source is not None:  # the one row it repeats comes first
                             self.placed.append(_Placed(piece.source, lo, sample, real=False))
+                            if type(piece.source) is PayloadSegment:
+                                self.segments.append(piece.source)
+                                handles.setdefault(id(piece.source), sample)
                 else:
                     if piece.row_shape != self.row_shape:
                         raise named(
@@ -161,54 +165,60 @@ class _FixedFill:
                             sample,
                         )
                     self.placed.append(_Placed(piece, lo, sample, real=True))
+                    if type(piece) is PayloadSegment:
+                        self.segments.append(piece)
+                        handles.setdefault(id(piece), sample)
                 lo += piece.rows
                 previous = piece
-        for placed in self.placed:
-            if type(placed.piece) is PayloadSegment:
-                if self.reader is None:
-                    raise named(
-                        SegmentError(
-                            f"field {self.name!r}: a by-handle piece needs a payload reader"
-                        ),
-                        placed.sample,
-                    )
-                handles.setdefault(id(placed.piece), placed.sample)
+        starts.append(lo)
+        self.offsets = np.array(starts, np.int64)
+        if handles and self.reader is None:
+            raise named(
+                SegmentError(f"field {self.name!r}: a by-handle piece needs a payload reader"),
+                next(iter(handles.values())),
+            )
         return handles
 
     def jobs(self, opened: OpenFiles) -> list[Callable[[], None]]:
         """The fill's work, bound to the allocated buffer :attr:`out`: file reads first (the
         files ``opened`` to check their sizes are read without opening them again)."""
         ranges: list[RangeRead] = []
-        placed_ranges: list[_Placed] = []
         tasks: list[tuple[InlineRows | EncodedRows, np.ndarray, _Placed, int, bool]] = []
+        out_bytes = memoryview(self.out.reshape(-1).view(np.uint8))  # the buffer, byte by byte
+        row_bytes = self.row_bytes
         for placed in self.placed:
             piece, rows = placed.piece, placed.piece.rows
             if rows == 0:
                 continue
             same = np.dtype(piece.dtype) == self.dtype
-            big = self.screen is not None and rows * self.row_bytes >= _SMALL
+            big = self.screen is not None and rows * row_bytes >= _SMALL
             if not same:  # a turn of another dtype: staged, screened, then converted
                 staged = np.empty((rows, *self.row_shape), piece.dtype)
                 self.staged.append((placed, staged))
                 dest = staged
             else:
-                dest = self.out[placed.lo : placed.lo + rows]
+                dest = None  # the buffer's rows [placed.lo, placed.lo + rows)
                 if not big:
                     self.small.append(placed)
             sink = _Sink(self, placed) if same and big else None
             if type(piece) is PayloadSegment:
-                ranges.append(
-                    RangeRead(
-                        piece,
-                        piece.offset,
-                        piece.nbytes,
-                        memoryview(dest.reshape(-1).view(np.uint8)),
-                        piece.crc32c,
-                        on_bytes=None if sink is None else sink.advance,
-                    )
+                if dest is None:
+                    view = out_bytes[placed.lo * row_bytes : (placed.lo + rows) * row_bytes]
+                else:
+                    view = memoryview(dest.reshape(-1).view(np.uint8))
+                read = RangeRead(
+                    piece,
+                    piece.offset,
+                    piece.nbytes,
+                    view,
+                    piece.crc32c,
+                    on_bytes=None if sink is None else sink.advance,
                 )
-                placed_ranges.append(placed)
+                ranges.append(read)
+                self.range_samples[id(read)] = placed.sample
                 continue
+            if dest is None:
+                dest = self.out[placed.lo : placed.lo + rows]
             step = max(1, _JOB_BYTES // max(self.row_bytes, 1))
             for first in range(0, rows, step):
                 stop = min(first + step, rows)
@@ -216,8 +226,7 @@ class _FixedFill:
                 tasks.append((part, dest[first:stop], placed, first, sink is not None))
         jobs = [lambda group=group: self._copy_all(group) for group in _grouped(tasks)]
         if ranges:
-            samples = {id(r): p.sample for r, p in zip(ranges, placed_ranges, strict=True)}
-            jobs = [_naming(job, samples) for job in self.reader.file_jobs(ranges, opened)] + jobs
+            jobs = self.reader.file_jobs(ranges, opened) + jobs
         return jobs
 
     # --- execution ----------------------------------------------------------------------------
@@ -310,12 +319,13 @@ class _FixedFill:
         for placed in self.small:
             if not placed.real:
                 self.check(self.out[placed.lo : placed.lo + placed.piece.rows], placed)
-        order = sorted((p for p in self.small if p.real), key=lambda p: p.lo)
+        order = [p for p in self.small if p.real]  # in batch row order, as they were placed
         if not order:
             return
         real = self.valid()
         starts = np.array([p.lo for p in order], np.int64)
-        for lo, hi in _joined((p.lo, p.lo + p.piece.rows) for p in order):
+        stops = starts + np.array([p.piece.rows for p in order], np.int64)
+        for lo, hi in _joined(starts, stops):
             if not self._finds(screen_rows(self.out[lo:hi], self.screen), real[lo:hi], lo, hi):
                 continue
             for placed in order[
@@ -335,8 +345,14 @@ class _FixedFill:
         return screen_rows(self.out[lo:hi][real], self.screen).too_large is not None
 
     def valid(self) -> np.ndarray:
-        """Bool per batch row: True where a source (an engine row) fills it."""
-        return np.repeat(np.array(self.real, bool), np.array(self.rows, np.int64))
+        """Bool per batch row: True where a source (an engine row) fills it, False where a
+        placeholder does."""
+        valid = np.ones(int(self.offsets[-1]), bool)
+        for spans in (self.repeat_before, *self.placeholders.values()):
+            if spans:
+                los, counts = np.array(spans, np.int64).T
+                valid[aranges(los, counts)] = False
+        return valid
 
     # --- after the fill -----------------------------------------------------------------------
 
@@ -444,15 +460,16 @@ class _Sink:
             self.screened = rows
 
 
-def _joined(spans, gap: int = 64) -> list[tuple[int, int]]:
-    """Ordered spans merged, and joined across holes of at most ``gap`` rows."""
-    out: list[tuple[int, int]] = []
-    for lo, hi in merge(spans):
-        if out and lo - out[-1][1] <= gap:
-            out[-1] = (out[-1][0], hi)
-        else:
-            out.append((lo, hi))
-    return out
+def _joined(starts: np.ndarray, stops: np.ndarray, gap: int = 64) -> list[tuple[int, int]]:
+    """Spans ``[starts[i], stops[i])`` (non-empty, ordered by start) merged, and joined across
+    holes of at most ``gap`` rows."""
+    if not starts.size:
+        return []
+    reach = np.maximum.accumulate(stops)  # the end of the run each span extends so far
+    cuts = np.flatnonzero(starts[1:] - reach[:-1] > gap) + 1
+    firsts = np.concatenate(([0], cuts))
+    lasts = np.concatenate((cuts - 1, [starts.size - 1]))
+    return list(zip(starts[firsts].tolist(), reach[lasts].tolist(), strict=True))
 
 
 def _grouped(tasks: list) -> list[list]:
@@ -484,21 +501,6 @@ def _repeats_previous(placeholder: PlaceholderRows, previous: object) -> bool:
 
 def _spans(positions: np.ndarray) -> list[tuple[int, int]]:
     return merge((int(p), int(p) + 1) for p in positions)
-
-
-def _naming(job: Callable[[], None], samples: dict[int, int]) -> Callable[[], None]:
-    """``job`` (one file's reads), whose failure names the sample of the range it failed in."""
-
-    def run() -> None:
-        try:
-            job()
-        except Exception as exc:
-            failed = getattr(exc, "r3data_range", None)
-            if failed is not None and id(failed) in samples:
-                named(exc, samples[id(failed)])
-            raise
-
-    return run
 
 
 def fill_field(
@@ -535,14 +537,14 @@ def fill_field(
     opened = OpenFiles()
     try:
         if handles:  # claims are checked against the files before anything is allocated
-            segments = [p.piece for p in fill.placed if id(p.piece) in handles]
-            check_sizes(reader, segments, handles, opened)
+            check_sizes(reader, fill.segments, handles, opened)
         shape = (int(fill.offsets[-1]), *fill.row_shape)
         values = allocate(shape, dtype, name=name, pin_memory=pin_memory, pool=pool)
         fill.out = values.numpy()
         jobs = fill.jobs(opened)
         lanes = min(workers, max(1, fill.out.nbytes // _LANE_BYTES))  # small batches: one
-        fill_rows(lambda i: jobs[i](), len(jobs), lanes)
+        with naming_failures("r3data_range", fill.range_samples):  # a read names its sample
+            fill_rows(lambda i: jobs[i](), len(jobs), lanes)
     finally:
         opened.close()
     fill.convert_staged()

@@ -3,7 +3,9 @@ under a bound, claims checked against files before it, failures naming their sam
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -17,7 +19,15 @@ from r3data.payload.reader import OpenFiles, PayloadReader
 from r3data.trace.stitch import StitchStats
 from r3data.wire.segment import PayloadSegment
 
-__all__ = ["MAX_BUFFER_BYTES", "FilledField", "allocate", "check_sizes", "named", "torch_dtype"]
+__all__ = [
+    "MAX_BUFFER_BYTES",
+    "FilledField",
+    "allocate",
+    "check_sizes",
+    "named",
+    "naming_failures",
+    "torch_dtype",
+]
 
 MAX_BUFFER_BYTES = 1 << 40
 """No field's buffer is larger than this (1 TiB): a claim above it is refused unread."""
@@ -45,6 +55,19 @@ def named(exc: Exception, sample: int) -> Exception:
     return exc
 
 
+@contextlib.contextmanager
+def naming_failures(attribute: str, samples: dict[int, int]) -> Iterator[None]:
+    """A failure whose ``attribute`` (the segment or range it happened in) is among
+    ``samples`` (its ``id`` -> the batch index of its sample) is tagged with that sample."""
+    try:
+        yield
+    except Exception as exc:
+        failed = getattr(exc, attribute, None)
+        if failed is not None and id(failed) in samples:
+            named(exc, samples[id(failed)])
+        raise
+
+
 def check_sizes(
     reader: PayloadReader,
     segments: list[PayloadSegment],
@@ -52,13 +75,8 @@ def check_sizes(
     keep: OpenFiles | None = None,
 ) -> None:
     """``reader.check_sizes``; a failure names the sample of the segment that failed."""
-    try:
+    with naming_failures("r3data_segment", samples):
         reader.check_sizes(segments, keep)
-    except Exception as exc:
-        failed = getattr(exc, "r3data_segment", None)
-        if failed is not None and id(failed) in samples:
-            named(exc, samples[id(failed)])
-        raise
 
 
 def allocate(

@@ -11,7 +11,7 @@ import numpy as np
 import pybase64
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from r3data.buffers import POOL_MIN_BYTES, BufferPool, empty_rows
@@ -28,6 +28,7 @@ from r3data.nodes import ScreenOptions, fill_field
 from r3data.nodes import fill as fill_module
 from r3data.payload import PayloadReader, PayloadSegment, PayloadWriter
 from r3data.ragged import RaggedRows
+from r3data.spans import merge
 from r3data.trace import FieldInfo, PlaceholderRows, StitchedField, distinct_row
 from r3data.wire import EncodedRows, InlineRows
 
@@ -447,3 +448,22 @@ def test_buffer_claims_above_the_bound_are_refused_unallocated():
     )
     with pytest.raises(SegmentError, match=r"more than the \d+ any batch buffer may"):
         fill_field("r", [field], dtype=np.dtype(np.uint8))
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 400), st.integers(1, 90)), max_size=30))
+@example([(0, 10), (74, 1), (140, 5)])  # holes of 64 rows (joined) and 65 (not)
+@example([(0, 50), (10, 5), (70, 3)])  # a span inside another: the hole counts from the outer
+def test_small_pieces_are_screened_in_joined_runs_of_their_rows(spans):
+    """The runs the small pieces are screened in: their rows merged, then joined across holes of
+    at most 64 rows (a loop over the merged spans is the model)."""
+    spans = sorted((lo, lo + n) for lo, n in spans)
+    want: list[tuple[int, int]] = []
+    for lo, hi in merge(spans):
+        if want and lo - want[-1][1] <= 64:
+            want[-1] = (want[-1][0], hi)
+        else:
+            want.append((lo, hi))
+    starts = np.array([lo for lo, _ in spans], np.int64)
+    stops = np.array([hi for _, hi in spans], np.int64)
+    assert fill_module._joined(starts, stops) == want
