@@ -66,10 +66,8 @@ def _vector_field(values: Sequence[np.ndarray], dtype: torch.dtype) -> PackedTen
     )
 
 
-def _localized(field: StitchedField, ranges: list[tuple[int, int]] | None) -> StitchedField:
+def _localized(field: StitchedField, ranges: list[tuple[int, int]]) -> StitchedField:
     """``field`` cut to one sample's local ranges (views and clipped handles; nothing read)."""
-    if ranges is None:
-        return field
     pieces = tuple(
         clip_source(p, max(lo, p.pos), min(hi, p.end))
         for lo, hi in ranges
@@ -108,18 +106,21 @@ class CollateRollouts:
         rollouts = micro.items if micro is not None else rollouts
         kept = [r for r in rollouts if r.stitched is not None]
         ids = [r.sample.sample_id for r in kept]
-        full_lengths = np.array([r.sample.sample_len for r in kept], np.int64)
-        ranges = None if self.layout is None else self.layout.local_ranges(full_lengths)
+        if self.layout is None:
+            full_lengths = ranges = None
+        else:
+            full_lengths = np.array([r.sample.sample_len for r in kept], np.int64)
+            ranges = self.layout.local_ranges(full_lengths)
         batch_fields: dict = {}
-        stats = StitchStats.total(r.stitched for r in rollouts)
+        stats = StitchStats.total([r.stitched for r in rollouts])
         late_drops: set[int] = set()
         warnings = [w for r in rollouts for w in r.warnings]
         warnings += [w for r in kept for w in r.stitched.warnings]
         for name in self.fields:
-            stitched = [
-                _localized(r.stitched[name], None if ranges is None else ranges[i])
-                for i, r in enumerate(kept)
-            ]
+            if ranges is None:
+                stitched = [r.stitched[name] for r in kept]
+            else:
+                stitched = [_localized(r.stitched[name], ranges[i]) for i, r in enumerate(kept)]
             filled = self._guarded(kept, name, stitched, ids)
             valid = PackedTensor(torch.from_numpy(filled.valid), filled.values.offsets)
             if self.layout is not None and isinstance(filled.values, PackedTensor):
@@ -151,8 +152,8 @@ class CollateRollouts:
         ]
         metadata = {
             "stats": stats,
-            "index": PerSample(r.index for r in kept),
-            "files": PerSample(r.sample.files for r in kept),
+            "index": PerSample([r.index for r in kept]),
+            "files": PerSample([r.sample.files for r in kept]),
             "dropped": [r.sample.sample_id for r in dropped],
             "dropped_files": tuple(sorted({f for r in dropped for f in r.sample.files})),
             "warnings": warnings,

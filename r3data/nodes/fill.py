@@ -60,7 +60,7 @@ jobs out costs more than it wins)."""
 """Inline pieces are cut into jobs of about this many bytes (parallel, cache-friendly)."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True, eq=False)  # one per piece per batch: a plain record is cheapest
 class _Placed:
     """A piece placed at batch rows ``[lo, lo + piece.rows)`` of sample ``sample``."""
 
@@ -190,7 +190,7 @@ class _FixedFill:
             piece, rows = placed.piece, placed.piece.rows
             if rows == 0:
                 continue
-            same = np.dtype(piece.dtype) == self.dtype
+            same = self.dtype == piece.dtype
             big = self.screen is not None and rows * row_bytes >= _SMALL
             if not same:  # a turn of another dtype: staged, screened, then converted
                 staged = np.empty((rows, *self.row_shape), piece.dtype)

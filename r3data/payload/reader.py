@@ -108,9 +108,9 @@ def _views(
     return pieces, [r.dest[lo:hi] for r, lo, hi in pieces]
 
 
-def _read_chunk(handle: Any, offset: int, views: list[memoryview]) -> int:
-    if handle.fd is not None:
-        return os.preadv(handle.fd, views, offset)
+def _read_views(handle: PayloadFile, offset: int, views: list[memoryview]) -> int:
+    """Fill ``views`` from ``offset`` on through ``handle.read_at`` (a file without a
+    descriptor), up to the end of the file; returns the bytes read."""
     got = 0
     for view in views:
         n = handle.read_at(offset + got, view)
@@ -321,9 +321,10 @@ class PayloadReader:
         handle = None if opened is None else opened.take(name)
         run = ranges
         try:
-            if len(ranges) > 1:
+            several = len(ranges) > 1
+            if several:
                 ranges.sort(key=_offset)
-            for run in _runs(ranges) if len(ranges) > 1 else (ranges,):
+            for run in _runs(ranges) if several else (ranges,):
                 handle = self._read_run(name, handle, run)
         except Exception as exc:
             exc.r3data_range = next((r for r in run if r.done < r.nbytes), run[0])  # type: ignore[attr-defined]
@@ -448,12 +449,15 @@ def _fill_run(handle: PayloadFile, run: list[RangeRead], done: int, size: int, t
                 if unallocated.dest is None:
                     unallocated.dest = memoryview(np.empty(unallocated.nbytes, np.uint8))
             break
-    start = run[0].offset
+    start, fd = run[0].offset, handle.fd
     while done < total:
         pieces, views = _views(
             run, done, CHUNK_BYTES if total - done > CHUNK_BYTES else total - done
         )
-        got = _read_chunk(handle, start + done, views)
+        if fd is not None:
+            got = os.preadv(fd, views, start + done)
+        else:
+            got = _read_views(handle, start + done, views)
         if got <= 0:
             break
         _landed(pieces, views, got)
