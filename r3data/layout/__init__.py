@@ -8,7 +8,7 @@ from r3data.layout.gather import Fill, RoundRobin, expand, expand_batch_major, e
 from r3data.layout.rows import RankRows
 from r3data.layout.stages import ModelLayers
 from r3data.layout.token_layout import LayerAxis, TokenLayout
-from r3data.layout.token_runs import PAD, TokenRuns
+from r3data.layout.token_runs import PAD, TokenRuns, TokenSegments
 
 __all__ = [
     "PAD",
@@ -19,6 +19,7 @@ __all__ = [
     "RoundRobin",
     "TokenLayout",
     "TokenRuns",
+    "TokenSegments",
     "expand",
     "expand_batch_major",
     "expand_mask",

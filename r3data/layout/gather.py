@@ -35,7 +35,7 @@ from r3data.errors import LayoutError
 from r3data.layout.rows import RankRows
 from r3data.layout.stages import ModelLayers
 from r3data.layout.token_layout import LayerAxis, TokenLayout, as_lengths
-from r3data.layout.token_runs import PAD, TokenRuns
+from r3data.layout.token_runs import PAD, TokenRuns, TokenSegments
 from r3data.packed import PackedTensor, aranges
 from r3data.tensor_buffer import bit_view
 from r3data.validate import checked_int
@@ -102,14 +102,14 @@ def expand(
     dtype = _output_dtype(dtype)
     fill_row = _fill_row(fill, topk, dtype)
     layout, full, local = _geometry(routes, layout, local, lengths)
-    runs = layout.token_runs(full, local=local)
+    tokens = _walk(layout, full, local, routes.values.device)
     layers = _moe_layers(routes, layout, layer_axis)
     _check_ids_fit(routes.values, dtype)
-    buffer = _gather(routes.values, runs, layers, fill_row, dtype, batch_major=False)
+    buffer = _gather(routes.values, tokens, layers, fill_row, dtype, batch_major=False)
     if isinstance(fill, RoundRobin):
         places = layout.token_grid(layout.padded_lengths(full))
-        _spread_padding(buffer, runs.grid(), places, fill)
-    return list(buffer.view(runs.local_seq * runs.columns, len(layers), topk).unbind(1))
+        _spread_padding(buffer, tokens.grid(), places, fill)
+    return list(buffer.view(tokens.local_seq * tokens.columns, len(layers), topk).unbind(1))
 
 
 def expand_batch_major(
@@ -379,9 +379,19 @@ def _check_ids_fit(values: torch.Tensor, dtype: torch.dtype) -> None:
 # --- the gather ----------------------------------------------------------------------------
 
 
+def _walk(
+    layout: TokenLayout, full: np.ndarray, local: bool, device: torch.device
+) -> TokenRuns | TokenSegments:
+    """How :func:`expand` walks the rank's grid: by segments for a seq-major grid of several
+    samples on the CPU (their rows interleave place by place), else by runs."""
+    if device.type == "cpu" and not layout.packed and full.size > 1:
+        return layout.token_segments(full, local=local)
+    return layout.token_runs(full, local=local)
+
+
 def _gather(
     values: torch.Tensor,
-    runs: TokenRuns,
+    tokens: TokenRuns | TokenSegments,
     layers: tuple[int, ...],
     fill_row: torch.Tensor,
     dtype: torch.dtype,
@@ -389,11 +399,12 @@ def _gather(
     batch_major: bool,
 ) -> torch.Tensor:
     """A token-major buffer whose place ``[s, b]`` holds ``values[row, layers]`` for the row
-    ``runs`` puts there (``fill_row`` at padding).
+    ``tokens`` puts there (``fill_row`` at padding).
 
-    The buffer is ``[S, B, L, K]``, or ``[B, S, L, K]`` when ``batch_major``.
+    The buffer is ``[S, B, L, K]``, or ``[B, S, L, K]`` when ``batch_major`` (then ``tokens``
+    are runs: segments are for a seq-major buffer).
     """
-    seq, batch = runs.local_seq, runs.columns
+    seq, batch = tokens.local_seq, tokens.columns
     shape = (len(layers), values.shape[2])
     buffer = _empty(
         (batch, seq, *shape) if batch_major else (seq, batch, *shape), dtype, values.device
@@ -404,9 +415,9 @@ def _gather(
         places = buffer.numpy().swapaxes(0, 1) if batch_major else buffer.numpy()
         fill_block = np.empty(shape, dtype=places.dtype)
         fill_block[...] = fill_row.cpu().numpy()
-        _copy_on_host(places, runs, values.numpy(), layers, fill_block, seq_major=not batch_major)
+        _copy_on_host(places, tokens, values.numpy(), layers, fill_block)
     else:
-        grid = runs.grid()
+        grid = tokens.grid()
         index = (grid.T if batch_major else grid).reshape(-1)
         fill = fill_row.to(buffer.device, dtype).expand(shape)
         _copy_on_device(buffer.view(-1, *shape), index, values, layers, fill)
@@ -442,18 +453,16 @@ def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
 
 def _copy_on_host(
     out: np.ndarray,
-    runs: TokenRuns,
+    tokens: TokenRuns | TokenSegments,
     values: np.ndarray,
     layers: tuple[int, ...],
     fill: np.ndarray,
-    *,
-    seq_major: bool,
 ) -> None:
-    """``out[s, b] = values[row, layers]`` (``fill`` at padding) for every place ``runs`` tile.
+    """``out[s, b] = values[row, layers]`` (``fill`` at padding) for every place of the grid.
 
     Each long run is one slice copy (or fill); short runs (tiny samples) are gathered
-    together. A seq-major grid of several columns interleaves them row by row, so it is
-    staged a cache-sized block at a time and written front to back
+    together. Segments (a seq-major grid of several columns, whose runs interleave row by
+    row) are staged a cache-sized block at a time and written front to back
     (:func:`_interleave_columns`). numpy works on the calling thread: hundreds of small torch
     ops would each open a parallel region, which stalls whenever another process holds a
     core; a second thread on the copy made it slower or bimodal here (page faults and the GIL
@@ -469,9 +478,10 @@ def _copy_on_host(
         """``values[rows]`` at the expanded layers (a view for a slice of consecutive layers)."""
         return source[rows] if span is not None else values[rows][:, pick]
 
-    if seq_major and runs.columns > 1:
-        _interleave_columns(out, runs, rows_of, fill, step)
+    if isinstance(tokens, TokenSegments):
+        _interleave_columns(out, tokens, rows_of, fill, step)
         return
+    runs = tokens
     long = runs.count >= MIN_RUN_TOKENS
     chosen = (runs.place[long], runs.column[long], runs.row[long], runs.count[long])
     for place, column, row, count in zip(*(a.tolist() for a in chosen), strict=True):
@@ -488,25 +498,24 @@ def _copy_on_host(
 
 def _interleave_columns(
     out: np.ndarray,
-    runs: TokenRuns,
+    segments: TokenSegments,
     rows_of: Callable[[slice | np.ndarray], np.ndarray],
     fill: np.ndarray,
     step: int,
 ) -> None:
     """A seq-major grid of several columns, written front to back.
 
-    Within a segment (:meth:`TokenRuns.segments`) each column's rows are consecutive or
+    Within a segment (:class:`TokenSegments`) each column's rows are consecutive or
     padding: a block of places is staged column by column with slice copies, then widened
     into ``out`` in one contiguous copy (strided writes straight into fresh memory were
     about twice as slow as the widen). A segment of padding only is widened from a staged
     block of ``fill`` (faster than broadcasting one row into fresh memory). Consecutive
     segments shorter than ``MIN_RUN_TOKENS`` (other than padding) are gathered row by row.
     """
-    bounds, first = runs.segments()
-    edges = bounds.tolist()
-    staging = _Staging(out, runs, rows_of, fill, step)
+    edges = segments.bounds.tolist()
+    staging = _Staging(out, segments, rows_of, fill, step)
     short: list[int] = []  # [start, stop] of consecutive short segments not gathered yet
-    for start, stop, starts in zip(edges[:-1], edges[1:], first.tolist(), strict=True):
+    for start, stop, starts in zip(edges[:-1], edges[1:], segments.first.tolist(), strict=True):
         padding = max(starts) == PAD
         if not padding and stop - start < MIN_RUN_TOKENS:
             short = [short[0] if short else start, stop]
@@ -529,12 +538,13 @@ class _Staging:
     def __init__(
         self,
         out: np.ndarray,
-        runs: TokenRuns,
+        segments: TokenSegments,
         rows_of: Callable[[slice | np.ndarray], np.ndarray],
         fill: np.ndarray,
         step: int,
     ) -> None:
-        self.out, self.runs, self.rows_of, self.fill_row, self.step = out, runs, rows_of, fill, step
+        self.out, self.segments, self.rows_of = out, segments, rows_of
+        self.fill_row, self.step = fill, step
         self.places = max(1, step // out.shape[1])
         dtype = rows_of(slice(0, 0)).dtype
         self.fill_staged = fill.astype(dtype)
@@ -573,8 +583,8 @@ class _Staging:
             self.out[at : at + count] = self.block[:count]  # ids fit out: checked before
 
     def gather(self, start: int, stop: int) -> None:
-        """``out[start:stop]`` gathered row by row (from :meth:`TokenRuns.grid`)."""
-        self.grid = self.runs.grid() if self.grid is None else self.grid
+        """``out[start:stop]`` gathered row by row (from :meth:`TokenSegments.grid`)."""
+        self.grid = self.segments.grid() if self.grid is None else self.grid
         flat = self.out[start:stop].view()
         flat.shape = (-1, *self.out.shape[2:])  # raises rather than copy: writes must land in out
         rows = self.grid[start:stop].reshape(-1)

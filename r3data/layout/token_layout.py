@@ -34,7 +34,7 @@ import numpy as np
 
 from r3data.errors import LayoutError
 from r3data.layout.stages import ModelLayers
-from r3data.layout.token_runs import PAD, TokenRuns
+from r3data.layout.token_runs import PAD, TokenRuns, TokenSegments
 from r3data.spans import Span, merge
 from r3data.validate import checked_int
 
@@ -222,6 +222,42 @@ class TokenLayout:
         else:
             row_of[..., 1] = offset + first + real_from
         return TokenRuns.from_pieces(local_seq, columns, pieces.reshape(4, -1))
+
+    def token_segments(self, lengths: Any, *, local: bool = False) -> TokenSegments:
+        """This rank's token grid cut into segments where every column's rows run on
+        (:class:`TokenSegments`), as :meth:`TokenRuns.segments` of :meth:`token_runs` cuts it.
+
+        BSHD segments come straight from the pieces of the common length every sample keeps
+        (a few numpy calls per micro-batch, no runs built).
+        """
+        lengths = as_lengths(lengths)
+        if self.packed:
+            return self.token_runs(lengths, local=local).segments()
+        common = self._common_length(lengths)
+        start, count, place = _sequence_pieces(self, common)  # [pieces]
+        local_seq = int(count.sum()) if lengths.size else 0
+        if not local_seq:
+            return TokenSegments(
+                0, lengths.size, np.zeros(1, np.int64), np.empty((0, lengths.size), np.int64)
+            )
+        # [samples, pieces]: the sample position of each piece's first place; its real places
+        shift = common - lengths if self.padding_side == "left" else np.zeros_like(lengths)
+        position = start - shift[:, None]
+        real_from = np.minimum(np.maximum(-position, 0), count)
+        real_to = np.minimum(np.maximum(lengths[:, None] - position, real_from), count)
+        edges = np.concatenate((place, (place + real_from).ravel(), (place + real_to).ravel()))
+        bounds = np.unique(np.append(edges, local_seq))
+        begins = bounds[:-1]
+        piece = np.searchsorted(place, begins, "right") - 1  # [segments]
+        at = (start - place)[piece, None] + begins[:, None] - shift  # [segments, samples]
+        if local:  # a sample's local rows come in position order, samples back to back
+            real = (real_to - real_from).ravel()
+            base = (np.cumsum(real) - real).reshape(real_to.shape) - position - real_from
+            row = base.T[piece] + at
+        else:
+            row = (np.cumsum(lengths) - lengths) + at
+        first = np.where((at >= 0) & (at < lengths), row, PAD)
+        return TokenSegments.joined(local_seq, lengths.size, bounds, first)
 
     def token_grid(self, lengths: Any, *, local: bool = False) -> np.ndarray:
         """``[local_seq, batch]``: the packed-batch row of every local token, or ``PAD``.

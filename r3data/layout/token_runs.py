@@ -68,11 +68,8 @@ class TokenRuns:
         """Which runs are padding."""
         return self.row == PAD
 
-    def segments(self) -> tuple[np.ndarray, np.ndarray]:
-        """``(bounds, first)``: the grid's places cut wherever a run of any column starts or
-        ends, so that within segment ``k`` (places ``bounds[k] : bounds[k + 1]``) column
-        ``b`` holds rows ``first[k, b]`` onwards, one per place, or padding where
-        ``first[k, b] == PAD``. ``first`` is ``[segments, columns]``."""
+    def segments(self) -> TokenSegments:
+        """The grid cut wherever a run of any column starts or ends."""
         # Every run starts at 0 or where another of its column ends; runs are not empty.
         bounds = np.concatenate(([0], np.unique(self.place + self.count)))
         starts = bounds[:-1, None]
@@ -80,7 +77,7 @@ class TokenRuns:
         at = np.searchsorted(key, np.arange(self.columns) * self.local_seq + starts, "right") - 1
         row = self.row[at]
         first = np.where(row == PAD, PAD, row + starts - self.place[at])
-        return bounds, first
+        return TokenSegments(self.local_seq, self.columns, bounds, first)
 
     def grid(self) -> np.ndarray:
         """``[local_seq, columns]``: the packed-batch row of every place, or ``PAD``."""
@@ -92,3 +89,39 @@ class TokenRuns:
         )
         grid.reshape(-1)[places] = aranges(self.row[real], count)
         return grid
+
+
+@dataclass(frozen=True)
+class TokenSegments:
+    """The ``[local_seq, columns]`` token grid cut into segments of places in which every
+    column holds consecutive packed-batch rows or padding: within segment ``k`` (places
+    ``bounds[k] : bounds[k + 1]``) column ``b`` holds rows ``first[k, b]`` onwards, one per
+    place, or padding where ``first[k, b] == PAD``. Segments are maximal: each bound is where
+    some column stops continuing. ``first`` is ``[segments, columns]``; ``bounds`` is ``[0]``
+    for an empty grid."""
+
+    local_seq: int
+    columns: int
+    bounds: np.ndarray
+    first: np.ndarray
+
+    @classmethod
+    def joined(
+        cls, local_seq: int, columns: int, bounds: np.ndarray, first: np.ndarray
+    ) -> TokenSegments:
+        """Segments from finer ones (ascending ``bounds`` from 0 to ``local_seq``), each
+        joined to the one before it where every column continues it."""
+        if first.shape[0] < 2:
+            return cls(local_seq, columns, bounds, first)
+        before = first[:-1]
+        follows = np.where(before == PAD, PAD, before + np.diff(bounds[:-1])[:, None])
+        keep = np.ones(first.shape[0], dtype=bool)
+        keep[1:] = (first[1:] != follows).any(axis=1)
+        return cls(local_seq, columns, np.append(bounds[:-1][keep], local_seq), first[keep])
+
+    def grid(self) -> np.ndarray:
+        """``[local_seq, columns]``: the packed-batch row of every place, or ``PAD``."""
+        segment = np.repeat(np.arange(self.first.shape[0]), np.diff(self.bounds))
+        first = self.first[segment]
+        offset = np.arange(self.local_seq) - self.bounds[segment]
+        return np.where(first == PAD, PAD, first + offset[:, None])

@@ -456,14 +456,8 @@ def check_host_and_device_copies(
     with pytest.MonkeyPatch.context() as patch:
         for name, value in sizes.items():
             patch.setattr(gather, name, value)
-        gather._copy_on_host(
-            places,
-            runs,
-            values.numpy(),
-            layers,
-            fill.contiguous().numpy(),
-            seq_major=not batch_major,
-        )
+        tokens = runs if batch_major or columns == 1 else runs.segments()
+        gather._copy_on_host(places, tokens, values.numpy(), layers, fill.contiguous().numpy())
         gather._copy_on_device(device, flat, values, layers, fill)
     np.testing.assert_array_equal(places, want)
     np.testing.assert_array_equal(device.numpy().reshape(want.shape), want)

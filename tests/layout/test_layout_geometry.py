@@ -171,14 +171,22 @@ def test_runs_from_pieces_hold_the_pieces_rows_in_maximal_runs(columns):
     assert not np.any(same & (both_pad | continues))
 
 
-@settings(max_examples=50, deadline=None)
-@given(grid=GRIDS, lengths=LENGTHS, local=st.booleans())
-def test_segments_cut_the_grid_wherever_a_column_stops_continuing(grid, lengths, local):
+@settings(max_examples=80, deadline=None)
+@given(grid=GRIDS, lengths=LENGTHS, local=st.booleans(), fixed=st.booleans())
+def test_segments_cut_the_grid_wherever_a_column_stops_continuing(grid, lengths, local, fixed):
     """Within a segment every column holds consecutive rows or padding, and a segment ends
-    only where some column stops continuing (against a loop over the grid)."""
-    for layout in layouts_of(grid):
+    only where some column stops continuing (against a loop over the grid), whether cut from
+    the runs or (BSHD) straight from the pieces of the common length."""
+    seq_length = 96 if fixed and not grid["packed"] else None  # 96: a multiple of every grid's
+    for layout in layouts_of(grid, seq_length=seq_length):
         rows = layout.token_grid(lengths, local=local)
-        bounds, first = layout.token_runs(lengths, local=local).segments()
+        segments = layout.token_segments(lengths, local=local)
+        from_runs = layout.token_runs(lengths, local=local).segments()
+        assert (segments.local_seq, segments.columns) == rows.shape
+        assert np.array_equal(segments.bounds, from_runs.bounds)
+        assert np.array_equal(segments.first, from_runs.first)
+        assert np.array_equal(segments.grid(), rows)
+        bounds, first = segments.bounds, segments.first
         seq, columns = rows.shape
         cuts = [0] + [
             s
