@@ -241,15 +241,17 @@ class TokenLayout:
                 0, lengths.size, np.zeros(1, np.int64), np.empty((0, lengths.size), np.int64)
             )
         # [samples, pieces]: the sample position of each piece's first place; its real places
-        shift = common - lengths if self.padding_side == "left" else np.zeros_like(lengths)
-        position = start - shift[:, None]
+        shift = common - lengths if self.padding_side == "left" else 0
+        position = start - shift[:, None] if self.padding_side == "left" else start[None]
         real_from = np.minimum(np.maximum(-position, 0), count)
         real_to = np.minimum(np.maximum(lengths[:, None] - position, real_from), count)
-        edges = np.concatenate((place, (place + real_from).ravel(), (place + real_to).ravel()))
-        bounds = np.unique(np.append(edges, local_seq))
-        begins = bounds[:-1]
+        # Cut at every piece and where any sample's real rows start or end; the joining below
+        # drops repeated and needless cuts.
+        begins = np.concatenate((place, (place + real_from).ravel(), (place + real_to).ravel()))
+        begins = np.sort(begins[begins < local_seq])
+        bounds = np.append(begins, local_seq)
         piece = np.searchsorted(place, begins, "right") - 1  # [segments]
-        at = (start - place)[piece, None] + begins[:, None] - shift  # [segments, samples]
+        at = ((start - place)[piece] + begins)[:, None] - shift  # [segments, samples]
         if local:  # a sample's local rows come in position order, samples back to back
             real = (real_to - real_from).ravel()
             base = (np.cumsum(real) - real).reshape(real_to.shape) - position - real_from

@@ -114,10 +114,12 @@ class TokenSegments:
         if first.shape[0] < 2:
             return cls(local_seq, columns, bounds, first)
         before = first[:-1]
-        follows = np.where(before == PAD, PAD, before + np.diff(bounds[:-1])[:, None])
-        keep = np.ones(first.shape[0], dtype=bool)
-        keep[1:] = (first[1:] != follows).any(axis=1)
-        return cls(local_seq, columns, np.append(bounds[:-1][keep], local_seq), first[keep])
+        follows = before + (bounds[1:-1] - bounds[:-2])[:, None]
+        follows[before == PAD] = PAD
+        keep = np.empty(first.shape[0] + 1, dtype=bool)  # and the last bound
+        keep[0] = keep[-1] = True
+        np.logical_or.reduce(first[1:] != follows, axis=1, out=keep[1:-1])
+        return cls(local_seq, columns, bounds.compress(keep), first.compress(keep[:-1], axis=0))
 
     def grid(self) -> np.ndarray:
         """``[local_seq, columns]``: the packed-batch row of every place, or ``PAD``."""
