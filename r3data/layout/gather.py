@@ -61,6 +61,9 @@ CHUNK_BYTES = 64 << 20
 PIECE_BYTES = 128 << 10
 #: On the CPU, runs of consecutive rows (or of padding) this long are slice copies.
 MIN_RUN_TOKENS = 32
+#: On the CPU, short segments are gathered together when copying them one by one would take
+#: more numpy calls than this (about what a gather of a few rows costs).
+GATHER_CALLS = 12
 
 _ROUTE_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.uint16, torch.int32, torch.int64)
 #: What ``torch.gather`` and Megatron's ``RouterReplay`` take as indices.
@@ -510,25 +513,26 @@ def _interleave_columns(
     into ``out`` in one contiguous copy (strided writes straight into fresh memory were
     about twice as slow as the widen). A segment of padding only is widened from a staged
     block of ``fill`` (faster than broadcasting one row into fresh memory). Consecutive
-    segments shorter than ``MIN_RUN_TOKENS`` (other than padding) are gathered row by row.
+    segments shorter than ``MIN_RUN_TOKENS`` (other than padding) are gathered row by row
+    when there are enough of them (:meth:`_Staging.short`).
     """
-    edges = segments.bounds.tolist()
     staging = _Staging(out, segments, rows_of, fill, step)
-    short: list[int] = []  # [start, stop] of consecutive short segments not gathered yet
-    for start, stop, starts in zip(edges[:-1], edges[1:], segments.first.tolist(), strict=True):
+    edges, firsts = staging.edges, staging.firsts
+    short: list[int] = []  # [begin, end) of consecutive short segments not written yet
+    for k, (start, stop, starts) in enumerate(zip(edges[:-1], edges[1:], firsts, strict=True)):
         padding = max(starts) == PAD
         if not padding and stop - start < MIN_RUN_TOKENS:
-            short = [short[0] if short else start, stop]
+            short = [short[0] if short else k, k + 1]
             continue
         if short:
-            staging.gather(*short)
+            staging.short(*short)
             short = []
         if padding:
             staging.fill(start, stop)
         else:
             staging.copy(start, stop, starts)
     if short:
-        staging.gather(*short)
+        staging.short(*short)
 
 
 class _Staging:
@@ -553,7 +557,7 @@ class _Staging:
         self.block = np.empty((self.places, *out.shape[1:]), dtype=self.fill_staged.dtype)
         self.columns = [self.block[:, column] for column in range(out.shape[1])]
         self.filled = [0] * out.shape[1]  # leading places of each column holding fill
-        self.grid: np.ndarray | None = None
+        self.edges, self.firsts = segments.bounds.tolist(), segments.first.tolist()
 
     def fill(self, start: int, stop: int) -> None:
         """``out[start:stop] = fill``."""
@@ -582,12 +586,16 @@ class _Staging:
                     self.filled[column] = count
             self.out[at : at + count] = self.block[:count]  # ids fit out: checked before
 
-    def gather(self, start: int, stop: int) -> None:
-        """``out[start:stop]`` gathered row by row (from :meth:`TokenSegments.grid`)."""
-        self.grid = self.segments.grid() if self.grid is None else self.grid
-        flat = self.out[start:stop].view()
+    def short(self, begin: int, end: int) -> None:
+        """Segments ``begin:end`` (short ones): copied one by one where that takes at most
+        ``GATHER_CALLS`` numpy calls, else gathered row by row."""
+        if (end - begin) * (len(self.columns) + 1) <= GATHER_CALLS:
+            for k in range(begin, end):
+                self.copy(self.edges[k], self.edges[k + 1], self.firsts[k])
+            return
+        flat = self.out[self.edges[begin] : self.edges[end]].view()
         flat.shape = (-1, *self.out.shape[2:])  # raises rather than copy: writes must land in out
-        rows = self.grid[start:stop].reshape(-1)
+        rows = self.segments.rows(begin, end).reshape(-1)
         _gather_blocks(flat, rows, self.rows_of, self.fill_row, self.step)
 
 
@@ -601,7 +609,7 @@ def _gather_blocks(
     """``flat[i] = values[index[i], layers]`` (``fill`` at PAD), a cache-sized block at a
     time: rows and padding gathered into a block of the routes' dtype (when ``fill`` fits
     it), then written once, front to back."""
-    block = np.empty((step, *flat.shape[1:]), dtype=rows_of(index[:0]).dtype)
+    block = np.empty((min(step, index.size), *flat.shape[1:]), dtype=rows_of(index[:0]).dtype)
     fill_fits = np.array_equal(fill.astype(block.dtype), fill)
     for at in range(0, index.size, step):
         rows = index[at : at + step]

@@ -121,9 +121,16 @@ class TokenSegments:
         np.logical_or.reduce(first[1:] != follows, axis=1, out=keep[1:-1])
         return cls(local_seq, columns, bounds.compress(keep), first.compress(keep[:-1], axis=0))
 
+    def rows(self, begin: int = 0, end: int | None = None) -> np.ndarray:
+        """``[places, columns]``: the packed-batch row (or ``PAD``) of every place of
+        segments ``begin:end`` (by default all of them)."""
+        end = self.first.shape[0] if end is None else end
+        bounds = self.bounds[begin : end + 1]
+        segment = np.repeat(np.arange(begin, end), np.diff(bounds))
+        first = self.first[segment]
+        offset = np.arange(bounds[0], bounds[-1]) - self.bounds[segment]
+        return np.where(first == PAD, PAD, first + offset[:, None])
+
     def grid(self) -> np.ndarray:
         """``[local_seq, columns]``: the packed-batch row of every place, or ``PAD``."""
-        segment = np.repeat(np.arange(self.first.shape[0]), np.diff(self.bounds))
-        first = self.first[segment]
-        offset = np.arange(self.local_seq) - self.bounds[segment]
-        return np.where(first == PAD, PAD, first + offset[:, None])
+        return self.rows()

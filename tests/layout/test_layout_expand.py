@@ -377,7 +377,7 @@ def token_index(segments) -> np.ndarray:
     return np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, np.int64)
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=80, deadline=None)
 @given(
     segments=SEGMENTS,
     columns=st.integers(1, 3),
@@ -390,7 +390,9 @@ def token_index(segments) -> np.ndarray:
         [
             {"PIECE_BYTES": 1, "MIN_RUN_TOKENS": 1},
             {"PIECE_BYTES": 50, "MIN_RUN_TOKENS": 5},
+            {"PIECE_BYTES": 50, "MIN_RUN_TOKENS": 5, "GATHER_CALLS": 0},
             {"MIN_RUN_TOKENS": 1000},
+            {"MIN_RUN_TOKENS": 1000, "GATHER_CALLS": 1000},
             {},
         ]
     ),
@@ -410,7 +412,14 @@ def test_host_runs_and_device_chunks_copy_the_same_rows(
     segments=SEGMENTS,
     columns=st.integers(2, 4),
     dtype=st.sampled_from([torch.uint8, torch.int8, torch.uint16]),
-    sizes=st.sampled_from([{"PIECE_BYTES": 1}, {"PIECE_BYTES": 50, "MIN_RUN_TOKENS": 5}, {}]),
+    sizes=st.sampled_from(
+        [
+            {"PIECE_BYTES": 1},
+            {"PIECE_BYTES": 50, "MIN_RUN_TOKENS": 5},
+            {"MIN_RUN_TOKENS": 1000, "GATHER_CALLS": 0},
+            {},
+        ]
+    ),
 )
 def test_interleaved_columns_with_a_fill_the_routes_dtype_cannot_hold(
     segments, columns, dtype, sizes
