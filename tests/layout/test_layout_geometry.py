@@ -186,6 +186,10 @@ def test_segments_cut_the_grid_wherever_a_column_stops_continuing(grid, lengths,
         assert np.array_equal(segments.bounds, from_runs.bounds)
         assert np.array_equal(segments.first, from_runs.first)
         assert np.array_equal(segments.grid(), rows)
+        count = segments.first.shape[0]
+        for begin, end in ((0, count), (count // 2, count), (0, (count + 1) // 2)):
+            places = rows[segments.bounds[begin] : segments.bounds[end]]
+            assert np.array_equal(segments.rows(begin, end), places)
         bounds, first = segments.bounds, segments.first
         seq, columns = rows.shape
         cuts = [0] + [
