@@ -28,6 +28,9 @@ __all__ = ["Base64Data", "Blob", "decode_base64", "decode_base64_into", "decoded
 Base64Data = str | bytes | bytearray | memoryview
 
 _PAD = ord("=")
+_PADDING = ("=", _PAD)
+"""The padding character as a str's item and as a byte's."""
+_DIRECT_KINDS = frozenset({str, bytes, bytearray})
 _CHUNK_GROUPS = (1 << 20) // 3
 """Base64 groups (3 decoded bytes each) per bounce: about 1 MiB, L2-sized."""
 
@@ -61,7 +64,7 @@ def _direct_decoder() -> Callable[..., int] | None:
 
 def as_base64_buffer(data: object, what: str) -> Base64Data:
     """``data`` as something pybase64 decodes: str, bytes, bytearray or a byte memoryview."""
-    if isinstance(data, str | bytes | bytearray):
+    if type(data) in _DIRECT_KINDS or isinstance(data, str | bytes | bytearray):
         return data
     if isinstance(data, memoryview):
         try:
@@ -83,11 +86,8 @@ def decoded_length(data: Base64Data, what: str = "data") -> int:
         )
     if size == 0:
         return 0
-    last, before = data[-1], data[-2]
-    if isinstance(data, str):
-        pad = (last == "=") + (last == "=" and before == "=")
-    else:
-        pad = (last == _PAD) + (last == _PAD and before == _PAD)
+    last, before = data[-1], data[-2]  # a str's characters, or bytes as ints
+    pad = (last in _PADDING) + (last in _PADDING and before in _PADDING)
     return size // 4 * 3 - pad
 
 
