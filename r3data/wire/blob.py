@@ -33,6 +33,9 @@ _PADDING = ("=", _PAD)
 _DIRECT_KINDS = frozenset({str, bytes, bytearray})
 _CHUNK_GROUPS = (1 << 20) // 3
 """Base64 groups (3 decoded bytes each) per bounce: about 1 MiB, L2-sized."""
+_SMALL_RANGE = 16 << 10
+"""Decoded bytes up to which a range goes through one bounce: below this, the direct call's
+fixed cost (pointers, ctypes arguments: several microseconds) is more than the copy."""
 
 
 class Blob(NamedTuple):
@@ -151,10 +154,12 @@ def decode_base64_into(
         )
     group = skip // 3
     drop = skip - 3 * group  # decoded bytes of the first group before the range
-    direct = None if isinstance(data, str) else _direct_decoder()
-    source = 0 if direct is None else np.frombuffer(data, np.uint8).ctypes.data
-    target = out.ctypes.data
-    got = ctypes.c_size_t()
+    small = nbytes + drop <= _SMALL_RANGE
+    direct = None if small or isinstance(data, str) else _direct_decoder()
+    if direct is not None:
+        source = np.frombuffer(data, np.uint8).ctypes.data
+        target = out.ctypes.data
+        got = ctypes.c_size_t()
     written = 0
     while written < nbytes:
         remaining = nbytes - written
@@ -174,6 +179,11 @@ def decode_base64_into(
             groups = 1 if direct is not None else min(_CHUNK_GROUPS, -(-(remaining + drop) // 3))
             at = 4 * group
             piece = _decode(data[at : at + 4 * groups], what, at)
+            if len(piece) < 3 * groups and at + 4 * groups < len(data):
+                raise WireFormatError(
+                    f"{what}: invalid base64 in characters [{at}, {at + 4 * groups}) (padding "
+                    f"before the end)"
+                )
             take = min(len(piece) - drop, remaining)
             np.copyto(out[written : written + take], np.frombuffer(piece, np.uint8, take, drop))
         written += take
