@@ -7,8 +7,9 @@ chunk by chunk, the bytes still in cache when the caller screens them. The chunk
 straight into the destination with the SIMD decoder pybase64 is built on (libbase64's
 ``base64_decode``, which its extension exports; the GIL is released for the call); the one
 group at either end that the range cuts or that holds padding goes through pybase64, and so
-does everything, a cache-sized bounce at a time, where that decoder is missing: never a
-temporary of the blob's size.
+does a short range (up to 16 KiB, whose copy costs less than setting up the direct call) and
+everything, a cache-sized bounce at a time, where that decoder is missing: never a temporary
+of the blob's size. Padding anywhere but at the blob's end is refused.
 """
 
 from __future__ import annotations
