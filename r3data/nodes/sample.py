@@ -45,7 +45,12 @@ class RolloutSample:
 
 
 def _get(obj: Any, *names: str, default: Any = None) -> Any:
-    mapping = type(obj) is dict or isinstance(obj, Mapping)
+    if type(obj) is dict:  # the usual sample: no ABC check
+        for name in names:
+            if name in obj:
+                return obj[name]
+        return default
+    mapping = isinstance(obj, Mapping)
     for name in names:
         if mapping:
             if name in obj:
@@ -55,9 +60,13 @@ def _get(obj: Any, *names: str, default: Any = None) -> Any:
     return default
 
 
+_KINDS = {np.int64: "iu", bool: "biu", np.float32: "biuf"}
+"""The dtype kinds each sample vector accepts."""
+
+
 def _vector(name: str, value: Any, length: int | None, dtype: Any) -> np.ndarray:
     array = np.asarray(value)
-    kinds = {np.int64: "iu", bool: "biu", np.float32: "biuf"}[dtype]
+    kinds = _KINDS[dtype]
     if array.dtype.kind not in kinds or (dtype is bool and array.size and array.max() > 1):
         expected = {"iu": "integers", "biu": "booleans or 0/1", "biuf": "numbers"}[kinds]
         raise TraceError(
@@ -101,7 +110,7 @@ def _trace_of(
     if requests is None:
         raise TraceError("expected a 'trace' or 'requests', found neither")
     builder = TraceBuilder(sample_id, **trace_options.builder_options)
-    every_source: list[Any] = []
+    files: set[str] = set()
     for number, request in enumerate(requests):
         if not (
             (type(request) is dict or isinstance(request, Mapping))
@@ -113,14 +122,14 @@ def _trace_of(
                 f"'sources', found {request!r:.80}"
             )
         prompt_len, completion_len = request["prompt_len"], request["completion_len"]
-        sources = [
-            row
-            for source in request.get("sources", ())
-            for row in source_rows(source, prompt_len=prompt_len, completion_len=completion_len)
-        ]
+        sources: list[Source] = []
+        for source in request.get("sources", ()):
+            sources += source_rows(source, prompt_len=prompt_len, completion_len=completion_len)
         builder.add_request(prompt_len, completion_len, sources)
-        every_source.extend(sources)
-    return builder.build(), _files(every_source)
+        for row in sources:
+            if isinstance(row, PayloadSegment):
+                files.add(row.file)
+    return builder.build(), tuple(sorted(files)) if files else ()
 
 
 def sample_id_of(obj: Any, index: int) -> str:

@@ -39,6 +39,8 @@ ROUTES_FIELD = "routed_experts"
 
 Source = InlineRows | EncodedRows | PayloadSegment
 _SOURCES = (InlineRows, EncodedRows, PayloadSegment)
+_SOURCE_TYPES = frozenset(_SOURCES)
+"""The source classes themselves, tested by exact type before ``isinstance``."""
 
 
 def clip_source(source: Source, lo: int, hi: int) -> Source:
@@ -157,7 +159,7 @@ class TraceBuilder:
         ragged_fields: Iterable[str] = ("sampling_mask",),
         last_token_row: bool = False,
     ) -> None:
-        if not isinstance(last_token_row, bool):
+        if type(last_token_row) is not bool:
             raise ConfigError(f"last_token_row: expected a bool, found {last_token_row!r}")
         self.trace_id = str(trace_id)
         self.routes_field = routes_field
@@ -174,13 +176,14 @@ class TraceBuilder:
         source before changing anything, so a refused request leaves the trace as it was."""
         prompt_len = nonnegative_int("prompt_len", prompt_len, TraceError)
         completion_len = nonnegative_int("completion_len", completion_len, TraceError)
-        request_sources = [
-            kept
-            for s in sources
-            if (kept := _without_decode_prompt(self._ragged_inline(s), prompt_len)) is not None
-        ]
+        request_sources: list[Source] = []
+        for source in sources:
+            if type(source) is InlineRows:
+                source = self._ragged_inline(source)
+            if (kept := _without_decode_prompt(source, prompt_len)) is not None:
+                request_sources += (kept,)
         for source in request_sources:
-            if not isinstance(source, _SOURCES):
+            if type(source) not in _SOURCE_TYPES and not isinstance(source, _SOURCES):
                 raise TraceError(
                     f"trace {self.trace_id!r}: expected InlineRows, EncodedRows or "
                     f"PayloadSegment sources, found {type(source).__name__}"
@@ -190,8 +193,9 @@ class TraceBuilder:
             self._check_disjoint(request_sources)
         info = self._info
         for source in request_sources:
-            merged = self._merged_info(info.get(source.field), source)
-            if merged is not info.get(source.field):
+            known = info.get(source.field)
+            merged = self._merged_info(known, source)
+            if merged is not known:
                 info = info if info is not self._info else dict(info)
                 info[source.field] = merged
         self._requests.append((prompt_len, completion_len))

@@ -317,7 +317,13 @@ def _stitch_field(
     """One field's pieces and warning (its statistics added to ``counts``); None when the
     sample is dropped."""
     real = _window(trace.pieces.get(field, ()), n)
-    holes = complement([(p.pos, p.end) for p in real], 0, n)
+    spans: list[tuple[int, int]] = []
+    captured = nbytes = 0
+    for piece in real:
+        spans += ((piece.pos, piece.end),)
+        captured += piece.rows
+        nbytes += piece.nbytes
+    holes = complement(spans, 0, n)
     gaps = intersect(holes, trace.expected(field)) if holes else []
     warning, dropped = None, 0
     if gaps:
@@ -332,7 +338,8 @@ def _stitch_field(
             return None
         warning = f"{message}; every row of {field!r} is a placeholder"
         logger.warning(warning)
-        dropped, real, holes = sum(p.rows for p in real), [], [(0, n)]
+        dropped, real, holes = captured, [], [(0, n)]
+        captured = nbytes = 0
     info = trace.info.get(field)
     if info is None:
         raise TraceError(
@@ -341,11 +348,10 @@ def _stitch_field(
         )
     routes = field == trace.routes_field
     kind = ("distinct" if gaps else placeholder) if routes else "fill"
-    captured = sum(p.rows for p in real)
     counts[0] += captured
     counts[1] += n - captured
     counts[2] += len(gaps)
     counts[3] += dropped
-    counts[4] += sum(p.nbytes for p in real)
+    counts[4] += nbytes
     pieces = tuple(_filled(real, n, field, kind)) if holes else tuple(real)
     return StitchedField(field, pieces, info, n, topk if routes else None), warning

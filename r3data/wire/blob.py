@@ -7,8 +7,9 @@ chunk by chunk, the bytes still in cache when the caller screens them. The chunk
 straight into the destination with the SIMD decoder pybase64 is built on (libbase64's
 ``base64_decode``, which its extension exports; the GIL is released for the call); the one
 group at either end that the range cuts or that holds padding goes through pybase64, and so
-does everything, a cache-sized bounce at a time, where that decoder is missing: never a
-temporary of the blob's size.
+does a short range (up to 16 KiB, whose copy costs less than setting up the direct call) and
+everything, a cache-sized bounce at a time, where that decoder is missing: never a temporary
+of the blob's size. Padding anywhere but at the blob's end is refused.
 """
 
 from __future__ import annotations
@@ -28,8 +29,14 @@ __all__ = ["Base64Data", "Blob", "decode_base64", "decode_base64_into", "decoded
 Base64Data = str | bytes | bytearray | memoryview
 
 _PAD = ord("=")
+_PADDING = ("=", _PAD)
+"""The padding character as a str's item and as a byte's."""
+_DIRECT_KINDS = frozenset({str, bytes, bytearray})
 _CHUNK_GROUPS = (1 << 20) // 3
 """Base64 groups (3 decoded bytes each) per bounce: about 1 MiB, L2-sized."""
+_SMALL_RANGE = 16 << 10
+"""Decoded bytes up to which a range goes through one bounce: below this, the direct call's
+fixed cost (pointers, ctypes arguments: several microseconds) is more than the copy."""
 
 
 class Blob(NamedTuple):
@@ -61,7 +68,7 @@ def _direct_decoder() -> Callable[..., int] | None:
 
 def as_base64_buffer(data: object, what: str) -> Base64Data:
     """``data`` as something pybase64 decodes: str, bytes, bytearray or a byte memoryview."""
-    if isinstance(data, str | bytes | bytearray):
+    if type(data) in _DIRECT_KINDS or isinstance(data, str | bytes | bytearray):
         return data
     if isinstance(data, memoryview):
         try:
@@ -83,11 +90,8 @@ def decoded_length(data: Base64Data, what: str = "data") -> int:
         )
     if size == 0:
         return 0
-    last, before = data[-1], data[-2]
-    if isinstance(data, str):
-        pad = (last == "=") + (last == "=" and before == "=")
-    else:
-        pad = (last == _PAD) + (last == _PAD and before == _PAD)
+    last, before = data[-1], data[-2]  # a str's characters, or bytes as ints
+    pad = (last in _PADDING) + (last in _PADDING and before in _PADDING)
     return size // 4 * 3 - pad
 
 
@@ -151,10 +155,12 @@ def decode_base64_into(
         )
     group = skip // 3
     drop = skip - 3 * group  # decoded bytes of the first group before the range
-    direct = None if isinstance(data, str) else _direct_decoder()
-    source = 0 if direct is None else np.frombuffer(data, np.uint8).ctypes.data
-    target = out.ctypes.data
-    got = ctypes.c_size_t()
+    small = nbytes + drop <= _SMALL_RANGE
+    direct = None if small or isinstance(data, str) else _direct_decoder()
+    if direct is not None:
+        source = np.frombuffer(data, np.uint8).ctypes.data
+        target = out.ctypes.data
+        got = ctypes.c_size_t()
     written = 0
     while written < nbytes:
         remaining = nbytes - written
@@ -174,6 +180,11 @@ def decode_base64_into(
             groups = 1 if direct is not None else min(_CHUNK_GROUPS, -(-(remaining + drop) // 3))
             at = 4 * group
             piece = _decode(data[at : at + 4 * groups], what, at)
+            if len(piece) < 3 * groups and at + 4 * groups < len(data):
+                raise WireFormatError(
+                    f"{what}: invalid base64 in characters [{at}, {at + 4 * groups}) (padding "
+                    f"before the end)"
+                )
             take = min(len(piece) - drop, remaining)
             np.copyto(out[written : written + take], np.frombuffer(piece, np.uint8, take, drop))
         written += take

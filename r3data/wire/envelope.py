@@ -115,7 +115,7 @@ def envelope_spec(
 def check_nbytes(found: int, dtype: np.dtype, shape: tuple[int, ...], *, what: str) -> int:
     """The bytes of ``shape`` of ``dtype``, which must be ``found``; the shape must be one
     numpy can hold even when a zero extent makes it empty."""
-    if math.prod(n for n in shape if n) * dtype.itemsize > _MAX_NBYTES:
+    if math.prod(filter(None, shape)) * dtype.itemsize > _MAX_NBYTES:
         raise WireFormatError(
             f"{what}: expected a shape of at most {_MAX_NBYTES} bytes (zero extents aside), "
             f"found {list(shape)!r:.120} of {dtype.name}"

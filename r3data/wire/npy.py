@@ -75,5 +75,8 @@ def parse_npy_header(
             f"found {bytes(text[:120])!r}"
         )
     descr, fortran, dims = match.groups()
-    shape = tuple(int(n) for n in dims.split(b",") if n.strip())
+    extents = dims.split(b",")  # only the last can be blank: "(7,)" or "()"
+    if not extents[-1].strip():
+        extents.pop()
+    shape = tuple(map(int, extents))
     return parse_dtype(descr.decode(), allowed), shape, fortran == b"True", offset

@@ -116,14 +116,18 @@ class EncodedRows:
         "_array",
         "data",
         "dtype",
+        "end",
         "field",
         "meta",
+        "nbytes",
         "pos",
+        "row_bytes",
         "row_shape",
         "rows",
         "skip",
         "what",
     )
+    # ``end``, ``row_bytes`` and ``nbytes`` are derived once, here and in :meth:`clipped`.
 
     def __init__(
         self,
@@ -140,14 +144,19 @@ class EncodedRows:
     ) -> None:
         self.field = field
         self.data = data
-        self.dtype = np.dtype(dtype)
-        self.row_shape = tuple(row_shape)
+        self.dtype = dtype = np.dtype(dtype)
+        self.row_shape = row_shape = tuple(row_shape)
         self.rows = rows
-        self.pos = _check_pos(f"EncodedRows({field!r})", pos)
+        if type(pos) is not int or pos < 0:
+            pos = _check_pos(f"EncodedRows({field!r})", pos)
+        self.pos = pos
+        self.end = pos + rows
         self.skip = skip
         self.meta = frozen_meta(meta)
         self.what = what or f"field {field!r}"
         self._array: np.ndarray | None = None
+        self.row_bytes = row_bytes = dtype.itemsize * math.prod(row_shape)
+        self.nbytes = rows * row_bytes
         available = decoded_length(data, self.what)
         if skip + self.nbytes > available:
             raise WireFormatError(
@@ -158,18 +167,6 @@ class EncodedRows:
     @property
     def ragged(self) -> bool:
         return False
-
-    @property
-    def end(self) -> int:
-        return self.pos + self.rows
-
-    @property
-    def row_bytes(self) -> int:
-        return self.dtype.itemsize * math.prod(self.row_shape)
-
-    @property
-    def nbytes(self) -> int:
-        return self.rows * self.row_bytes
 
     @property
     def array(self) -> np.ndarray:
@@ -197,7 +194,8 @@ class EncodedRows:
         part = object.__new__(EncodedRows)
         part.field, part.data, part.dtype = self.field, self.data, self.dtype
         part.row_shape, part.meta, part.what = self.row_shape, self.meta, self.what
-        part.pos, part.rows = lo, hi - lo
+        part.pos, part.rows, part.end = lo, hi - lo, hi
+        part.row_bytes, part.nbytes = self.row_bytes, (hi - lo) * self.row_bytes
         part.skip = self.skip + (lo - self.pos) * self.row_bytes
         part._array = None if self._array is None else self._array[lo - self.pos : hi - self.pos]
         return part

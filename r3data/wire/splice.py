@@ -247,35 +247,41 @@ class _Scanner:
         return pos
 
 
-def _splice(raw: bytes, blobs: list[_Blob], base: int) -> tuple[bytes, list[int], list[int]]:
-    """The body with blob ``i`` (quotes included) replaced by ``base + i``, plus an offset
-    map from the spliced body back to ``raw``."""
+def _splice(raw: bytes, blobs: list[_Blob], base: int) -> bytes:
+    """The body with blob ``i`` (quotes included) replaced by ``base + i``."""
     parts: list[bytes | memoryview] = []
+    prev = 0
+    with memoryview(raw) as view:
+        for index, blob in enumerate(blobs):
+            parts += (view[prev : blob.start - 1], b"%d" % (base + index))
+            prev = blob.end + 1
+        parts += (view[prev:],)
+        spliced = b"".join(parts)
+        parts.clear()
+    return spliced
+
+
+def _part_offsets(blobs: list[_Blob], base: int) -> tuple[list[int], list[int]]:
+    """Where each part of :func:`_splice`'s body starts in it and in the raw body (to name a
+    byte of the raw body in a JSON error)."""
     spliced_at: list[int] = []
     raw_at: list[int] = []
     size = prev = 0
-    with memoryview(raw) as view:
-        for index, blob in enumerate(blobs):
-            spliced_at.append(size)
-            raw_at.append(prev)
-            parts.append(view[prev : blob.start - 1])
-            placeholder = b"%d" % (base + index)
-            parts.append(placeholder)
-            size += blob.start - 1 - prev + len(placeholder)
-            prev = blob.end + 1
+    for index, blob in enumerate(blobs):
         spliced_at.append(size)
         raw_at.append(prev)
-        parts.append(view[prev:])
-        spliced = b"".join(parts)
-        parts.clear()
-    return spliced, spliced_at, raw_at
+        size += blob.start - 1 - prev + len(b"%d" % (base + index))
+        prev = blob.end + 1
+    spliced_at.append(size)
+    raw_at.append(prev)
+    return spliced_at, raw_at
 
 
 def _parse(raw: bytes, blobs: list[_Blob], base: int) -> Any:
-    spliced, spliced_at, raw_at = _splice(raw, blobs, base)
     try:
-        return orjson.loads(spliced)
+        return orjson.loads(_splice(raw, blobs, base))
     except orjson.JSONDecodeError as err:
+        spliced_at, raw_at = _part_offsets(blobs, base)
         part = bisect.bisect_right(spliced_at, err.pos) - 1
         offset = raw_at[part] + err.pos - spliced_at[part]
         raise WireFormatError(
@@ -347,8 +353,11 @@ class _Resolver:
             else:
                 items = lists.pop()
                 if not _CONTAINERS.isdisjoint(map(type, items)):
-                    objects.extend(item for item in items if type(item) is dict)
-                    lists.extend(item for item in items if type(item) is list)
+                    for item in items:
+                        if type(item) is dict:
+                            objects.append(item)
+                        elif type(item) is list:
+                            lists.append(item)
         if self.unclaimed:
             lost = self.blobs[self.claimed.index(0)]
             raise WireFormatError(
@@ -370,12 +379,13 @@ def load_packed_body(
     ``decode=False`` leaves every blob as a :class:`~r3data.wire.blob.Blob`. A ``memoryview``
     is copied once to ``bytes``; pass ``bytes``, ``bytearray`` or ``mmap`` to avoid that.
     """
-    if isinstance(raw, memoryview):
-        raw = raw.tobytes()
-    if not isinstance(raw, bytes | bytearray | mmap.mmap):
-        raise WireFormatError(
-            f"body: expected bytes, bytearray, memoryview or mmap, found {type(raw).__name__}"
-        )
+    if type(raw) is not bytes:
+        if isinstance(raw, memoryview):
+            raw = raw.tobytes()
+        if not isinstance(raw, bytes | bytearray | mmap.mmap):
+            raise WireFormatError(
+                f"body: expected bytes, bytearray, memoryview or mmap, found {type(raw).__name__}"
+            )
     names = tuple(fields)
     if not names:
         raise ConfigError("load_packed_body fields: expected at least one field name")

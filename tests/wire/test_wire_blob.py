@@ -15,12 +15,16 @@ from r3data.wire import blob
 from r3data.wire.blob import decode_base64_into
 
 
-@pytest.fixture(params=["direct", "bounce"])
+@pytest.fixture(params=["direct", "bounce", "small"])
 def decoder(request, monkeypatch):
+    """``direct``: libbase64 wherever it can; ``bounce``: pybase64 only; ``small``: as
+    shipped (short ranges in one bounce, long ones direct)."""
     if request.param == "bounce":
         monkeypatch.setattr(blob, "_direct_decoder", lambda: None)
     elif blob._direct_decoder() is None:
         pytest.skip("this pybase64 build exports no base64_decode")
+    elif request.param == "direct":
+        monkeypatch.setattr(blob, "_SMALL_RANGE", 0)
     return request.param
 
 
@@ -56,3 +60,11 @@ def test_chunks_larger_than_the_bounce_and_bad_characters_anywhere(decoder):
             decode_base64_into(bytes(bad), np.empty(len(raw) - skip, np.uint8), skip=skip)
     with pytest.raises(WireFormatError, match="inside the"):
         decode_base64_into(bytes(encoded), np.empty(len(raw) + 1, np.uint8))
+
+
+@pytest.mark.parametrize("size", [1, 2, 5])
+def test_padding_inside_a_blob_is_refused_not_skipped(decoder, size):
+    # "QQ==" (one byte, padded) then "QkNE": a whole decode refuses it, so must any range
+    # whose groups reach the padded one (else the next group's bytes would slide in)
+    with pytest.raises(WireFormatError, match="invalid base64 in characters"):
+        decode_base64_into(b"QQ==QkNE", np.empty(size, np.uint8))

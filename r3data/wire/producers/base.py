@@ -218,8 +218,12 @@ class ProducerFormat:
     def make_options(self, values: Mapping[str, Any], skip: tuple[str, ...] = ()) -> SourceOptions:
         """This format's options from ``values`` (keys in ``skip`` left out); the same values
         give the same (immutable) options, checked once."""
-        given = {k: v for k, v in values.items() if k not in skip}
-        key = tuple((k, type(v), v) for k, v in given.items())  # True == 1, but not here
+        given: dict[str, Any] = {}
+        key: tuple[tuple[str, type, Any], ...] = ()  # True == 1, but not here
+        for k, v in values.items():
+            if k not in skip:
+                given[k] = v
+                key += ((k, type(v), v),)
         cache = self.__dict__.setdefault("_options_cache", {})
         try:
             return cache[key]

@@ -35,6 +35,7 @@ __all__ = [
     "check_route_shape",
     "choice_token_lengths",
     "documents",
+    "encoded_chars",
     "envelope_rows",
     "is_stream",
     "nested_rows",
@@ -52,12 +53,14 @@ __all__ = [
 ]
 
 _RAW_BODIES = (bytes, bytearray, memoryview, mmap.mmap)
+_BLOB_KINDS = frozenset({Blob, str, bytes, bytearray, memoryview})
+"""What :func:`raw_blob` takes, tested by exact type first."""
 
 
 def parse_response(response: Any, fields: tuple[str, ...]) -> Any:
     """A raw body is spliced with :func:`load_packed_body` (blobs left encoded); a parsed one
     is used as is."""
-    if isinstance(response, _RAW_BODIES):
+    if type(response) is bytes or isinstance(response, _RAW_BODIES):
         return load_packed_body(response, fields, decode=False)
     if isinstance(response, Mapping | list):
         return response
@@ -70,15 +73,16 @@ def select_choices(
     response: Any, choice: int | None, what: str
 ) -> list[tuple[int, Mapping[str, Any]]]:
     """``[(index, choice), ...]`` from an OpenAI-style ``choices`` list (all, or one)."""
-    choices = response.get("choices") if isinstance(response, Mapping) else None
-    if not isinstance(choices, list):
+    mapping = type(response) is dict or isinstance(response, Mapping)
+    choices = response.get("choices") if mapping else None
+    if type(choices) is not list and not isinstance(choices, list):
         raise WireFormatError(f"{what}: expected a response with a 'choices' list")
     if choice is not None and not 0 <= choice < len(choices):
         raise ConfigError(f"{what}: choice {choice} out of range; response has {len(choices)}")
     picked = range(len(choices)) if choice is None else (choice,)
     selected = []
     for index in picked:
-        if not isinstance(choices[index], Mapping):
+        if type(choices[index]) is not dict and not isinstance(choices[index], Mapping):
             raise WireFormatError(
                 f"{what}: choices[{index}]: expected an object, found "
                 f"{type(choices[index]).__name__}"
@@ -107,8 +111,8 @@ def choice_token_lengths(
         prompt = response.get("prompt_token_ids")
     completion = choice.get("token_ids")
     return (
-        len(prompt) if isinstance(prompt, list) else None,
-        len(completion) if isinstance(completion, list) else None,
+        len(prompt) if type(prompt) is list or isinstance(prompt, list) else None,
+        len(completion) if type(completion) is list or isinstance(completion, list) else None,
     )
 
 
@@ -131,7 +135,7 @@ def token_counts(counts: Mapping[str, Any], what: str) -> tuple[int | None, int 
 def raw_blob(value: object, what: str) -> bytes | bytearray | memoryview | Blob | str:
     """A bare base64 field as it arrived: encoded (a :class:`Blob` of a spliced body, a parsed
     ``str``) or already decoded bytes."""
-    if isinstance(value, Blob | str | bytes | bytearray | memoryview):
+    if type(value) in _BLOB_KINDS or isinstance(value, Blob | str | bytes | bytearray | memoryview):
         return value
     if value is None:
         raise WireFormatError(
@@ -140,8 +144,10 @@ def raw_blob(value: object, what: str) -> bytes | bytearray | memoryview | Blob 
     raise WireFormatError(f"{what}: expected a base64 string, found {type(value).__name__}")
 
 
-def _encoded(value: object) -> memoryview | str | None:
+def encoded_chars(value: object) -> memoryview | str | None:
     """The base64 characters of a value still encoded, else None."""
+    if type(value) is Blob:
+        return value.chars
     if isinstance(value, Blob):
         return value.chars
     return value if isinstance(value, str) else None
@@ -150,7 +156,7 @@ def _encoded(value: object) -> memoryview | str | None:
 def blob_nbytes(value: object, what: str) -> int:
     """Bytes a bare blob holds (or decodes to), known without decoding it."""
     blob = raw_blob(value, what)
-    chars = _encoded(blob)
+    chars = encoded_chars(blob)
     return len(blob) if chars is None else decoded_length(chars, what)
 
 
@@ -167,7 +173,7 @@ def blob_rows(
 ) -> RowSource:
     """The rows of a bare blob holding ``shape`` of ``dtype`` after ``skip`` bytes (its size
     checked against that shape first): encoded, or a view of decoded bytes."""
-    chars = _encoded(blob)
+    chars = encoded_chars(blob)
     if chars is not None:
         return EncodedRows(
             field,
@@ -198,7 +204,7 @@ def envelope_rows(
     encoded when its data still is, else the decoded array."""
     data = envelope["data"]
     where = f"{what}.data (shape {list(shape)}, {dtype.name})"
-    chars = _encoded(data)
+    chars = encoded_chars(data)
     if chars is not None:
         check_nbytes(decoded_length(chars, where), dtype, shape, what=where)
         return blob_rows(field, data, dtype=dtype, shape=shape, pos=pos, meta=meta, what=what)
@@ -253,7 +259,7 @@ class Stream(tuple):
 
 def is_stream(response: Any) -> bool:
     """Whether ``response`` is a raw server-sent-event body (``data: ...`` lines)."""
-    if not isinstance(response, _RAW_BODIES):
+    if type(response) is not bytes and not isinstance(response, _RAW_BODIES):
         return False
     head = bytes(response[:64]).lstrip()
     return head.startswith((b"data:", b"event:", b":"))

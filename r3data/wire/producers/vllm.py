@@ -32,7 +32,7 @@ import pybase64
 from r3data.errors import WireFormatError
 from r3data.validate import nonnegative_int
 from r3data.wire.anchors import anchored_pos
-from r3data.wire.blob import Blob, decode_base64
+from r3data.wire.blob import Blob, decode_base64, decoded_length
 from r3data.wire.dtypes import ROUTE_DTYPES, compact_route_dtype
 from r3data.wire.envelope import check_nbytes
 from r3data.wire.npy import NPY_PREFIX_BYTES, npy_header_length, parse_npy_header
@@ -46,11 +46,11 @@ from r3data.wire.producers.base import (
 )
 from r3data.wire.producers.common import (
     any_choice,
-    blob_nbytes,
     blob_rows,
     check_route_shape,
     check_stream_choices,
     documents,
+    encoded_chars,
     is_stream,
     openai_usage,
     parse_response,
@@ -79,12 +79,14 @@ _HEAD_CHARS = 172
 3-D array, so one decode usually reads the whole header."""
 
 
-def _header_of(blob: bytes | bytearray | memoryview | Blob | str, what: str) -> bytes:
-    """The ``.npy`` header bytes of a blob, decoding only the first characters if encoded."""
-    if not isinstance(blob, Blob | str):
+def _header_of(
+    blob: bytes | bytearray | memoryview, chars: memoryview | str | None, what: str
+) -> bytes:
+    """The ``.npy`` header bytes of a blob, decoding only the first characters of ``chars``
+    (its base64, :func:`~.common.encoded_chars`) if encoded."""
+    if chars is None:
         view = memoryview(blob).cast("B")
         return bytes(view[: npy_header_length(view[:NPY_PREFIX_BYTES].tobytes(), what)])
-    chars = blob.chars if isinstance(blob, Blob) else blob
     head = bytes(decode_base64(chars[:_HEAD_CHARS], what=what))
     length = npy_header_length(head[:NPY_PREFIX_BYTES], what)
     if length > len(head):
@@ -98,13 +100,16 @@ def npy_routes(
     """The route rows of a ``.npy`` blob (encoded or decoded): C-ordered ``[rows, layers,
     topk]`` of a route dtype, exactly as many bytes as the header claims."""
     blob = raw_blob(value, what)
-    dtype, shape, fortran, offset = parse_npy_header(_header_of(blob, what), what, ROUTE_DTYPES)
+    chars = encoded_chars(blob)
+    head = _header_of(blob, chars, what)
+    dtype, shape, fortran, offset = parse_npy_header(head, what, ROUTE_DTYPES)
     if fortran or len(shape) != 3:
         raise WireFormatError(
             f"{what}: expected a C-ordered [rows, layers, topk] array, found shape {shape}"
             f"{' in Fortran order' if fortran else ''}"
         )
-    check_nbytes(blob_nbytes(blob, what) - offset, dtype, shape, what=what)
+    nbytes = len(blob) if chars is None else decoded_length(chars, what)
+    check_nbytes(nbytes - offset, dtype, shape, what=what)
     rows = blob_rows(
         field, blob, dtype=dtype, shape=shape, pos=pos, skip=offset, meta=meta, what=what
     )
