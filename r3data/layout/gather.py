@@ -466,7 +466,7 @@ def _copy_on_host(
     Each long run is one slice copy (or fill); short runs (tiny samples) are gathered
     together. Segments (a seq-major grid of several columns, whose runs interleave row by
     row) are staged a cache-sized block at a time and written front to back
-    (:func:`_interleave_columns`). numpy works on the calling thread: hundreds of small torch
+    (:meth:`_Staging.write`). numpy works on the calling thread: hundreds of small torch
     ops would each open a parallel region, which stalls whenever another process holds a
     core; a second thread on the copy made it slower or bimodal here (page faults and the GIL
     contend).
@@ -482,7 +482,7 @@ def _copy_on_host(
         return source[rows] if span is not None else values[rows][:, pick]
 
     if isinstance(tokens, TokenSegments):
-        _interleave_columns(out, tokens, rows_of, fill, step)
+        _Staging(out, tokens, rows_of, fill, step).write()
         return
     runs = tokens
     long = runs.count >= MIN_RUN_TOKENS
@@ -497,42 +497,6 @@ def _copy_on_host(
             end = min(count, at + block)
             np.copyto(dest[at:end], rows_of(slice(row + at, row + end)), casting="same_kind")
     _copy_short_runs(out, runs, ~long, rows_of, fill, step)
-
-
-def _interleave_columns(
-    out: np.ndarray,
-    segments: TokenSegments,
-    rows_of: Callable[[slice | np.ndarray], np.ndarray],
-    fill: np.ndarray,
-    step: int,
-) -> None:
-    """A seq-major grid of several columns, written front to back.
-
-    Within a segment (:class:`TokenSegments`) each column's rows are consecutive or
-    padding: a block of places is staged column by column with slice copies, then widened
-    into ``out`` in one contiguous copy (strided writes straight into fresh memory were
-    about twice as slow as the widen). A segment of padding only is widened from a staged
-    block of ``fill`` (faster than broadcasting one row into fresh memory). Consecutive
-    segments shorter than ``MIN_RUN_TOKENS`` (other than padding) are gathered row by row
-    when there are enough of them (:meth:`_Staging.short`).
-    """
-    staging = _Staging(out, segments, rows_of, fill, step)
-    edges, firsts = staging.edges, staging.firsts
-    short: list[int] = []  # [begin, end) of consecutive short segments not written yet
-    for k, (start, stop, starts) in enumerate(zip(edges[:-1], edges[1:], firsts, strict=True)):
-        padding = max(starts) == PAD
-        if not padding and stop - start < MIN_RUN_TOKENS:
-            short = [short[0] if short else k, k + 1]
-            continue
-        if short:
-            staging.short(*short)
-            short = []
-        if padding:
-            staging.fill(start, stop)
-        else:
-            staging.copy(start, stop, starts)
-    if short:
-        staging.short(*short)
 
 
 class _Staging:
@@ -558,6 +522,34 @@ class _Staging:
         self.columns = [self.block[:, column] for column in range(out.shape[1])]
         self.filled = [0] * out.shape[1]  # leading places of each column holding fill
         self.edges, self.firsts = segments.bounds.tolist(), segments.first.tolist()
+
+    def write(self) -> None:
+        """Write the whole seq-major grid of several columns, front to back.
+
+        Within a segment (:class:`TokenSegments`) each column's rows are consecutive or
+        padding: a block of places is staged column by column with slice copies, then widened
+        into ``out`` in one contiguous copy (strided writes straight into fresh memory were
+        about twice as slow as the widen). A segment of padding only is widened from a staged
+        block of ``fill`` (faster than broadcasting one row into fresh memory). Consecutive
+        segments shorter than ``MIN_RUN_TOKENS`` (other than padding) are gathered row by row
+        when there are enough of them (:meth:`short`).
+        """
+        edges, firsts = self.edges, self.firsts
+        short: list[int] = []  # [begin, end) of consecutive short segments not written yet
+        for k, (start, stop, starts) in enumerate(zip(edges[:-1], edges[1:], firsts, strict=True)):
+            padding = max(starts) == PAD
+            if not padding and stop - start < MIN_RUN_TOKENS:
+                short = [short[0] if short else k, k + 1]
+                continue
+            if short:
+                self.short(*short)
+                short = []
+            if padding:
+                self.fill(start, stop)
+            else:
+                self.copy(start, stop, starts)
+        if short:
+            self.short(*short)
 
     def fill(self, start: int, stop: int) -> None:
         """``out[start:stop] = fill``."""
