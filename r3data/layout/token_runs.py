@@ -31,24 +31,10 @@ class TokenRuns:
     count: np.ndarray
 
     @classmethod
-    def merged(
-        cls,
-        local_seq: int,
-        columns: int,
-        *,
-        column: np.ndarray,
-        place: np.ndarray,
-        row: np.ndarray,
-        count: np.ndarray,
-    ) -> TokenRuns:
-        """Runs from ordered pieces: empty ones dropped, each joined to the one before it when
-        it continues it (same column, next places, next rows or padding after padding)."""
-        return cls.from_pieces(local_seq, columns, np.stack([column, place, row, count]))
-
-    @classmethod
     def from_pieces(cls, local_seq: int, columns: int, pieces: np.ndarray) -> TokenRuns:
-        """:meth:`merged` of ``pieces``, an int64 ``[4, n]`` array of ordered pieces' columns,
-        places, rows and counts (one array: a handful of numpy calls for any ``n``)."""
+        """Runs from ordered pieces, an int64 ``[4, n]`` array of their columns, places, rows
+        and counts: empty ones dropped, each joined to the one before it when it continues it
+        (same column, next places, next rows or padding after padding)."""
         pieces = pieces[:, pieces[3] > 0]
         count = pieces[3]
         before = pieces[:3, :-1].copy()  # where the piece before each would continue

@@ -440,14 +440,15 @@ def check_host_and_device_copies(
     index = np.concatenate((index, np.full(-index.size % columns, PAD)))
     grid = index.reshape(columns, -1).T  # [S, B]: each column a stretch of the segments
     seq = grid.shape[0]
-    runs = TokenRuns.merged(
-        seq,
-        columns,
-        column=np.repeat(np.arange(columns), seq),
-        place=np.tile(np.arange(seq), columns),
-        row=grid.T.reshape(-1),
-        count=np.ones(grid.size, dtype=np.int64),
+    pieces = np.stack(
+        [
+            np.repeat(np.arange(columns), seq),
+            np.tile(np.arange(seq), columns),
+            grid.T.reshape(-1),
+            np.ones(grid.size, dtype=np.int64),
+        ]
     )
+    runs = TokenRuns.from_pieces(seq, columns, pieces)
     assert np.array_equal(runs.grid(), grid)
     topk, rows = 3, 130
     high = min(200, torch.iinfo(dtype).max + 1)
