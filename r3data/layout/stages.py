@@ -20,6 +20,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
+import numpy as np
+
 from r3data.errors import LayoutError
 from r3data.validate import checked_int
 
@@ -38,15 +40,14 @@ class ModelLayers:
         checked_int("num_layers", self.num_layers, minimum=1, error=LayoutError)
         freq = self.moe_layer_freq
         if isinstance(freq, Sequence) and not isinstance(freq, str):
-            object.__setattr__(self, "moe_layer_freq", tuple(int(f) for f in freq))
-            if len(self.moe_layer_freq) != self.num_layers or not set(self.moe_layer_freq) <= {
-                0,
-                1,
-            }:
+            if len(freq) != self.num_layers or not all(
+                isinstance(f, int | np.integer) and f in (0, 1) for f in freq
+            ):  # a bool is a flag; 1.7 or "1" is not
                 raise LayoutError(
                     f"moe_layer_freq as a pattern must hold {self.num_layers} flags of 0 or 1, "
-                    f"found {list(self.moe_layer_freq)}"
+                    f"found {list(freq)}"
                 )
+            object.__setattr__(self, "moe_layer_freq", tuple(int(f) for f in freq))
         else:
             checked_int("moe_layer_freq", freq, minimum=1, error=LayoutError)
         for name in ("first_stage_layers", "last_stage_layers"):
@@ -55,14 +56,24 @@ class ModelLayers:
         if self.stage_layers is not None:
             if self.first_stage_layers is not None or self.last_stage_layers is not None:
                 raise LayoutError("give either stage_layers or first/last_stage_layers, found both")
-            stages = tuple(tuple(int(i) for i in stage) for stage in self.stage_layers)
-            object.__setattr__(self, "stage_layers", stages)
+            stages = self.stage_layers
+            if not isinstance(stages, Sequence) or not all(
+                isinstance(stage, Sequence) for stage in stages
+            ):
+                raise LayoutError(
+                    f"stage_layers must be a sequence of stages of layer ids, found {stages!r:.80}"
+                )
             flat = [i for stage in stages for i in stage]
-            if flat != list(range(self.num_layers)):
+            if not all(type(i) is int or isinstance(i, np.integer) for i in flat) or flat != list(
+                range(self.num_layers)
+            ):
                 raise LayoutError(
                     f"stage_layers must split layers 0..{self.num_layers - 1} into consecutive "
                     f"runs, stage by stage, found {[list(s) for s in stages]}"
                 )
+            object.__setattr__(
+                self, "stage_layers", tuple(tuple(int(i) for i in stage) for stage in stages)
+            )
 
     @cached_property
     def is_moe(self) -> tuple[bool, ...]:
@@ -80,7 +91,7 @@ class ModelLayers:
     def stage(self, pp_size: int, pp_rank: int) -> tuple[int, ...]:
         """Global ids of the layers pipeline stage ``pp_rank`` of ``pp_size`` builds, in order."""
         checked_int("pp_size", pp_size, minimum=1, error=LayoutError)
-        if not isinstance(pp_rank, int) or not 0 <= pp_rank < pp_size:
+        if isinstance(pp_rank, bool) or not isinstance(pp_rank, int) or not 0 <= pp_rank < pp_size:
             raise LayoutError(f"pp_rank must be in [0, {pp_size}), found {pp_rank!r}")
         if self.stage_layers is not None:
             if len(self.stage_layers) != pp_size:

@@ -42,10 +42,23 @@ LayerAxis = Literal["all", "moe"]
 Ranges = list[list[Span]]
 
 
-def _check_rank(name: str, size: int, rank: int) -> None:
-    checked_int(f"{name}_size", size, minimum=1, error=LayoutError)
-    if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < size:
+#: Padded tokens a micro-batch may hold: its ``cu_seqlens_padded`` are int32, as its rows'.
+MAX_TOKENS = 2**31 - 1
+
+
+def _checked_rank(name: str, size: object, rank: object) -> tuple[int, int]:
+    """``(size, rank)`` of one parallel dimension as plain ints (numpy integers accepted)."""
+    size = checked_int(f"{name}_size", size, minimum=1, error=LayoutError)
+    if isinstance(rank, bool) or not isinstance(rank, int | np.integer) or not 0 <= rank < size:
         raise LayoutError(f"{name}_rank must be in [0, {size}), found {rank!r}")
+    return size, int(rank)
+
+
+def _too_many_tokens(found: int) -> LayoutError:
+    return LayoutError(
+        f"expected at most 2**31-1 padded tokens in a micro-batch (its cu_seqlens_padded are "
+        f"int32), found {found}"
+    )
 
 
 def as_lengths(lengths: Any) -> np.ndarray:
@@ -84,9 +97,17 @@ class TokenLayout:
     layers: ModelLayers | None = None
 
     def __post_init__(self) -> None:
-        _check_rank("tp", self.tp_size, self.tp_rank)
-        _check_rank("cp", self.cp_size, self.cp_rank)
-        _check_rank("pp", self.pp_size, self.pp_rank)
+        for name in ("tp", "cp", "pp"):  # stored as ints: numpy ones would wrap (int8 * 2)
+            size, rank = _checked_rank(
+                name, getattr(self, f"{name}_size"), getattr(self, f"{name}_rank")
+            )
+            object.__setattr__(self, f"{name}_size", size)
+            object.__setattr__(self, f"{name}_rank", rank)
+        for name in ("sequence_parallel", "packed"):  # "false" is truthy: never a flag
+            flag = getattr(self, name)
+            if not isinstance(flag, bool | np.bool_):
+                raise LayoutError(f"{name} must be a bool, found {flag!r}")
+            object.__setattr__(self, name, bool(flag))
         if self.vpp_size not in (None, 1):
             raise LayoutError(
                 f"virtual pipeline parallelism is not supported, found vpp_size={self.vpp_size}: "
@@ -102,20 +123,15 @@ class TokenLayout:
         if self.packed and self.seq_length is not None:
             raise LayoutError(f"seq_length is for BSHD layouts, found {self.seq_length} with THD")
         need = self.required_multiple
-        if self.pad_multiple is not None and (
-            not isinstance(self.pad_multiple, int)
-            or self.pad_multiple < 1
-            or self.pad_multiple % need
-        ):
+        if self.pad_multiple is not None and not _is_multiple(self.pad_multiple, need, 1):
             raise LayoutError(
                 f"pad_multiple must be a positive multiple of {need} (2*CP with CP, times TP with "
-                f"SP), found {self.pad_multiple!r}"
+                f"SP) and at most 2**31-1, found {self.pad_multiple!r}"
             )
-        if self.seq_length is not None and (
-            not isinstance(self.seq_length, int) or self.seq_length < 0 or self.seq_length % need
-        ):
+        if self.seq_length is not None and not _is_multiple(self.seq_length, need, 0):
             raise LayoutError(
-                f"seq_length must be a non-negative multiple of {need}, found {self.seq_length!r}"
+                f"seq_length must be a non-negative multiple of {need} and at most 2**31-1, "
+                f"found {self.seq_length!r}"
             )
         if self.layers is not None and not isinstance(self.layers, ModelLayers):
             raise LayoutError(f"layers must be a ModelLayers, found {type(self.layers).__name__}")
@@ -168,9 +184,15 @@ class TokenLayout:
     def padded_lengths(self, lengths: Any) -> np.ndarray:
         """Length of every sample after padding (THD: own multiple; BSHD: the common S)."""
         lengths = as_lengths(lengths)
-        if self.packed:
-            return -(-lengths // self.multiple) * self.multiple
-        return np.full(lengths.size, self._common_length(lengths), dtype=np.int64)
+        if not self.packed:
+            return np.full(lengths.size, self._common_length(lengths), dtype=np.int64)
+        multiple = self.multiple
+        if lengths.size and int(lengths.max()) > MAX_TOKENS:  # before rounding could wrap
+            raise _too_many_tokens(sum(-(-n // multiple) * multiple for n in lengths.tolist()))
+        padded = -(-lengths // multiple) * multiple
+        if lengths.size and int(padded.sum()) > MAX_TOKENS:
+            raise _too_many_tokens(int(padded.sum()))
+        return padded
 
     def cu_seqlens(self, lengths: Any) -> np.ndarray:
         """Offsets of the real tokens, B+1 (host int64)."""
@@ -314,10 +336,14 @@ class TokenLayout:
     def _common_length(self, lengths: np.ndarray) -> int:
         longest = int(lengths.max()) if lengths.size else 0
         if self.seq_length is None:
-            return -(-longest // self.multiple) * self.multiple
-        if longest > self.seq_length:
+            common = -(-longest // self.multiple) * self.multiple
+        elif longest > self.seq_length:
             raise LayoutError(f"samples must fit seq_length {self.seq_length}, found {longest}")
-        return self.seq_length
+        else:
+            common = self.seq_length
+        if common * lengths.size > MAX_TOKENS:
+            raise _too_many_tokens(common * lengths.size)
+        return common
 
     def _cp_runs(self, padded: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(sequence, start, count) runs this CP rank keeps, in local order."""
@@ -355,6 +381,17 @@ class TokenLayout:
         shift = padded - lengths if self.padding_side == "left" else np.zeros_like(lengths)
         sample = np.repeat(np.arange(batch, dtype=np.int64), start.size)
         return sample, np.tile(start, batch) - np.repeat(shift, start.size), np.tile(count, batch)
+
+
+def _is_multiple(value: object, need: int, minimum: int) -> bool:
+    """True when ``value`` is an int (not a bool) in ``[minimum, MAX_TOKENS]`` and a multiple
+    of ``need``."""
+    return (
+        isinstance(value, int)
+        and not isinstance(value, bool)
+        and minimum <= value <= MAX_TOKENS
+        and not value % need
+    )
 
 
 @functools.lru_cache(maxsize=4096)
