@@ -7,9 +7,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from layout_reference import PAD, rank_rows
 
 from r3data.errors import LayoutError
-from r3data.layout import ModelLayers, TokenLayout, expand
+from r3data.layout import ModelLayers, RankRows, TokenLayout, expand, expand_batch_major, gather
+from r3data.layout.token_layout import _sequence_pieces
 from r3data.packed import PackedTensor
 
 INT32_MAX = 2**31 - 1
@@ -19,6 +23,246 @@ def routes_of(lengths, layers=2, topk=2, dtype=torch.int32, seed=0) -> PackedTen
     rng = np.random.default_rng(seed)
     values = rng.integers(1, 100, size=(sum(lengths), layers, topk))
     return PackedTensor.from_lengths(torch.from_numpy(values).to(dtype), lengths)
+
+
+ROUTE_DTYPES = [torch.uint8, torch.int8, torch.int16, torch.uint16, torch.int32, torch.int64]
+
+
+def random_values(rows, layers, topk, dtype, rng, strided=False) -> torch.Tensor:
+    """Ids in the upper range ``dtype`` holds (sign and widening bugs show), optionally a
+    strided view (every other top-k entry of a wider tensor, layers offset by one)."""
+    high = min(torch.iinfo(dtype).max, 5000)
+    shape = (rows, layers + 2, 2 * topk) if strided else (rows, layers, topk)
+    values = torch.from_numpy(rng.integers(high // 2, high + 1, size=shape)).to(dtype)
+    return values[:, 1 : layers + 1, ::2] if strided else values
+
+
+def expected(values: torch.Tensor, rows: list[int], layer_ids, fill) -> list[np.ndarray]:
+    """Per token, per layer: the row's ids, or ``fill`` for padding (a plain loop)."""
+    source = values.to(torch.int64).numpy()
+    return [
+        np.array(
+            [source[r, layer] if r != PAD else np.asarray(fill) for r in rows], dtype=np.int64
+        ).reshape(len(rows), values.shape[2])
+        for layer in layer_ids
+    ]
+
+
+def local_read(routes: PackedTensor, layout: TokenLayout, lengths) -> RankRows:
+    """What a rank-local read holds, built from ``local_ranges`` by slicing each sample."""
+    ranges = layout.local_ranges(lengths)
+    parts = [
+        torch.cat([sample[lo:hi] for lo, hi in spans] or [sample[:0]])
+        for sample, spans in zip(routes, ranges, strict=True)
+    ]
+    rows = PackedTensor.from_segments(parts) if parts else routes
+    return RankRows(rows.values, rows.cu_seqlens, layout=layout, full_lengths=lengths)
+
+
+def every_rank(tp, cp, sp, packed, **extra) -> list[TokenLayout]:
+    return [
+        TokenLayout(
+            tp_size=tp,
+            tp_rank=t,
+            cp_size=cp,
+            cp_rank=c,
+            sequence_parallel=sp,
+            packed=packed,
+            **extra,
+        )
+        for c in range(cp)
+        for t in range(tp)
+    ]
+
+
+LENGTHS = st.lists(
+    st.one_of(st.integers(0, 2), st.integers(29, 35), st.integers(0, 200)), min_size=0, max_size=5
+)
+GEOMETRIES = st.fixed_dictionaries(
+    {
+        "tp": st.sampled_from([1, 2, 4]),
+        "cp": st.sampled_from([1, 2, 3]),
+        "sp": st.booleans(),
+        "packed": st.booleans(),
+        "side": st.sampled_from(["left", "right"]),
+        "pad_factor": st.sampled_from([None, 1, 3]),
+        "extra_length": st.sampled_from([None, 0, 1]),  # BSHD seq_length: longest + k multiples
+        "lengths": LENGTHS,
+        "pattern": st.one_of(st.none(), st.lists(st.booleans(), min_size=1, max_size=6)),
+        "topk": st.integers(1, 4),
+        "dtype": st.sampled_from(ROUTE_DTYPES),
+        "out": st.sampled_from([torch.int32, torch.int64]),
+        "fill": st.sampled_from(["distinct", "wide", "narrow"]),
+        "strided": st.booleans(),
+        "local": st.booleans(),
+        "sizes": st.sampled_from(
+            [
+                {},
+                {"PIECE_BYTES": 1},
+                {"PIECE_BYTES": 97, "MIN_RUN_TOKENS": 3},
+                {"PIECE_BYTES": 211, "MIN_RUN_TOKENS": 1, "GATHER_CALLS": 0},
+                {"MIN_RUN_TOKENS": 1000, "GATHER_CALLS": 1000},
+            ]
+        ),
+    }
+)
+
+
+def layout_kwargs(case) -> dict:
+    """The geometry's padding options: an overridden multiple, a fixed BSHD length."""
+    tp, cp, sp, packed = case["tp"], case["cp"], case["sp"], case["packed"]
+    need = (2 * cp if cp > 1 else 1) * (tp if sp else 1)
+    pad_multiple = None if case["pad_factor"] is None else need * case["pad_factor"]
+    kwargs = {"pad_multiple": pad_multiple, "padding_side": "right" if packed else case["side"]}
+    if not packed and case["extra_length"] is not None:
+        longest = max(case["lengths"], default=0)
+        kwargs["seq_length"] = (-(-longest // need) + case["extra_length"]) * need
+    return kwargs
+
+
+@settings(max_examples=60, deadline=None)
+@given(case=GEOMETRIES, seed=st.integers(0, 2**16))
+def test_expand_matches_a_per_token_reference_on_every_rank_and_geometry(case, seed):
+    """Every rank of every (TP, CP, SP, THD/BSHD, padding) geometry, ragged micro-batches with
+    empty and one-token samples and segments about MIN_RUN_TOKENS long, dense layers between
+    MoE ones, fills the routes' dtype cannot hold, every route and output dtype, strided
+    sources, rank-local reads, and staging blocks and gathers cut to a few bytes: ``expand``
+    and ``expand_batch_major`` equal a per-token loop over the rows each rank holds."""
+    rng = np.random.default_rng(seed)
+    lengths, topk = case["lengths"], case["topk"]
+    pattern = case["pattern"]
+    layers = None
+    if pattern is not None:
+        pattern = [True, *pattern[1:]]
+        layers = ModelLayers(num_layers=len(pattern), moe_layer_freq=tuple(map(int, pattern)))
+    num_layers = len(pattern) if pattern else 3
+    values = random_values(sum(lengths), num_layers, topk, case["dtype"], rng, case["strided"])
+    routes = PackedTensor.from_lengths(values, lengths)
+    layer_ids = layers.moe_layer_ids if layers else range(num_layers)
+    fill = {
+        "distinct": "distinct",
+        "wide": [300 + 7 * i for i in range(topk)][::-1],  # beyond uint8 and int8
+        "narrow": list(rng.permutation(8)[:topk]),
+    }[case["fill"]]
+    fill_row = np.arange(topk) if fill == "distinct" else np.asarray(fill)
+    ranks = every_rank(
+        case["tp"], case["cp"], case["sp"], case["packed"], layers=layers, **layout_kwargs(case)
+    )
+    with pytest.MonkeyPatch.context() as patch:
+        for name, value in case["sizes"].items():
+            patch.setattr(gather, name, value)
+        for layout in ranks:
+            rows = rank_rows(layout, lengths)
+            want = expected(values, rows, layer_ids, fill_row)
+            field = local_read(routes, layout, lengths) if case["local"] else routes
+            got = expand(field, layout, fill=fill, dtype=case["out"])
+            assert len(got) == len(want)
+            for tensor, array in zip(got, want, strict=True):
+                assert tensor.dtype == case["out"]
+                np.testing.assert_array_equal(tensor.numpy(), array, err_msg=str(layout))
+            if layout.packed:
+                continue
+            batch = len(lengths)
+            got = expand_batch_major(field, layout, fill=fill, dtype=case["out"])
+            for tensor, array in zip(got, want, strict=True):
+                seq = array.shape[0] // batch if batch else 0
+                array = array.reshape(seq, batch, topk).transpose(1, 0, 2)
+                np.testing.assert_array_equal(tensor.numpy(), array, err_msg=str(layout))
+
+
+def staging_places(layers: int, topk: int, dtype: torch.dtype, batch: int) -> int:
+    """Places of a seq-major grid one staging block holds (``_Staging``'s rule)."""
+    row_bytes = layers * topk * torch.empty((), dtype=dtype).element_size()
+    return max(1, gather.PIECE_BYTES // row_bytes // batch)
+
+
+@pytest.mark.parametrize(
+    ("layers", "topk", "dtype"),
+    [(48, 8, torch.int32), (61, 8, torch.uint8), (27, 6, torch.int16)],
+)
+@pytest.mark.parametrize("shift", [-1, 0, 1])
+def test_runs_ending_at_staging_block_and_segment_edges(layers, topk, dtype, shift):
+    """At real sizes (no patched constants), samples end one place before, at and after a
+    staging block's edge (and two blocks'), and segments run MIN_RUN_TOKENS +- 1 places:
+    every rank's rows equal the reference."""
+    batch = 4
+    places = staging_places(layers, topk, dtype, batch)
+    edge = gather.MIN_RUN_TOKENS
+    lengths = [4 * places + shift, 4 * places + shift, places + shift + edge - 1, edge + shift]
+    rng = np.random.default_rng(places)
+    values = random_values(sum(lengths), layers, topk, dtype, rng)
+    routes = PackedTensor.from_lengths(values, lengths)
+    for layout in [
+        TokenLayout(packed=False),
+        TokenLayout(packed=False, padding_side="left", seq_length=4 * places),
+        *every_rank(2, 2, True, False, padding_side="left"),
+        *every_rank(1, 3, False, False),
+    ]:
+        rows = rank_rows(layout, lengths)
+        want = expected(values, rows, range(layers), np.arange(topk))
+        for tensor, array in zip(expand(routes, layout), want, strict=True):
+            np.testing.assert_array_equal(tensor.numpy(), array, err_msg=str(layout))
+
+
+def test_the_piece_cache_serves_equal_layouts_and_stays_unchanged_across_calls():
+    """Cached BSHD pieces are shared by equal layouts (one built from numpy integers) and by
+    micro-batches of one common length; interleaved calls over ranks and lengths, and calls
+    after the cache was emptied, all equal the reference, and no call writes the cache."""
+    _sequence_pieces.cache_clear()
+    plain = every_rank(2, 2, True, False)
+    numpy_built = [
+        TokenLayout(
+            tp_size=np.int64(2),
+            tp_rank=np.int64(layout.tp_rank),
+            cp_size=np.int32(2),
+            cp_rank=np.int32(layout.cp_rank),
+            sequence_parallel=np.bool_(True),
+            packed=np.bool_(False),
+        )
+        for layout in plain
+    ]
+    assert numpy_built == plain
+    assert [hash(a) for a in numpy_built] == [hash(b) for b in plain]
+    batches = [[40, 3, 0], [38, 40], [17, 1, 44, 9], [40, 3, 0]]  # common lengths 40, 40, 48
+    routes = {i: routes_of(lengths, layers=3, topk=2, seed=i) for i, lengths in enumerate(batches)}
+    results = {}
+    for round_ in range(2):
+        for i, lengths in enumerate(batches):
+            for layout in plain + numpy_built:
+                rows = rank_rows(layout, lengths)
+                got = expand(routes[i], layout, fill=[5, 3])
+                want = expected(routes[i].values, rows, range(3), [5, 3])
+                for tensor, array in zip(got, want, strict=True):
+                    np.testing.assert_array_equal(tensor.numpy(), array, err_msg=str(layout))
+                key = (i, plain.index(layout))
+                if key in results:
+                    assert all(torch.equal(a, b) for a, b in zip(results[key], got, strict=True))
+                results[key] = got
+        if round_ == 0:
+            cached = {layout: [a.copy() for a in _sequence_pieces(layout, 40)] for layout in plain}
+            assert _sequence_pieces.cache_info().currsize == len(plain) * 2  # lengths 40, 48
+            _sequence_pieces.cache_clear()
+    for layout, arrays in cached.items():
+        for fresh, kept in zip(_sequence_pieces(layout, 40), arrays, strict=True):
+            assert not fresh.flags.writeable
+            np.testing.assert_array_equal(fresh, kept)
+
+
+def test_outputs_of_repeated_calls_are_fresh_buffers():
+    """Staging buffers and cached pieces never leak between calls: writing one call's output
+    leaves the next call's (same routes, other fills) as the reference says."""
+    lengths = [70, 3, 0, 65]
+    routes = routes_of(lengths, layers=4, topk=3, dtype=torch.uint8)
+    layout = TokenLayout(packed=False, cp_size=2, cp_rank=1, padding_side="left")
+    rows = rank_rows(layout, lengths)
+    for fill in ([300, 301, 302], [0, 1, 2], "distinct", [9, 8, 7]):
+        first = expand(routes, layout, fill=fill)
+        for tensor in first:
+            tensor.fill_(-1)
+        row = np.arange(3) if fill == "distinct" else fill
+        want = expected(routes.values, rows, range(4), row)
+        for tensor, array in zip(expand(routes, layout, fill=fill), want, strict=True):
+            np.testing.assert_array_equal(tensor.numpy(), array)
 
 
 # --- bad geometry: typed errors --------------------------------------------------------------
