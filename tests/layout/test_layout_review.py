@@ -194,7 +194,7 @@ def test_runs_ending_at_staging_block_and_segment_edges(layers, topk, dtype, shi
     routes = PackedTensor.from_lengths(values, lengths)
     for layout in [
         TokenLayout(packed=False),
-        TokenLayout(packed=False, padding_side="left", seq_length=4 * places),
+        TokenLayout(packed=False, padding_side="left", seq_length=4 * places + 2),
         *every_rank(2, 2, True, False, padding_side="left"),
         *every_rank(1, 3, False, False),
     ]:
