@@ -79,4 +79,4 @@ def parse_npy_header(
     if not extents[-1].strip():
         extents.pop()
     shape = tuple(map(int, extents))
-    return parse_dtype(descr.decode(), allowed), shape, fortran == b"True", offset
+    return parse_dtype(descr.decode("latin-1"), allowed), shape, fortran == b"True", offset

@@ -23,7 +23,7 @@ import numpy as np
 from r3data.errors import SegmentError, WireFormatError
 from r3data.ragged import RaggedRows
 from r3data.validate import nonnegative_int
-from r3data.wire.blob import Base64Data, decode_base64_into, decoded_length
+from r3data.wire.blob import Base64Data, decode_base64_into, decoded_length, destination_bytes
 
 __all__ = ["EncodedRows", "InlineRows", "RowSource", "frozen_meta"]
 
@@ -181,7 +181,7 @@ class EncodedRows:
         """Decode the rows into ``dest``, a writable C-contiguous buffer of :attr:`nbytes`;
         ``on_bytes(done)`` follows the bytes in place, chunk by chunk."""
         if self._array is not None:
-            np.copyto(dest.reshape(-1).view(np.uint8), self._array.reshape(-1).view(np.uint8))
+            np.copyto(destination_bytes(dest, self.what), self._array.reshape(-1).view(np.uint8))
             if on_bytes is not None:
                 on_bytes(self.nbytes)
             return
