@@ -19,6 +19,8 @@ from hypothesis import strategies as st
 from r3data.errors import R3DataError, SegmentError, WireFormatError
 from r3data.wire import blob, load_packed_body, read_npy
 from r3data.wire.blob import Blob, decode_base64, decode_base64_into
+from r3data.wire.envelope import unpack_ndarray
+from r3data.wire.producers.primerl import primerl_routes
 from r3data.wire.producers.vllm import npy_routes
 from r3data.wire.rows import EncodedRows
 
@@ -96,7 +98,8 @@ def test_ranges_across_chunks_and_thresholds_equal_a_sliced_decode(path, data, f
     seen: list[int] = []
     decode_base64_into(source, out, skip=skip, on_bytes=seen.append)
     assert out.tobytes() == _BIG[skip : skip + nbytes]
-    assert seen == sorted(seen) and (not nbytes or seen[-1] == nbytes)
+    assert seen == sorted(seen)
+    assert not nbytes or seen[-1] == nbytes
 
 
 def _groups(skip: int, nbytes: int) -> range:
@@ -177,7 +180,8 @@ def test_a_destination_that_is_not_writable_and_c_contiguous_is_refused_untouche
         with pytest.raises(SegmentError, match="expected a writable C-contiguous destination"):
             decode_base64_into(encoded, dest)
     assert immutable == bytes(30000)
-    assert not base.any() and not wide.any()
+    assert not base.any()
+    assert not wide.any()
 
 
 def test_every_buffer_kind_decodes_and_odd_ones_are_refused_typed(path):
@@ -234,12 +238,293 @@ def test_a_registered_key_right_under_an_escaped_one_is_decoded(decode):
     assert bytes(_decoded(inner["routed_experts"])) == b"ABC"
 
 
+_TEXT = st.lists(
+    st.sampled_from([*'ab"\\/{},:[] =\n', '"routed_experts": "QUJD"', "ü", "✓"]), max_size=6
+).map("".join)
+_PLAIN_KEYS = st.sampled_from(["a", "text", "data", "shape", "ids", "my_routed_experts", "x"])
+_WIRE_DTYPES = st.sampled_from(["uint8", "<u2", "int32", "int64", "float32", "bool"])
+
+
+class _Key(str):
+    """A registered key the body writes with a JSON escape (the byte scan does not see it)."""
+
+
+def _envelopes():
+    @st.composite
+    def envelope(draw):
+        dtype = np.dtype(draw(_WIRE_DTYPES))
+        shape = draw(st.lists(st.integers(0, 4), max_size=3))
+        data = draw(
+            st.binary(
+                min_size=int(np.prod(shape)) * dtype.itemsize,
+                max_size=int(np.prod(shape)) * dtype.itemsize,
+            )
+        )
+        sidecar = draw(
+            st.dictionaries(
+                st.sampled_from(["start", "routed_experts", "note"]),
+                st.integers(0, 9) | _TEXT,
+                max_size=2,
+            )
+        )
+        encoded = pybase64.b64encode(data).decode()
+        return {"data": encoded, "shape": shape, "dtype": dtype.str, **sidecar}
+
+    return envelope()  # fmt: skip
+
+
+_ENVELOPE = _envelopes()
+_REGISTERED_VALUE = st.one_of(
+    st.none(),
+    st.binary(max_size=40).map(lambda b: pybase64.b64encode(b).decode()),
+    _ENVELOPE,
+    st.fixed_dictionaries({"ids": st.none() | _ENVELOPE, "counts": st.none() | _ENVELOPE}),
+)
+
+
+def _trees():
+    leaves = st.none() | st.booleans() | st.integers(-(2**40), 2**40) | _TEXT
+
+    def extend(children):
+        entry = st.one_of(
+            st.tuples(_PLAIN_KEYS, children),
+            st.tuples(st.sampled_from(FIELDS), _REGISTERED_VALUE),
+            st.tuples(st.sampled_from(FIELDS).map(_Key), children),
+            st.tuples(  # an escaped registered key right over a plain one
+                st.sampled_from(FIELDS).map(_Key),
+                st.dictionaries(st.sampled_from(FIELDS), _REGISTERED_VALUE, min_size=1),
+            ),
+        )
+        return st.lists(children, max_size=4) | st.lists(
+            entry, max_size=4, unique_by=lambda kv: str(kv[0])
+        ).map(lambda kvs: dict(kvs))
+
+    return st.recursive(leaves, extend, max_leaves=12)
+
+
+def _dump(node: object, spaced: bool, ascii_only: bool) -> bytes:
+    """JSON of ``node``, :class:`_Key` keys written with ``\\u005f`` for their underscore."""
+    colon, comma = (b" : ", b" ,\n ") if spaced else (b":", b",")
+    if isinstance(node, dict):
+        items = []
+        for key, value in node.items():
+            name = json.dumps(str(key)).encode()
+            if isinstance(key, _Key):
+                name = name.replace(b"_", b"\\u005f", 1)
+            items.append(name + colon + _dump(value, spaced, ascii_only))
+        return b"{" + comma.join(items) + b"}"
+    if isinstance(node, list):
+        return b"[" + comma.join(_dump(v, spaced, ascii_only) for v in node) + b"]"
+    return json.dumps(node, ensure_ascii=ascii_only).encode()
+
+
+def _meant(node: object) -> object:
+    """What a body means: every registered key written plainly has its value decoded (a bare
+    blob to bytes, an envelope's data to its array, a group's members), nothing inside it
+    looked at; an escaped one's value is walked like any other."""
+    if isinstance(node, list):
+        return [_meant(v) for v in node]
+    if not isinstance(node, dict):
+        return node
+    out = {}
+    for key, value in node.items():
+        if key in FIELDS and not isinstance(key, _Key):
+            out[str(key)] = _registered(value)
+        else:
+            out[str(key)] = _meant(value)
+    return out
+
+
+def _registered(value: object) -> object:
+    if value is None:
+        return None
+    if isinstance(value, str):
+        return ("bytes", pybase64.b64decode(value, validate=True))
+    if "data" in value:
+        array = np.frombuffer(pybase64.b64decode(value["data"]), value["dtype"])
+        return {**value, "data": _comparable(array.reshape(value["shape"]))}
+    return {k: _registered(v) for k, v in value.items()}
+
+
+def _comparable(value: object) -> object:
+    if isinstance(value, dict):
+        return {k: _comparable(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_comparable(v) for v in value]
+    if isinstance(value, np.ndarray):
+        return ("array", value.dtype.str, value.shape, value.tobytes())
+    if isinstance(value, bytes | bytearray):
+        return ("bytes", bytes(value))
+    return value
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@pytest.mark.filterwarnings("ignore:Generating overly large repr")  # the recursive strategy
+@given(
+    _trees(),
+    st.booleans(),
+    st.booleans(),
+    st.sampled_from(["bytes", "bytearray", "memoryview"]),
+)
+def test_bodies_with_keys_in_odd_places_mean_what_json_says(tree, spaced, ascii_only, form):
+    """Registered keys at any depth, in lists, under escaped keys, inside sidecars and strings,
+    dumped compact or spaced: decode=True gives what JSON plus strict base64 means, and
+    decode=False gives the same once its blobs are decoded."""
+    raw = _dump(tree, spaced, ascii_only)
+    assert _comparable(orjson.loads(raw)) == _comparable(_meant_plain(tree))  # the dump is JSON
+    body = {"bytes": raw, "bytearray": bytearray(raw), "memoryview": memoryview(raw)}[form]
+    expected = _comparable(_meant(tree))
+    assert _comparable(load_packed_body(body, FIELDS)) == expected
+    assert _comparable(_decoded(load_packed_body(body, FIELDS, decode=False))) == expected
+
+
+_MUTATIONS = [*b'{}[]":, \\/=+AQx0-', 0x80, 0xFF]
+
+
+def _mutated(rng: np.random.Generator, raw: bytes) -> bytes:
+    body = bytearray(raw)
+    for _ in range(int(rng.integers(1, 4))):
+        at = int(rng.integers(0, len(body) + 1))
+        kind = rng.random()
+        if kind < 0.4 and at < len(body):
+            body[at] = int(rng.choice(_MUTATIONS))
+        elif kind < 0.7:
+            del body[at : at + int(rng.integers(1, 6))]
+        else:
+            body.insert(at, int(rng.choice(_MUTATIONS)))
+    return bytes(body)
+
+
+def test_decode_false_defers_only_the_blobs_characters():
+    """Seeded mutations of valid bodies: decode=False succeeds wherever decode=True does, with
+    the same arrays once decoded; where only decode=False succeeds, decoding one of its blobs
+    is what fails. Nothing but R3DataError escapes either."""
+    rng = np.random.default_rng(7)
+    rows = rng.integers(0, 200, (3, 2, 2)).astype(np.uint8)
+    seeds = [
+        orjson.dumps(TREE)
+        for TREE in (
+            {"choices": [{"routed_experts": pybase64.b64encode(rows).decode(), "i": 1}]},
+            {"choices": [{"routed_experts": {**_envelope_of(rows), "start": 2}}]},
+            {"sampling_mask": {"ids": _envelope_of(rows[0]), "counts": None}, "t": "a\\b"},
+        )
+    ]
+    outcomes = {"both": 0, "deferred": 0, "refused": 0}
+    for _ in range(1500):
+        raw = _mutated(rng, seeds[int(rng.integers(0, len(seeds)))])
+        try:
+            eager = _comparable(load_packed_body(raw, FIELDS))
+        except R3DataError:
+            eager = None
+        try:
+            lazy = load_packed_body(raw, FIELDS, decode=False)
+        except R3DataError:
+            assert eager is None, raw
+            outcomes["refused"] += 1
+            continue
+        if eager is not None:
+            assert _comparable(_decoded(lazy)) == eager, raw
+            outcomes["both"] += 1
+        else:
+            with pytest.raises(WireFormatError, match="base64"):
+                _decoded(lazy)
+            outcomes["deferred"] += 1
+    assert min(outcomes.values()) > 20, outcomes
+
+
+def _envelope_of(array: np.ndarray) -> dict[str, object]:
+    return {"data": pybase64.b64encode(array).decode(), "shape": list(array.shape),
+            "dtype": array.dtype.str}  # fmt: skip
+
+
+def _meant_plain(node: object) -> object:
+    """``node`` as plain JSON values (the keys as strings)."""
+    if isinstance(node, dict):
+        return {str(k): _meant_plain(v) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_meant_plain(v) for v in node]
+    return node
+
+
 # --- .npy headers --------------------------------------------------------------------------
 
 
 def _npy_file(header: bytes, data: bytes = bytes(64)) -> bytes:
     header = header + b" " * (118 - len(header)) + b"\n"
     return b"\x93NUMPY\x01\x00" + struct.pack("<H", len(header)) + header + data
+
+
+@SETTINGS
+@given(
+    st.integers(0, 400),
+    st.sampled_from([(4, 2), (48, 8), (3, 1)]),
+    st.sampled_from(["|u1", "<u2", "<i4", "<i8", "|i1", "<i2"]),
+    st.sampled_from([(1, 0), (2, 0), (3, 0)]),
+    st.sampled_from(["str", "blob", "decoded"]),
+    st.data(),
+)
+def test_npy_rows_clipped_and_decoded_in_place_equal_np_load(
+    rows, row_shape, dtype, version, form, data
+):
+    """Every ``.npy`` version numpy writes, as a str, a spliced Blob or decoded bytes: rows
+    clipped to any span and decoded into place (a skip that is no multiple of 3, ranges on
+    both sides of the short-range threshold) are np.load's rows."""
+    routes = np.random.default_rng(rows).integers(0, 120, (rows, *row_shape)).astype(dtype)
+    with io.BytesIO() as buffer:
+        np.lib.format.write_array(buffer, routes, version=version)
+        raw = buffer.getvalue()
+    encoded = pybase64.b64encode(raw)
+    value = {
+        "str": encoded.decode(),
+        "blob": Blob(memoryview(encoded), "blob"),
+        "decoded": bytearray(raw),
+    }[form]
+    found = npy_routes("routed_experts", value, pos=5, meta=None, what="npy")
+    np.testing.assert_array_equal(np.load(io.BytesIO(raw)), routes)
+    lo = data.draw(st.integers(5, 5 + rows), label="lo")
+    hi = data.draw(st.integers(lo, 5 + rows), label="hi")
+    part = found.clipped(lo, hi)
+    assert (part.pos, part.rows, part.row_shape) == (lo, hi - lo, row_shape)
+    np.testing.assert_array_equal(part.array, routes[lo - 5 : hi - 5])
+    if isinstance(part, EncodedRows):
+        dest = np.full((hi - lo, *row_shape), 99, routes.dtype)
+        part.decode_into(dest)
+        np.testing.assert_array_equal(dest, routes[lo - 5 : hi - 5])
+
+
+@pytest.mark.parametrize(
+    ("prefix", "match"),
+    [
+        (b"\x93NUMPY\x02\x00\x10\x00", "version 2.0 of at least 12 bytes, found 10"),
+        (b"\x93NUMPY\x04\x00\x10\x00\x00\x00", "version 1, 2 or 3, found 4.0"),
+        (b"\x93NUMPY\x01\x00\x11\x27", "at most 10000 bytes, found 10001"),
+        (b"\x93NUMPY\x01\x00\x00\x00", "header is as np.save writes it"),
+        (b"\x93NUMPY\x01\x00\xff\x00", "header of 265 bytes, found 10"),
+        (b"\x93NUMPZ\x01\x00\xff\x00", "starting with"),
+        (b"\x93NUMPY\x01", "starting with"),
+    ],
+)
+def test_npy_prefixes_that_lie_are_wire_format_errors(prefix, match):
+    with pytest.raises(WireFormatError, match=match):
+        read_npy(prefix)
+    with pytest.raises(WireFormatError, match=match):
+        npy_routes("r", pybase64.b64encode(prefix).decode(), pos=0, meta=None, what="npy")
+
+
+def test_decoded_rows_in_a_memoryview_of_another_format_are_read_by_their_bytes():
+    """A decoded blob handed over as a memoryview of int32 (4 bytes an item): sized by its
+    bytes, not its items (it was refused, the header's size checked against a quarter)."""
+    routes = np.arange(2 * 3 * 4, dtype=np.uint8).reshape(2, 3, 4)
+    with io.BytesIO() as buffer:
+        np.save(buffer, routes)
+        raw = buffer.getvalue()
+    assert len(raw) % 4 == 0
+    view = memoryview(np.frombuffer(raw, np.int32))
+    np.testing.assert_array_equal(read_npy(view), routes)
+    envelope = {"data": memoryview(np.frombuffer(routes.tobytes(), np.int32)), "shape": [2, 3, 4]}
+    response = {"choices": [{"routed_experts": envelope, "token_ids": [0]}]}
+    (found,) = primerl_routes(response, prompt_len=2, completion_len=1)
+    np.testing.assert_array_equal(found.array, routes)
 
 
 @pytest.mark.parametrize("descr", [b"\xff", b"\xc3(", b"u\x80"])
@@ -255,9 +540,12 @@ def test_a_non_utf8_npy_descr_is_a_wire_format_error(descr, encoded):
 
 
 def _decoded(value: object) -> object:
-    """A spliced value with every Blob decoded (what decode=True gives)."""
+    """A spliced value with every Blob decoded (what decode=True gives): an envelope's into
+    its array, a bare one into bytes."""
     if isinstance(value, Blob):
         return decode_base64(value.chars)
+    if isinstance(value, dict) and isinstance(value.get("data"), Blob):
+        return {**value, "data": unpack_ndarray(value)[0]}
     if isinstance(value, dict):
         return {k: _decoded(v) for k, v in value.items()}
     if isinstance(value, list):
