@@ -41,6 +41,15 @@ def _check_pos(owner: str, pos: object) -> int:
     return nonnegative_int(f"{owner}.pos", pos, SegmentError)
 
 
+def _check_inside(rows: InlineRows | EncodedRows, lo: int, hi: int) -> None:
+    """Refuse a clip outside the rows' span (a slice would wrap around or come up short)."""
+    if not rows.pos <= lo <= hi <= rows.end:
+        raise SegmentError(
+            f"field {rows.field!r}: expected positions inside [{rows.pos}, {rows.end}), found "
+            f"[{lo}, {hi})"
+        )
+
+
 @dataclass(frozen=True, eq=False, slots=True)
 class InlineRows:
     """Rows ``array[i]`` of ``field`` for token positions ``pos + i``.
@@ -100,6 +109,7 @@ class InlineRows:
         """The rows at positions ``[lo, hi)`` (inside the span): a view."""
         if (lo, hi) == (self.pos, self.end):
             return self
+        _check_inside(self, lo, hi)
         return InlineRows(self.field, self.array[lo - self.pos : hi - self.pos], lo, self.meta)
 
 
@@ -191,6 +201,7 @@ class EncodedRows:
         """The rows at positions ``[lo, hi)`` (inside the span), still encoded."""
         if (lo, hi) == (self.pos, self.end):
             return self
+        _check_inside(self, lo, hi)
         part = object.__new__(EncodedRows)
         part.field, part.data, part.dtype = self.field, self.data, self.dtype
         part.row_shape, part.meta, part.what = self.row_shape, self.meta, self.what

@@ -16,13 +16,14 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from r3data.errors import R3DataError, SegmentError, WireFormatError
+from r3data.errors import ConfigError, R3DataError, SegmentError, WireFormatError
+from r3data.validate import checked_int, nonnegative_int
 from r3data.wire import blob, load_packed_body, read_npy
 from r3data.wire.blob import Blob, decode_base64, decode_base64_into
 from r3data.wire.envelope import unpack_ndarray
 from r3data.wire.producers.primerl import primerl_routes
 from r3data.wire.producers.vllm import npy_routes
-from r3data.wire.rows import EncodedRows
+from r3data.wire.rows import EncodedRows, InlineRows
 
 FIELDS = ("routed_experts", "sampling_mask")
 SETTINGS = settings(
@@ -551,3 +552,50 @@ def _decoded(value: object) -> object:
     if isinstance(value, list):
         return [_decoded(v) for v in value]
     return value
+
+
+# --- rows and integer checks ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("span", [(8, 12), (9, 12), (10, 15), (15, 16), (12, 11)])
+def test_clipping_outside_the_span_is_refused_not_wrapped(span):
+    """Rows at positions [10, 14): a clip reaching before 10 would slice from the array's end
+    (a negative index), one past 14 come up short; both are refused, encoded or inline."""
+    routes = np.arange(4 * 2 * 2, dtype=np.uint8).reshape(4, 2, 2)
+    inline = InlineRows("routed_experts", routes, 10)
+    encoded = EncodedRows(
+        "routed_experts", pybase64.b64encode(routes).decode(), dtype=np.uint8,
+        row_shape=(2, 2), rows=4, pos=10,
+    )  # fmt: skip
+    for rows in (inline, encoded):
+        with pytest.raises(SegmentError, match=r"expected positions inside \[10, 14\)"):
+            rows.clipped(*span)
+        np.testing.assert_array_equal(rows.clipped(11, 13).array, routes[1:3])
+        assert rows.clipped(12, 12).rows == 0
+
+
+@pytest.mark.parametrize(
+    ("value", "ok"),
+    [
+        (0, True), (2**80, True), (np.int64(7), True), (np.uint64(2**64 - 1), True),
+        (np.int8(3), True), (True, False), (np.True_, False), (-1, False), (np.int64(-1), False),
+        (3.0, False), (np.float64(3), False), ("3", False), (None, False), (np.array(3), False),
+    ],
+)  # fmt: skip
+def test_checked_int_fast_and_slow_paths_agree(value, ok):
+    """Plain ints take the fast path, numpy ints the slow one: both give a plain int or a
+    typed error naming the value; bools and floats that hold integers are refused."""
+    if ok:
+        got = checked_int("n", value)
+        assert type(got) is int
+        assert got == int(value)
+        assert nonnegative_int("n", value, WireFormatError) == got
+    else:
+        with pytest.raises(ConfigError, match=r"n: expected an int >= 0, found"):
+            checked_int("n", value)
+        with pytest.raises(WireFormatError, match=r"n: expected an int >= 0"):
+            nonnegative_int("n", value, WireFormatError)
+    with pytest.raises(ConfigError, match=r"expected an int in \[1, 5\], found 6"):
+        checked_int("n", 6, minimum=1, maximum=5)
+    with pytest.raises(ConfigError, match=r"expected an int in \[1, 5\], found np.int64\(0\)"):
+        checked_int("n", np.int64(0), minimum=1, maximum=5)
