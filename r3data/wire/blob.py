@@ -22,9 +22,16 @@ from typing import NamedTuple
 import numpy as np
 import pybase64
 
-from r3data.errors import WireFormatError
+from r3data.errors import SegmentError, WireFormatError
 
-__all__ = ["Base64Data", "Blob", "decode_base64", "decode_base64_into", "decoded_length"]
+__all__ = [
+    "Base64Data",
+    "Blob",
+    "decode_base64",
+    "decode_base64_into",
+    "decoded_length",
+    "destination_bytes",
+]
 
 Base64Data = str | bytes | bytearray | memoryview
 
@@ -132,6 +139,18 @@ def decode_base64(
     return decoded
 
 
+def destination_bytes(dest: np.ndarray, what: str) -> np.ndarray:
+    """The bytes of ``dest`` as a flat uint8 view, refused unless ``dest`` is writable and
+    C-contiguous (anything else would be written through a copy, or past its elements)."""
+    flags = dest.flags
+    if not (flags.c_contiguous and flags.writeable):
+        raise SegmentError(
+            f"{what}: expected a writable C-contiguous destination, found contiguous="
+            f"{flags.c_contiguous} writeable={flags.writeable}"
+        )
+    return dest.reshape(-1).view(np.uint8)
+
+
 def decode_base64_into(
     data: Base64Data,
     dest: np.ndarray,
@@ -143,10 +162,13 @@ def decode_base64_into(
     """Decode bytes ``[skip, skip + dest.nbytes)`` of base64 ``data`` into ``dest`` (a
     writable C-contiguous array), chunk by chunk; the range must lie inside the blob.
     ``on_bytes(done)`` is told after each chunk how many leading bytes of ``dest`` are in."""
-    out = dest.reshape(-1).view(np.uint8)
+    out = destination_bytes(dest, what)
     nbytes = out.size
     if not isinstance(data, str):
-        data = memoryview(data).cast("B")  # slices below are views, not copies
+        try:
+            data = memoryview(data).cast("B")  # slices below are views, not copies
+        except TypeError:
+            data = as_base64_buffer(data, what)  # raises the typed error naming what it is
     total = decoded_length(data, what)
     if skip < 0 or skip + nbytes > total:
         raise WireFormatError(

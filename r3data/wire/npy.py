@@ -40,7 +40,12 @@ def npy_header_length(prefix: bytes, what: str) -> int:
     if major == 1:
         (size,) = struct.unpack_from("<H", prefix, 8)
         start = 10
-    elif major in (2, 3) and len(prefix) >= 12:
+    elif major in (2, 3):
+        if len(prefix) < 12:
+            raise WireFormatError(
+                f"{what}: expected a .npy file of version {major}.{prefix[7]} of at least 12 "
+                f"bytes, found {len(prefix)}"
+            )
         (size,) = struct.unpack_from("<I", prefix, 8)
         start = 12
     else:
@@ -79,4 +84,4 @@ def parse_npy_header(
     if not extents[-1].strip():
         extents.pop()
     shape = tuple(map(int, extents))
-    return parse_dtype(descr.decode(), allowed), shape, fortran == b"True", offset
+    return parse_dtype(descr.decode("latin-1"), allowed), shape, fortran == b"True", offset

@@ -23,7 +23,7 @@ import numpy as np
 from r3data.errors import SegmentError, WireFormatError
 from r3data.ragged import RaggedRows
 from r3data.validate import nonnegative_int
-from r3data.wire.blob import Base64Data, decode_base64_into, decoded_length
+from r3data.wire.blob import Base64Data, decode_base64_into, decoded_length, destination_bytes
 
 __all__ = ["EncodedRows", "InlineRows", "RowSource", "frozen_meta"]
 
@@ -39,6 +39,15 @@ def frozen_meta(meta: Mapping[str, Any] | None) -> Mapping[str, Any]:
 
 def _check_pos(owner: str, pos: object) -> int:
     return nonnegative_int(f"{owner}.pos", pos, SegmentError)
+
+
+def _check_inside(rows: InlineRows | EncodedRows, lo: int, hi: int) -> None:
+    """Refuse a clip outside the rows' span (a slice would wrap around or come up short)."""
+    if not rows.pos <= lo <= hi <= rows.end:
+        raise SegmentError(
+            f"field {rows.field!r}: expected positions inside [{rows.pos}, {rows.end}), found "
+            f"[{lo}, {hi})"
+        )
 
 
 @dataclass(frozen=True, eq=False, slots=True)
@@ -100,6 +109,7 @@ class InlineRows:
         """The rows at positions ``[lo, hi)`` (inside the span): a view."""
         if (lo, hi) == (self.pos, self.end):
             return self
+        _check_inside(self, lo, hi)
         return InlineRows(self.field, self.array[lo - self.pos : hi - self.pos], lo, self.meta)
 
 
@@ -181,7 +191,7 @@ class EncodedRows:
         """Decode the rows into ``dest``, a writable C-contiguous buffer of :attr:`nbytes`;
         ``on_bytes(done)`` follows the bytes in place, chunk by chunk."""
         if self._array is not None:
-            np.copyto(dest.reshape(-1).view(np.uint8), self._array.reshape(-1).view(np.uint8))
+            np.copyto(destination_bytes(dest, self.what), self._array.reshape(-1).view(np.uint8))
             if on_bytes is not None:
                 on_bytes(self.nbytes)
             return
@@ -191,6 +201,7 @@ class EncodedRows:
         """The rows at positions ``[lo, hi)`` (inside the span), still encoded."""
         if (lo, hi) == (self.pos, self.end):
             return self
+        _check_inside(self, lo, hi)
         part = object.__new__(EncodedRows)
         part.field, part.data, part.dtype = self.field, self.data, self.dtype
         part.row_shape, part.meta, part.what = self.row_shape, self.meta, self.what

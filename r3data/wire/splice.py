@@ -58,6 +58,7 @@ from r3data.wire.envelope import array_from_buffer, check_nbytes, envelope_spec
 __all__ = ["load_packed_body"]
 
 _WHITESPACE = b" \t\r\n"
+_BACKSLASH = ord("\\")
 _STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
 _TOKEN = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"|[\[{]|[\]}]|[^"\[\]{}]+', re.DOTALL)
 _OPENERS = b"[{"
@@ -138,6 +139,11 @@ class _Scanner:
                 f"of a {len(self.raw)}-byte body"
             )
         what = f"field {field!r} base64 string at byte {quote}"
+        if self.raw[end - 1] == _BACKSLASH:  # an escaped quote, or an escaped backslash
+            raise WireFormatError(
+                f"{what}: expected base64 characters up to the closing quote, found an escape "
+                f"at byte {end - 1}"
+            )
         chars = memoryview(self.raw)[quote + 1 : end]
         size = decoded_length(chars, what)
         decoded: bytearray | np.ndarray | Blob = Blob(chars, what)
@@ -332,7 +338,9 @@ class _Resolver:
             return [value]
         if type(value) is not dict or self._envelope(value):
             return []
-        return [m for m in value.values() if type(m) in _CONTAINERS and not self._envelope(m)]
+        for member in value.values():  # a group of envelopes, or a value left as parsed
+            self._envelope(member)
+        return [value]
 
     def walk(self, root: Any, fields: frozenset[str]) -> None:
         """Resolve the registered keys in ``root``, objects before lists, stopping once every

@@ -157,7 +157,9 @@ def blob_nbytes(value: object, what: str) -> int:
     """Bytes a bare blob holds (or decodes to), known without decoding it."""
     blob = raw_blob(value, what)
     chars = encoded_chars(blob)
-    return len(blob) if chars is None else decoded_length(chars, what)
+    if chars is None:  # decoded: its bytes (a memoryview's items may be wider)
+        return blob.nbytes if type(blob) is memoryview else len(blob)
+    return decoded_length(chars, what)
 
 
 def blob_rows(

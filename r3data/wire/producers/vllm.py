@@ -32,7 +32,7 @@ import pybase64
 from r3data.errors import WireFormatError
 from r3data.validate import nonnegative_int
 from r3data.wire.anchors import anchored_pos
-from r3data.wire.blob import Blob, decode_base64, decoded_length
+from r3data.wire.blob import Blob, decode_base64
 from r3data.wire.dtypes import ROUTE_DTYPES, compact_route_dtype
 from r3data.wire.envelope import check_nbytes
 from r3data.wire.npy import NPY_PREFIX_BYTES, npy_header_length, parse_npy_header
@@ -46,6 +46,7 @@ from r3data.wire.producers.base import (
 )
 from r3data.wire.producers.common import (
     any_choice,
+    blob_nbytes,
     blob_rows,
     check_route_shape,
     check_stream_choices,
@@ -108,8 +109,7 @@ def npy_routes(
             f"{what}: expected a C-ordered [rows, layers, topk] array, found shape {shape}"
             f"{' in Fortran order' if fortran else ''}"
         )
-    nbytes = len(blob) if chars is None else decoded_length(chars, what)
-    check_nbytes(nbytes - offset, dtype, shape, what=what)
+    check_nbytes(blob_nbytes(blob, what) - offset, dtype, shape, what=what)
     rows = blob_rows(
         field, blob, dtype=dtype, shape=shape, pos=pos, skip=offset, meta=meta, what=what
     )
