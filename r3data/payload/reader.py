@@ -132,7 +132,11 @@ def _landed(pieces: list[tuple[RangeRead, int, int]], views: list[memoryview], g
             r.crc_running = checksum(view if n == hi - lo else view[:n], value=r.crc_running)
         r.done = lo + n
         if r.on_bytes is not None:
-            r.on_bytes(r.done)
+            try:
+                r.on_bytes(r.done)
+            except Exception as exc:
+                exc.r3data_range = r  # type: ignore[attr-defined]  # not the run's next range
+                raise
         got -= n
 
 
@@ -328,7 +332,8 @@ class PayloadReader:
             for run in _runs(ranges) if several else (ranges,):
                 handle = self._read_run(name, handle, run)
         except Exception as exc:
-            exc.r3data_range = next((r for r in run if r.done < r.nbytes), run[0])  # type: ignore[attr-defined]
+            if getattr(exc, "r3data_range", None) is None:  # a short read: the range it cut
+                exc.r3data_range = next((r for r in run if r.done < r.nbytes), run[0])  # type: ignore[attr-defined]
             raise
         finally:
             if handle is not None:
@@ -482,10 +487,12 @@ def _check_crc(r: RangeRead, url: str) -> None:
     found = checksum(r.crc_tail, value=r.crc_running) if r.crc_tail else r.crc_running
     if found != r.crc:
         s = r.segment
-        raise PayloadChecksumError(
+        error = PayloadChecksumError(
             f"checksum mismatch in {url}: field {s.field!r} rows [{s.pos}, {s.end}) at offset "
             f"{r.offset} ({r.nbytes} bytes): expected crc32c {r.crc:#010x}, found {found:#010x}"
         )
+        error.r3data_range = r  # type: ignore[attr-defined]  # the range, not its run's first
+        raise error
 
 
 def _check_same_kind(
