@@ -259,10 +259,22 @@ class PayloadReader:
         end of their file (:class:`SegmentError`); a file shorter than its claims is looked at
         again, with the read's backoff, in case it is still growing. Files checked are kept
         open in ``keep`` (up to its budget) for the reads that follow."""
+        self._check_claims(
+            ((s, (s.offset if s.index is None else s.index) + s.nbytes) for s in segments), keep
+        )
+
+    def check_ranges(self, ranges: Iterable[RangeRead], keep: OpenFiles | None = None) -> None:
+        """:meth:`check_sizes` for ranges whose extent came from the file itself (the values a
+        ragged segment's index table points at), before anything is allocated for them."""
+        self._check_claims(((r.segment, r.offset + r.nbytes) for r in ranges), keep)
+
+    def _check_claims(
+        self, claimed: Iterable[tuple[PayloadSegment, int]], keep: OpenFiles | None
+    ) -> None:
+        """Check ``(segment, the byte its claim ends at)`` pairs against their files."""
         ends: dict[str, tuple[int, PayloadSegment]] = {}
         names: dict[str, str] = {} if keep is None else keep.names  # handle -> name
-        for s in segments:
-            end = (s.offset if s.index is None else s.index) + s.nbytes
+        for s, end in claimed:
             name = names.get(s.file)
             if name is None:
                 try:

@@ -15,13 +15,20 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from r3data.buffers import POOL_MIN_BYTES, BufferPool
-from r3data.errors import PayloadChecksumError, PayloadReadError, TraceError, TraceGapError
+from r3data.errors import (
+    PayloadChecksumError,
+    PayloadReadError,
+    SegmentError,
+    TraceError,
+    TraceGapError,
+)
 from r3data.nodes import ScreenOptions, fill_field
 from r3data.nodes import fill as fill_module
 from r3data.payload import PayloadReader, PayloadWriter
 from r3data.payload.fileformat import checksum
 from r3data.trace import FieldInfo, PlaceholderRows, StitchedField, distinct_row
 from r3data.wire import EncodedRows, InlineRows
+from r3data.wire.segment import INDEX_DTYPE
 
 EXPERTS = 12
 GEOMETRIES = [(1, 1), (1, 2), (2, 1), (3, 2), (2, 3), (16, 4)]  # (layers, topk)
@@ -401,3 +408,26 @@ def test_a_file_cut_short_after_the_sizes_check_names_the_sample_that_needed_it(
         fill_field("r", fields, dtype=np.dtype(np.uint8), reader=real, pool=DirtyPool())
     assert "short read" in str(info.value)
     assert info.value.r3data_sample == 1
+
+
+def test_a_ragged_index_claiming_values_past_its_file_is_refused_before_allocating(tmp_path):
+    """A ragged handle's index table (bytes from the file) names where its values end: a claim
+    past the end of the file is refused before the batch buffer is sized from it."""
+    sets = [np.arange(3, dtype=np.int32), np.arange(5, dtype=np.int32)]
+    (segment,) = PayloadWriter(tmp_path).write(0, {"r": sets})
+    path = tmp_path / segment.file
+    data = bytearray(path.read_bytes())
+    index = np.frombuffer(data, INDEX_DTYPE, segment.rows + 1, segment.index).copy()
+    index[-1] = 2**37  # 512 GiB of int32 values
+    data[segment.index : segment.index + segment.nbytes] = index.tobytes()
+    path.write_bytes(bytes(data))
+    field = StitchedField("r", (segment,), FieldInfo(np.dtype(np.int32), (), True), segment.rows)
+    with pytest.raises(SegmentError, match=r"claims bytes up to \d+, but the file has") as info:
+        fill_field(
+            "r",
+            [field],
+            dtype=np.dtype(np.int32),
+            reader=PayloadReader(tmp_path, retries=0),
+            sample_ids=["a"],
+        )
+    assert info.value.r3data_sample == 0
