@@ -431,3 +431,12 @@ def test_a_ragged_index_claiming_values_past_its_file_is_refused_before_allocati
             sample_ids=["a"],
         )
     assert info.value.r3data_sample == 0
+
+
+def test_a_turn_the_buffer_cannot_hold_unscreened_is_a_segment_error():
+    """Narrowing is allowed only once ids were screened against ``num_experts``; without, a
+    turn of a wider dtype is refused with a typed error naming both dtypes."""
+    wide = InlineRows("r", np.full((2, 3, 2), 300, np.int16), 0)
+    field = field_of([wide], np.int16, (3, 2))
+    with pytest.raises(SegmentError, match=r"expected rows uint8 holds, found int16 at position 0"):
+        fill_field("r", [field], dtype=np.dtype(np.uint8))
