@@ -260,6 +260,12 @@ class _FixedFill:
         narrowing = self.screen is not None and self.screen.num_experts is not None
         for placed, staged in self.staged:
             try:
+                if not narrowing and not np.can_cast(staged.dtype, self.dtype):
+                    raise SegmentError(
+                        f"field {self.name!r}: expected rows {self.dtype} holds, found "
+                        f"{staged.dtype} at position {placed.piece.pos} (narrowing needs the "
+                        f"screen's num_experts)"
+                    )
                 self.check(staged, placed)
                 dest = self.out[placed.lo : placed.lo + placed.piece.rows]
                 np.copyto(dest, staged, casting="unsafe" if narrowing else "safe")

@@ -10,11 +10,11 @@ import numpy as np
 
 from r3data.buffers import BufferPool
 from r3data.errors import SegmentError
-from r3data.nodes.fill_common import FilledField, allocate, check_sizes
+from r3data.nodes.fill_common import FilledField, allocate, check_sizes, naming_failures
 from r3data.packed import PackedTensor
 from r3data.packed_ragged import PackedRagged
 from r3data.parallel import fill_rows
-from r3data.payload.reader import PayloadReader, RangeRead, values_range
+from r3data.payload.reader import OpenFiles, PayloadReader, RangeRead, values_range
 from r3data.ragged import RaggedRows
 from r3data.trace.stitch import PlaceholderRows, StitchedField
 from r3data.wire.segment import PayloadSegment
@@ -40,12 +40,15 @@ def fill_ragged(
             raise SegmentError(f"field {name!r}: a by-handle piece needs a payload reader")
         check_sizes(reader, [p for _, p in pieces if id(p) in handles], handles)
     first: list[RangeRead] = []  # index tables (ragged) or the rows themselves (padded)
-    for _, piece in pieces:
+    samples: dict[int, int] = {}  # id of each range read -> its sample (a failure names it)
+    for sample, piece in pieces:
         if type(piece) is PayloadSegment and piece.rows:
             where = (piece.index, piece.nbytes) if piece.ragged else (piece.offset, piece.nbytes)
             first.append(RangeRead(piece, *where, crc=None if piece.ragged else piece.crc32c))
+            samples[id(first[-1])] = sample
     if first:
-        reader.read_ranges(first)
+        with naming_failures("r3data_range", samples):
+            reader.read_ranges(first)
     runs: list[RaggedRows | RangeRead | int] = []  # per piece: its rows, a values range, or empty
     tables = iter(first)
     for _, piece in pieces:
@@ -71,27 +74,42 @@ def fill_ragged(
         else:
             values, index = values_range(run)
             reads.append((values, index))
+            samples[id(values)] = samples[id(run)]
             runs[i] = values
             lengths.append(np.diff(index))
+    found = next((r.segment.dtype for r, _ in reads if r.segment.dtype != dtype), None)
+    if found is not None:
+        raise SegmentError(
+            f"field {name!r}: expected ragged rows by handle of {dtype}, found {found}"
+        )
     row_lengths = np.concatenate(lengths) if lengths else np.zeros(0, np.int64)
     row_offsets = np.zeros(row_lengths.size + 1, np.int64)
     np.cumsum(row_lengths, out=row_offsets[1:])
-    values = allocate((int(row_offsets[-1]),), dtype, name=name, pin_memory=pin_memory, pool=pool)
-    out = values.numpy()
-    cursor = 0
-    copies: list[tuple[np.ndarray, np.ndarray]] = []
-    for run, length in zip(runs, lengths, strict=True):
-        n = int(length.sum())
-        dest = out[cursor : cursor + n]
-        cursor += n
-        if isinstance(run, RaggedRows):
-            copies.append((dest, run.compact()[0]))
-        elif isinstance(run, RangeRead):
-            run.dest = memoryview(dest.view(np.uint8))
-    if reads:
-        if any(np.dtype(r.segment.dtype) != dtype for r, _ in reads):
-            raise SegmentError(f"field {name!r}: ragged rows by handle must be {dtype}")
-        reader.read_ranges([r for r, _ in reads])
+    opened = OpenFiles()
+    try:
+        if reads:  # what the index tables claim (file bytes), checked before allocating
+            with naming_failures("r3data_segment", handles):
+                reader.check_ranges([r for r, _ in reads], opened)
+        values = allocate(
+            (int(row_offsets[-1]),), dtype, name=name, pin_memory=pin_memory, pool=pool
+        )
+        out = values.numpy()
+        cursor = 0
+        copies: list[tuple[np.ndarray, np.ndarray]] = []
+        for run, length in zip(runs, lengths, strict=True):
+            n = int(length.sum())
+            dest = out[cursor : cursor + n]
+            cursor += n
+            if isinstance(run, RaggedRows):
+                copies.append((dest, run.compact()[0]))
+            elif isinstance(run, RangeRead):
+                run.dest = memoryview(dest.view(np.uint8))
+        if reads:
+            jobs = reader.file_jobs([r for r, _ in reads], opened)
+            with naming_failures("r3data_range", samples):
+                fill_rows(lambda i: jobs[i](), len(jobs), reader.workers)
+    finally:
+        opened.close()
     fill_rows(lambda i: np.copyto(*copies[i], casting="safe"), len(copies), workers)
     sample_rows = np.zeros(len(fields) + 1, np.int64)
     np.cumsum([sum(p.rows for p in f.pieces) for f in fields], out=sample_rows[1:])

@@ -455,14 +455,34 @@ class PayloadRoot:
 
     def remove(self, name: str) -> None:
         """Delete the root-relative file ``name`` (a symlink itself, never its target); raises
-        ``FileNotFoundError`` when it is gone, ``OSError`` when it cannot be deleted."""
-        rel = self.relative(name)
+        ``FileNotFoundError`` when it is gone, ``OSError`` when it cannot be deleted.
+
+        ``name`` is what :meth:`relative` or a listing made of a handle, never normalised again:
+        on a bucket root ``b/run`` the name ``b/run/x.bin`` is the file ``b/run/b/run/x.bin``,
+        and normalising it would delete the root's own ``x.bin``."""
+        rel = self._checked_name(name)
         if self._os_path is None:
             self.fs.rm_file(posixpath.join(self.path, rel))
             return
         folder, base = posixpath.split(rel)
         with self.open_directory(folder or ".") as fd:
             os.unlink(base, dir_fd=fd)
+
+    def _checked_name(self, name: str) -> str:
+        """``name`` unchanged, refused unless it is a normalised path inside the root."""
+        if (
+            not isinstance(name, str)
+            or not name
+            or "\x00" in name
+            or name.startswith(("/", "../"))
+            or name == ".."
+            or posixpath.normpath(name) != name
+        ):
+            raise PayloadHandleError(
+                f"payload file: expected a normalised name inside the root {self.url}, "
+                f"found {name!r}"
+            )
+        return name
 
     def _open_beneath(self, rel: str, flags: int, what: Callable[[], str]) -> int:
         """A descriptor of ``rel`` opened with ``flags`` relative to a fresh descriptor of the

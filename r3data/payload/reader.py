@@ -132,7 +132,11 @@ def _landed(pieces: list[tuple[RangeRead, int, int]], views: list[memoryview], g
             r.crc_running = checksum(view if n == hi - lo else view[:n], value=r.crc_running)
         r.done = lo + n
         if r.on_bytes is not None:
-            r.on_bytes(r.done)
+            try:
+                r.on_bytes(r.done)
+            except Exception as exc:
+                exc.r3data_range = r  # type: ignore[attr-defined]  # not the run's next range
+                raise
         got -= n
 
 
@@ -255,10 +259,22 @@ class PayloadReader:
         end of their file (:class:`SegmentError`); a file shorter than its claims is looked at
         again, with the read's backoff, in case it is still growing. Files checked are kept
         open in ``keep`` (up to its budget) for the reads that follow."""
+        self._check_claims(
+            ((s, (s.offset if s.index is None else s.index) + s.nbytes) for s in segments), keep
+        )
+
+    def check_ranges(self, ranges: Iterable[RangeRead], keep: OpenFiles | None = None) -> None:
+        """:meth:`check_sizes` for ranges whose extent came from the file itself (the values a
+        ragged segment's index table points at), before anything is allocated for them."""
+        self._check_claims(((r.segment, r.offset + r.nbytes) for r in ranges), keep)
+
+    def _check_claims(
+        self, claimed: Iterable[tuple[PayloadSegment, int]], keep: OpenFiles | None
+    ) -> None:
+        """Check ``(segment, the byte its claim ends at)`` pairs against their files."""
         ends: dict[str, tuple[int, PayloadSegment]] = {}
         names: dict[str, str] = {} if keep is None else keep.names  # handle -> name
-        for s in segments:
-            end = (s.offset if s.index is None else s.index) + s.nbytes
+        for s, end in claimed:
             name = names.get(s.file)
             if name is None:
                 try:
@@ -328,7 +344,8 @@ class PayloadReader:
             for run in _runs(ranges) if several else (ranges,):
                 handle = self._read_run(name, handle, run)
         except Exception as exc:
-            exc.r3data_range = next((r for r in run if r.done < r.nbytes), run[0])  # type: ignore[attr-defined]
+            if getattr(exc, "r3data_range", None) is None:  # a short read: the range it cut
+                exc.r3data_range = next((r for r in run if r.done < r.nbytes), run[0])  # type: ignore[attr-defined]
             raise
         finally:
             if handle is not None:
@@ -482,10 +499,12 @@ def _check_crc(r: RangeRead, url: str) -> None:
     found = checksum(r.crc_tail, value=r.crc_running) if r.crc_tail else r.crc_running
     if found != r.crc:
         s = r.segment
-        raise PayloadChecksumError(
+        error = PayloadChecksumError(
             f"checksum mismatch in {url}: field {s.field!r} rows [{s.pos}, {s.end}) at offset "
             f"{r.offset} ({r.nbytes} bytes): expected crc32c {r.crc:#010x}, found {found:#010x}"
         )
+        error.r3data_range = r  # type: ignore[attr-defined]  # the range, not its run's first
+        raise error
 
 
 def _check_same_kind(

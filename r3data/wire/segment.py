@@ -187,6 +187,7 @@ _OPTIONAL_KEYS = tuple(
 def clip(segments: list[PayloadSegment], lo: int, hi: int) -> list[PayloadSegment]:
     """Segments restricted to positions ``[lo, hi)``; empty ones are dropped."""
     _check_range("clip", lo, hi)
+    lo, hi = int(lo), int(hi)  # numpy bounds would leak into the handles (and their JSON)
     return [part for s in segments if (part := s.clipped(lo, hi)) is not None]
 
 

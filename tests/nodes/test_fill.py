@@ -150,7 +150,7 @@ def test_turns_of_other_dtypes_widen_and_narrow_only_once_screened(tmp_path):
             dtype=np.dtype(np.uint8),
             screen=ScreenOptions(num_experts=256),
         )
-    with pytest.raises(TypeError, match="Cannot cast"):  # no narrowing without num_experts
+    with pytest.raises(SegmentError, match="found uint16"):  # no narrowing without num_experts
         fill_field("r", [field_of([InlineRows("r", wide, 0)])], dtype=np.dtype(np.uint8))
 
 
