@@ -73,15 +73,20 @@ def _direct_decoder() -> Callable[..., int] | None:
     return function
 
 
+def byte_view(view: memoryview, what: str) -> memoryview:
+    """``view`` as a view of its bytes (any item format); refused when not contiguous."""
+    try:
+        return view.cast("B")
+    except TypeError as err:
+        raise WireFormatError(f"{what}: buffer is not contiguous ({err})") from None
+
+
 def as_base64_buffer(data: object, what: str) -> Base64Data:
     """``data`` as something pybase64 decodes: str, bytes, bytearray or a byte memoryview."""
     if type(data) in _DIRECT_KINDS or isinstance(data, str | bytes | bytearray):
         return data
     if isinstance(data, memoryview):
-        try:
-            return data.cast("B")
-        except TypeError as err:
-            raise WireFormatError(f"{what}: base64 buffer is not contiguous ({err})") from None
+        return byte_view(data, what)
     raise WireFormatError(
         f"{what}: expected base64 as str, bytes, bytearray or memoryview, "
         f"found {type(data).__name__}"

@@ -64,6 +64,8 @@ def _rejected(names: frozenset[str], found: str) -> WireFormatError:
 
 @lru_cache(maxsize=512)
 def _parse(name: DTypeLike, names: frozenset[str]) -> np.dtype:
+    if isinstance(name, str) and name.lstrip("<>|=")[:1] == "a":  # numpy warns on its bytes alias
+        raise _rejected(names, f"found unknown dtype {name!r:.{_MAX_SHOWN}}")
     try:
         dtype = np.dtype(name)
     except (TypeError, ValueError, SyntaxError):

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import re
+import warnings
+
 import numpy as np
 import pytest
 
@@ -53,6 +56,14 @@ def test_rejected_dtypes_name_what_was_found(bad):
     with pytest.raises(WireFormatError, match="dtype: expected") as info:
         parse_dtype(bad)
     assert isinstance(info.value, R3DataError)
+
+
+@pytest.mark.parametrize("bad", ["a", "a4", "<a2", "|a1"])
+def test_numpys_deprecated_bytes_alias_is_refused_without_a_warning(bad):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(WireFormatError, match=f"found unknown dtype '{re.escape(bad)}'"):
+            parse_dtype(bad)
 
 
 def test_allowed_narrows_and_names_the_allowed_set():

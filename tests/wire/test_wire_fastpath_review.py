@@ -21,7 +21,8 @@ from r3data.validate import checked_int, nonnegative_int
 from r3data.wire import blob, load_packed_body, read_npy
 from r3data.wire.blob import Blob, decode_base64, decode_base64_into
 from r3data.wire.envelope import unpack_ndarray
-from r3data.wire.producers.primerl import primerl_routes
+from r3data.wire.producers.primerl import kept_tokens_rows, primerl_routes
+from r3data.wire.producers.sglang import SglangOptions, flat_int32_rows
 from r3data.wire.producers.vllm import npy_routes
 from r3data.wire.rows import EncodedRows, InlineRows
 
@@ -599,3 +600,25 @@ def test_checked_int_fast_and_slow_paths_agree(value, ok):
         checked_int("n", 6, minimum=1, maximum=5)
     with pytest.raises(ConfigError, match=r"expected an int in \[1, 5\], found np.int64\(0\)"):
         checked_int("n", np.int64(0), minimum=1, maximum=5)
+
+
+def test_decoded_bytes_in_a_memoryview_that_is_not_contiguous_are_refused_typed():
+    """Every producer's decoded-blob path (vLLM's ``.npy``, SGLang's flat int32, prime-rl's
+    kept-token sets) refuses a strided memoryview with a WireFormatError, not numpy's or
+    memoryview's TypeError."""
+    with io.BytesIO() as buffer:
+        np.save(buffer, np.zeros((2, 3, 4), np.uint8))
+        raw = buffer.getvalue()
+    strided = memoryview(np.frombuffer(raw + raw, np.uint8))[::2]
+    with pytest.raises(WireFormatError, match="npy: buffer is not contiguous"):
+        npy_routes("routed_experts", strided, pos=0, meta=None, what="npy")
+    ids = memoryview(np.arange(48, dtype="<i4"))[::2]
+    options = SglangOptions(num_layers=2, topk=3)
+    with pytest.raises(WireFormatError, match="sglang: buffer is not contiguous"):
+        flat_int32_rows(ids, options, 0, {}, "sglang")
+    counts = memoryview(np.ones(4, "<i4"))
+    with pytest.raises(WireFormatError, match=r"mask\.ids: buffer is not contiguous"):
+        kept_tokens_rows({"ids": ids, "counts": counts}, 0, 4, {}, "mask")
+    # contiguous views of the same values are read by their bytes
+    (rows,) = [flat_int32_rows(memoryview(np.arange(24, dtype="<i4")), options, 0, {}, "ok")]
+    np.testing.assert_array_equal(rows.array.reshape(-1), np.arange(24))

@@ -19,7 +19,7 @@ import pybase64
 
 from r3data.errors import ConfigError, R3DataError, WireFormatError
 from r3data.validate import nonnegative_int
-from r3data.wire.blob import Blob, decode_base64, decoded_length
+from r3data.wire.blob import Blob, byte_view, decode_base64, decoded_length
 from r3data.wire.dtypes import compact_route_dtype
 from r3data.wire.envelope import array_from_buffer, check_nbytes
 from r3data.wire.producers.request import EngineRequest, Lengths
@@ -134,9 +134,9 @@ def token_counts(counts: Mapping[str, Any], what: str) -> tuple[int | None, int 
 
 def raw_blob(value: object, what: str) -> bytes | bytearray | memoryview | Blob | str:
     """A bare base64 field as it arrived: encoded (a :class:`Blob` of a spliced body, a parsed
-    ``str``) or already decoded bytes."""
+    ``str``) or already decoded bytes (a memoryview as a view of its bytes)."""
     if type(value) in _BLOB_KINDS or isinstance(value, Blob | str | bytes | bytearray | memoryview):
-        return value
+        return byte_view(value, what) if isinstance(value, memoryview) else value
     if value is None:
         raise WireFormatError(
             f"{what}: no routes (null or absent); was the request sent with routes enabled?"
@@ -157,8 +157,8 @@ def blob_nbytes(value: object, what: str) -> int:
     """Bytes a bare blob holds (or decodes to), known without decoding it."""
     blob = raw_blob(value, what)
     chars = encoded_chars(blob)
-    if chars is None:  # decoded: its bytes (a memoryview's items may be wider)
-        return blob.nbytes if type(blob) is memoryview else len(blob)
+    if chars is None:  # decoded
+        return len(blob)
     return decoded_length(chars, what)
 
 
