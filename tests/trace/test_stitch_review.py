@@ -11,6 +11,8 @@ valid row or distinct experts for routes, zeros or empty rows otherwise).
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, event, given, settings
@@ -178,7 +180,7 @@ def test_every_position_gets_the_row_the_documented_rule_names(case, placeholder
         pieces = field.pieces
         assert [p.pos for p in pieces] == sorted(p.pos for p in pieces)
         assert sum(p.rows for p in pieces) == n
-        assert all(a.end == b.pos for a, b in zip(pieces, pieces[1:], strict=False))
+        assert all(a.end == b.pos for a, b in itertools.pairwise(pieces))
         previous = None
         for p, o in enumerate(owner):
             row = got[p]
