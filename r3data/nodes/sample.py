@@ -12,13 +12,14 @@ and its typed options (``choice``, ``start``, ``role``, ...).
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from r3data.errors import TraceError, with_message
+from r3data.errors import R3DataError, TraceError, with_message
 from r3data.nodes.options import TraceOptions
 from r3data.trace import Trace, TraceBuilder
 from r3data.trace.builder import Source
@@ -155,8 +156,8 @@ def sample_length(obj: Any) -> int:
 
 def sample_files(obj: Any) -> tuple[str, ...]:
     """The payload files a raw sample names (by-handle segments, dicts with ``file``, a ready
-    trace's pieces), found without decoding anything; what is malformed is left to the stitch
-    stage, which names it."""
+    trace's pieces, producer responses by handle), decoding only responses that may name one;
+    what is malformed is left to the stitch stage, which names it."""
     if isinstance(obj, RolloutSample):
         return obj.files
     trace = _get(obj, "trace")
@@ -172,7 +173,32 @@ def sample_files(obj: Any) -> tuple[str, ...]:
                 files.add(source.file)
             elif isinstance(source, Mapping) and isinstance(source.get("file"), str):
                 files.add(source["file"])
+            elif isinstance(source, Mapping) and "producer" in source:
+                files.update(_response_files(source, request))
     return tuple(sorted(files))
+
+
+_FILE_KEY = re.compile(rb'"file"')
+"""A by-handle segment's key, which no base64 blob can hold (it has no quotes)."""
+
+
+def _response_files(source: Mapping[str, Any], request: Mapping[str, Any]) -> list[str]:
+    """The files a producer response names by handle (prime-rl's ``payload``), decoded only
+    when the body may hold a segment: raw bodies without a ``"file"`` key are not parsed."""
+    response = source.get("response")
+    if isinstance(response, str) and '"file"' not in response:
+        return []
+    if isinstance(response, bytes | bytearray | memoryview) and not _FILE_KEY.search(response):
+        return []
+    try:
+        rows = decode_source(
+            source,
+            prompt_len=request.get("prompt_len"),
+            completion_len=request.get("completion_len"),
+        )
+    except R3DataError:  # the stitch stage decodes it again and names what is wrong
+        return []
+    return [row.file for row in rows if isinstance(row, PayloadSegment)]
 
 
 def name_sample(message: str, sample_id: str, index: int) -> str:
