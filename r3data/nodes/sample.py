@@ -67,13 +67,19 @@ _KINDS = {np.int64: "iu", bool: "biu", np.float32: "biuf"}
 
 def _vector(name: str, value: Any, length: int | None, dtype: Any) -> np.ndarray:
     array = np.asarray(value)
+    if not array.size and not isinstance(value, np.ndarray):
+        array = array.astype(dtype)  # ``[]`` is float64 to numpy: no value is wrong in it
     kinds = _KINDS[dtype]
-    if array.dtype.kind not in kinds or (dtype is bool and array.size and array.max() > 1):
+    kind = array.dtype.kind
+    if kind not in kinds or (
+        dtype is bool and kind in "iu" and array.size and (array.max() > 1 or array.min() < 0)
+    ):
         expected = {"iu": "integers", "biu": "booleans or 0/1", "biuf": "numbers"}[kinds]
-        raise TraceError(
-            f"{name} must be {expected}, found dtype {array.dtype}"
-            + (f" with values up to {array.max()}" if array.dtype.kind in "iu" else "")
-        )
+        found = ""
+        if kind in "iu":
+            found = f" with values up to {array.max()}" if array.max() > 1 else ""
+            found = found or f" with values down to {array.min()}"
+        raise TraceError(f"{name} must be {expected}, found dtype {array.dtype}{found}")
     if array.ndim != 1 or (length is not None and array.shape[0] != length):
         raise TraceError(f"{name} must be 1-D with {length} entries, found shape {array.shape}")
     return array.astype(dtype, copy=False)
