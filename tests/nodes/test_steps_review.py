@@ -140,7 +140,7 @@ def test_a_rank_resumed_after_any_micro_batch_reads_exactly_the_rest(case, cut, 
     it = iter(first)
     for _ in range(cut):
         next(it)
-    resumed = loader(samples, prefetch=1, **options)
+    resumed = loader(samples, prefetch=0, **options)  # another depth: the same state
     resumed.load_state_dict(first.state_dict())
     assert list(resumed) == full[cut:]
 
@@ -218,3 +218,18 @@ def _resumed(state, **options):
     resumed = loader(make_samples([4, 5, 6, 7, 8, 9, 10, 11]), collate={"workers": 1}, **options)
     resumed.load_state_dict(state)
     return list(resumed)
+
+
+@pytest.mark.parametrize(("saved", "loaded"), [(0, 2), (2, 0), (1, 3)])
+def test_a_state_saved_with_one_prefetch_depth_resumes_another(saved, loaded):
+    options = {"batch_size": 2, "micro_batches": {"size": 1}, "collate": {"workers": 1}}
+    samples = make_samples([4, 5, 6, 7, 8, 9])
+    full = list(loader(samples, prefetch=0, **options))
+    for cut in range(len(full) + 1):
+        first = loader(samples, prefetch=saved, **options)
+        it = iter(first)
+        for _ in range(cut):
+            next(it)
+        resumed = loader(samples, prefetch=loaded, **options)
+        resumed.load_state_dict(first.state_dict())
+        assert list(resumed) == full[cut:], cut
