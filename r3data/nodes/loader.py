@@ -95,6 +95,32 @@ class _Guarded(BaseNode[Any]):
         return self.source.get_state()
 
 
+class _InPlace(BaseNode[Any]):
+    """The pipeline run on the trainer's thread (``prefetch=0``), with a ``Prefetcher``'s
+    state layout, so that a state saved at any prefetch depth resumes a loader at any other."""
+
+    SNAPSHOT, STEPS = "snapshot", "steps_since_snapshot"
+
+    def __init__(self, source: BaseNode[Any]) -> None:
+        super().__init__()
+        self.source = source
+
+    def reset(self, initial_state: dict[str, Any] | None = None) -> None:
+        super().reset(initial_state)
+        if initial_state is None:
+            self.source.reset(None)
+            return
+        self.source.reset(initial_state[self.SNAPSHOT])
+        for _ in range(initial_state[self.STEPS]):  # a Prefetcher's steps since its snapshot
+            self.source.next()
+
+    def next(self) -> Any:
+        return self.source.next()
+
+    def get_state(self) -> dict[str, Any]:
+        return {self.SNAPSHOT: self.source.state_dict(), self.STEPS: 0}
+
+
 def _delivered(batch: TensorBatch | _Failed) -> TensorBatch:
     if isinstance(batch, _Failed):
         raise batch.error
@@ -271,6 +297,5 @@ def loader(
         return micro.with_items([stitch(item, micro.step) for item in micro.items])
 
     node: BaseNode[Any] = Mapper(_Guarded(source), _Stage(lambda micro: fill(stitched(micro))))
-    if prefetch:
-        node = Prefetcher(node, prefetch_factor=prefetch)
+    node = Prefetcher(node, prefetch_factor=prefetch) if prefetch else _InPlace(node)
     return Loader(Mapper(node, _delivered), restart_on_stop_iteration=False)

@@ -12,13 +12,14 @@ and its typed options (``choice``, ``start``, ``role``, ...).
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from r3data.errors import TraceError, with_message
+from r3data.errors import R3DataError, TraceError, with_message
 from r3data.nodes.options import TraceOptions
 from r3data.trace import Trace, TraceBuilder
 from r3data.trace.builder import Source
@@ -66,13 +67,19 @@ _KINDS = {np.int64: "iu", bool: "biu", np.float32: "biuf"}
 
 def _vector(name: str, value: Any, length: int | None, dtype: Any) -> np.ndarray:
     array = np.asarray(value)
+    if not array.size and not isinstance(value, np.ndarray):
+        array = array.astype(dtype)  # ``[]`` is float64 to numpy: no value is wrong in it
     kinds = _KINDS[dtype]
-    if array.dtype.kind not in kinds or (dtype is bool and array.size and array.max() > 1):
+    kind = array.dtype.kind
+    if kind not in kinds or (
+        dtype is bool and kind in "iu" and array.size and (array.max() > 1 or array.min() < 0)
+    ):
         expected = {"iu": "integers", "biu": "booleans or 0/1", "biuf": "numbers"}[kinds]
-        raise TraceError(
-            f"{name} must be {expected}, found dtype {array.dtype}"
-            + (f" with values up to {array.max()}" if array.dtype.kind in "iu" else "")
-        )
+        found = ""
+        if kind in "iu":
+            found = f" with values up to {array.max()}" if array.max() > 1 else ""
+            found = found or f" with values down to {array.min()}"
+        raise TraceError(f"{name} must be {expected}, found dtype {array.dtype}{found}")
     if array.ndim != 1 or (length is not None and array.shape[0] != length):
         raise TraceError(f"{name} must be 1-D with {length} entries, found shape {array.shape}")
     return array.astype(dtype, copy=False)
@@ -155,8 +162,8 @@ def sample_length(obj: Any) -> int:
 
 def sample_files(obj: Any) -> tuple[str, ...]:
     """The payload files a raw sample names (by-handle segments, dicts with ``file``, a ready
-    trace's pieces), found without decoding anything; what is malformed is left to the stitch
-    stage, which names it."""
+    trace's pieces, producer responses by handle), decoding only responses that may name one;
+    what is malformed is left to the stitch stage, which names it."""
     if isinstance(obj, RolloutSample):
         return obj.files
     trace = _get(obj, "trace")
@@ -172,7 +179,32 @@ def sample_files(obj: Any) -> tuple[str, ...]:
                 files.add(source.file)
             elif isinstance(source, Mapping) and isinstance(source.get("file"), str):
                 files.add(source["file"])
+            elif isinstance(source, Mapping) and "producer" in source:
+                files.update(_response_files(source, request))
     return tuple(sorted(files))
+
+
+_FILE_KEY = re.compile(rb'"file"')
+"""A by-handle segment's key, which no base64 blob can hold (it has no quotes)."""
+
+
+def _response_files(source: Mapping[str, Any], request: Mapping[str, Any]) -> list[str]:
+    """The files a producer response names by handle (prime-rl's ``payload``), decoded only
+    when the body may hold a segment: raw bodies without a ``"file"`` key are not parsed."""
+    response = source.get("response")
+    if isinstance(response, str) and '"file"' not in response:
+        return []
+    if isinstance(response, bytes | bytearray | memoryview) and not _FILE_KEY.search(response):
+        return []
+    try:
+        rows = decode_source(
+            source,
+            prompt_len=request.get("prompt_len"),
+            completion_len=request.get("completion_len"),
+        )
+    except R3DataError:  # the stitch stage decodes it again and names what is wrong
+        return []
+    return [row.file for row in rows if isinstance(row, PayloadSegment)]
 
 
 def name_sample(message: str, sample_id: str, index: int) -> str:

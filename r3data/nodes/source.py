@@ -68,7 +68,11 @@ class StepSource(BaseNode[MicroBatch[tuple[int, Any]]]):
     so a file shared by samples of different steps outlives the updates in between.
     """
 
-    STEP_KEY, MICRO_KEY, SOURCE_KEY = "step", "micro_batch", "source"
+    STEP_KEY, MICRO_KEY, SOURCE_KEY, PLAN_KEY = "step", "micro_batch", "source", "plan"
+    STEP_PLAN = ("batch_size", "start_step", "shuffle")
+    """What a saved step means: the samples it starts at and its number."""
+    MICRO_PLAN = ("dp_size", "micro_batches")
+    """What a saved micro-batch inside a step means too: free to change between steps."""
 
     def __init__(
         self,
@@ -109,6 +113,8 @@ class StepSource(BaseNode[MicroBatch[tuple[int, Any]]]):
         state = initial_state or {}
         self._step = state.get(self.STEP_KEY, 0)
         self._micro = state.get(self.MICRO_KEY, 0)
+        if self.PLAN_KEY in state:
+            self._check_plan(state[self.PLAN_KEY])
         self._plan = None
         self._source_state = state.get(self.SOURCE_KEY)
         self._open()
@@ -121,8 +127,37 @@ class StepSource(BaseNode[MicroBatch[tuple[int, Any]]]):
                 self.STEP_KEY: self._step - 1,
                 self.MICRO_KEY: self._micro,
                 self.SOURCE_KEY: self._plan_state,
+                self.PLAN_KEY: self._plan_options(),
             }
-        return {self.STEP_KEY: self._step, self.MICRO_KEY: 0, self.SOURCE_KEY: self._source_state}
+        return {
+            self.STEP_KEY: self._step,
+            self.MICRO_KEY: 0,
+            self.SOURCE_KEY: self._source_state,
+            self.PLAN_KEY: self._plan_options(),
+        }
+
+    def _plan_options(self) -> dict[str, Any]:
+        shuffle, micro = self.shuffle, self.micro_batches
+        return {
+            "batch_size": self.batch_size,
+            "start_step": self.start_step,
+            "shuffle": None if shuffle is None else [shuffle.seed, shuffle.epoch],
+            "dp_size": self.dp_size,
+            "micro_batches": None if micro is None else [micro.size, micro.max_tokens],
+        }
+
+    def _check_plan(self, saved: dict[str, Any]) -> None:
+        """A saved step resumes only the same steps, a saved micro-batch the same shares:
+        under other options it would skip or repeat samples."""
+        now = self._plan_options()
+        names = self.STEP_PLAN + (self.MICRO_PLAN if self._micro else ())
+        for name in names:
+            if name in saved and saved[name] != now[name]:
+                raise ConfigError(
+                    f"cannot resume: the state was saved with {name}={saved[name]!r}, found "
+                    f"{name}={now[name]!r}; expected the same {', '.join(self.STEP_PLAN)} (and "
+                    f"inside a step the same {' and '.join(self.MICRO_PLAN)})"
+                )
 
     def _open(self) -> None:
         """Position the source at the start of step ``self._step``."""

@@ -1,0 +1,99 @@
+"""Retention through the loader: every file a sample reads is claimed for the last step that
+reads it, whatever form names it (a segment dict, a ``PayloadSegment``, a producer's
+by-handle response, a ready trace), and nothing is deleted before that step's update."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+
+from r3data import loader
+from r3data.nodes import MicroBatches
+from r3data.payload import PayloadRetention, PayloadWriter
+
+LAYERS, TOPK, EXPERTS = 2, 2, 16
+PROMPT, COMPLETION = 3, 2
+ROWS = PROMPT + COMPLETION - 1
+
+
+def primerl_by_handle(segment: dict) -> dict:
+    """A prime-rl ``/inference/v1/generate`` response whose one choice names ``segment``."""
+    choice = {"index": 0, "token_ids": [7] * COMPLETION, "payload": [segment]}
+    body = {"request_id": "r", "choices": [choice]}
+    return {"producer": "prime-rl", "response": json.dumps(body).encode()}
+
+
+def request(source) -> dict:
+    return {"prompt_len": PROMPT, "completion_len": COMPLETION, "sources": [source]}
+
+
+def shared_file_samples(root):
+    """Sample 0 names the file by a segment dict, sample 1 the same rows by a prime-rl
+    response; one more file of sample 1's alone, read by a prime-rl response too."""
+    writer = PayloadWriter(root)
+    rng = np.random.default_rng(0)
+    rows = rng.integers(1, EXPERTS, (ROWS, LAYERS, TOPK)).astype(np.uint8)
+    (shared,) = writer.write(0, {"routed_experts": rows})
+    own_rows = rng.integers(1, EXPERTS, (ROWS, LAYERS, TOPK)).astype(np.uint8)
+    (own,) = writer.write(0, {"routed_experts": own_rows})
+    tokens = np.arange(PROMPT + COMPLETION)
+    samples = [
+        {"id": "a", "token_ids": tokens, "requests": [request(shared.to_dict())]},
+        {
+            "id": "b",
+            "token_ids": tokens,
+            "requests": [
+                request(primerl_by_handle(own.to_dict())),
+                request(primerl_by_handle(shared.to_dict())),
+            ],
+        },
+    ]
+    return samples, {"a": rows, "b": rows}, shared.file, own.file
+
+
+def test_a_file_a_producer_response_names_is_claimed_for_its_step(tmp_path):
+    samples, expected, shared, own = shared_file_samples(tmp_path)
+    retention = PayloadRetention(str(tmp_path), max_off_policy_steps=8, fresh=False)
+    batches = loader(samples, batch_size=1, retention=retention, prefetch=0)
+    for batch in batches:
+        (sample_id,) = batch["sample_id"]
+        got = batch["routed_experts"][0].numpy()
+        np.testing.assert_array_equal(got[:ROWS], expected[sample_id])
+        assert batch["routed_experts_valid"][0].numpy()[:ROWS].all()
+        step = batch.metadata["step"]
+        retention.on_policy_update(step)
+        retention.wait()
+        assert (tmp_path / shared).exists() == (step < 1)  # sample b, step 1, reads it last
+    assert not (tmp_path / own).exists()  # released by its step, not left to the backstop
+    assert retention.metrics().files_deleted == 2
+    retention.close()
+
+
+def test_micro_batches_of_one_step_share_the_claim(tmp_path):
+    """Both samples in one step, in different micro-batches: the file stays until the update
+    after the step's last micro-batch."""
+    samples, expected, shared, own = shared_file_samples(tmp_path)
+    retention = PayloadRetention(str(tmp_path), max_off_policy_steps=8, fresh=False)
+    batches = loader(
+        samples,
+        batch_size=2,
+        micro_batches=MicroBatches(size=1),
+        retention=retention,
+        prefetch=1,
+    )
+    seen = []
+    for batch in batches:
+        (sample_id,) = batch["sample_id"]
+        np.testing.assert_array_equal(
+            batch["routed_experts"][0].numpy()[:ROWS], expected[sample_id]
+        )
+        seen.append(sample_id)
+        assert (tmp_path / shared).exists()
+        assert (tmp_path / own).exists()
+    assert sorted(seen) == ["a", "b"]
+    retention.on_policy_update(0)
+    retention.wait()
+    assert not (tmp_path / shared).exists()
+    assert not (tmp_path / own).exists()
+    retention.close()
