@@ -62,8 +62,13 @@ def fill_ragged(
             else:
                 padded = next(tables).array().view(piece.dtype).reshape(piece.rows, *piece.shape)
                 runs.append(RaggedRows.from_padded(padded, what=f"{piece.file} {name!r}"))
-        else:
+        elif isinstance(piece.array, RaggedRows):
             runs.append(piece.array)
+        else:  # the trace builder makes padded inline rows ragged; a hand-made trace may not
+            raise SegmentError(
+                f"field {name!r}: expected ragged rows, found rows of shape "
+                f"{list(piece.array.shape)} at position {piece.pos}"
+            )
     lengths: list[np.ndarray] = []
     reads: list[tuple[RangeRead, np.ndarray]] = []
     for i, run in enumerate(runs):

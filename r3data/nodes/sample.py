@@ -61,6 +61,7 @@ def _get(obj: Any, *names: str, default: Any = None) -> Any:
     return default
 
 
+_INT64_MAX = np.iinfo(np.int64).max
 _KINDS = {np.int64: "iu", bool: "biu", np.float32: "biuf"}
 """The dtype kinds each sample vector accepts."""
 
@@ -82,6 +83,8 @@ def _vector(name: str, value: Any, length: int | None, dtype: Any) -> np.ndarray
         raise TraceError(f"{name} must be {expected}, found dtype {array.dtype}{found}")
     if array.ndim != 1 or (length is not None and array.shape[0] != length):
         raise TraceError(f"{name} must be 1-D with {length} entries, found shape {array.shape}")
+    if dtype is np.int64 and array.dtype == np.uint64 and array.size and array.max() > _INT64_MAX:
+        raise TraceError(f"{name} must be integers that fit int64, found {array.max()}")
     return array.astype(dtype, copy=False)
 
 

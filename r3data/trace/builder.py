@@ -177,9 +177,10 @@ class TraceBuilder:
         prompt_len = nonnegative_int("prompt_len", prompt_len, TraceError)
         completion_len = nonnegative_int("completion_len", completion_len, TraceError)
         request_sources: list[Source] = []
+        sources = sources if type(sources) is list else list(sources)
         for source in sources:
             if type(source) is InlineRows:
-                source = self._ragged_inline(source)
+                source = self._ragged_inline(source, sources)
             if (kept := _without_decode_prompt(source, prompt_len)) is not None:
                 request_sources += (kept,)
         for source in request_sources:
@@ -207,15 +208,21 @@ class TraceBuilder:
                     track = self._tracks[source.field] = _Track()
                 track.put(source)
 
-    def _ragged_inline(self, source: Source) -> Source:
-        """Padded inline rows of a ragged field as ragged rows (the one form downstream)."""
+    def _ragged_inline(self, source: Source, request: list[Source]) -> Source:
+        """Padded inline rows of a ragged field (named ragged, or sent ragged before or by
+        another source of this ``request``) as ragged rows (the one form downstream)."""
+        field = source.field
         if (
             type(source) is InlineRows
             and not source.ragged
             and source.array.ndim == 2
             and (
-                source.field in self.ragged_fields
-                or (source.field in self._info and self._info[source.field].ragged)
+                field in self.ragged_fields
+                or (field in self._info and self._info[field].ragged)
+                or any(
+                    isinstance(other, _SOURCES) and other.field == field and other.ragged
+                    for other in request
+                )
             )
         ):
             rows = RaggedRows.from_padded(source.array, what=f"field {source.field!r}")

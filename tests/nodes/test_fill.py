@@ -345,6 +345,14 @@ def test_ragged_rows_from_every_source_into_one_csr_buffer(tmp_path):
     assert filled.values.values.numel() == sum(len(s) for s in sets)  # every id once
 
 
+def test_padded_inline_rows_in_a_ragged_field_are_refused_typed():
+    """The trace builder makes padded inline rows of a ragged field ragged; a hand-made
+    stitched field holding padded ones is refused by the fill, not misread."""
+    pieces = [InlineRows("r", np.array([[1, -1], [2, 3]], np.int32), 0)]
+    with pytest.raises(SegmentError, match=r"expected ragged rows, found rows of shape \[2, 2\]"):
+        fill_field("r", [field_of(pieces, np.int32, ragged=True)], dtype=np.dtype(np.int32))
+
+
 def test_fill_refuses_wrong_shapes_and_missing_reader(tmp_path):
     rows = np.zeros((2, 2, 3), np.uint8)
     with pytest.raises(SegmentError, match=r"expected rows of shape \(2, 4\), found \(2, 3\)"):

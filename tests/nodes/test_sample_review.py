@@ -131,6 +131,11 @@ def test_sample_files_agree_with_the_normalised_sample(tmp_path):
         ("token_ids", [1.0, 2.0, 3.0, 4.0, 5.0], "token_ids must be integers, found dtype float"),
         ("token_ids", [[1, 2, 3, 4, 5]], r"token_ids must be 1-D"),
         ("logprobs", ["a"] * 5, "logprobs must be numbers, found dtype <U1"),
+        (
+            "token_ids",
+            np.array([1, 2, 3, 4, 2**64 - 1], np.uint64),  # was read as -1
+            f"must be integers that fit int64, found {2**64 - 1}",
+        ),
     ],
 )
 def test_a_vector_that_is_not_what_its_field_holds_is_refused(field, value, message):

@@ -278,3 +278,26 @@ def test_builder_arguments_and_ragged_agreement(tmp_path):
     )
     assert dense[4:7].tolist() == [[1, 2, -1, -1], [3, -1, -1, -1], [-1] * 4]
     assert dense[9:].tolist() == [[7] * 4] * 2
+
+
+@pytest.mark.parametrize("handle_first", [True, False])
+def test_padded_inline_rows_beside_ragged_ones_of_one_request_are_made_ragged(
+    tmp_path, handle_first
+):
+    """A field not named ragged, sent ragged by handle and padded inline in one request, is
+    ragged whatever the sources' order (it crashed the fill with the handle first and was
+    refused with it second)."""
+    rows = [np.array([5], np.int32), np.array([6, 7], np.int32), np.array([], np.int32)]
+    (ragged,) = PayloadWriter(tmp_path).write(0, {"extra": rows})
+    padded = InlineRows("extra", np.array([[9, -1], [8, 7], [-1, -1]], np.int32), 3)
+    builder = TraceBuilder("t", ragged_fields=())
+    builder.add_request(2, 4, [ragged, padded] if handle_first else [padded, ragged])
+    trace = builder.build()
+    assert (trace.info["extra"].ragged, trace.info["extra"].row_shape) == (True, ())
+    inline = next(p for p in trace.pieces["extra"] if isinstance(p, InlineRows))
+    assert inline.ragged
+    assert inline.array.lengths.tolist() == [1, 2, 0]
+    dense = materialized(
+        stitch(trace, 6, fields=("extra",), on_gap="raise"), "extra", PayloadReader(tmp_path)
+    )
+    assert dense.tolist() == [[5, -1], [6, 7], [-1, -1], [9, -1], [8, 7], [-1, -1]]
