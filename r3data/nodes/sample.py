@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -175,9 +175,9 @@ def sample_files(obj: Any) -> tuple[str, ...]:
         return _files(p for field in pieces.values() for p in field)
     files: set[str] = set()
     requests = _get(obj, "requests")
-    for request in requests if isinstance(requests, list | tuple) else ():
+    for request in _rereadable("requests", requests):
         sources = request.get("sources", ()) if isinstance(request, Mapping) else ()
-        for source in sources if isinstance(sources, list | tuple) else ():
+        for source in _rereadable("a request's sources", sources):
             if isinstance(source, PayloadSegment):
                 files.add(source.file)
             elif isinstance(source, Mapping) and isinstance(source.get("file"), str):
@@ -185,6 +185,19 @@ def sample_files(obj: Any) -> tuple[str, ...]:
             elif isinstance(source, Mapping) and "producer" in source:
                 files.update(_response_files(source, request))
     return tuple(sorted(files))
+
+
+def _rereadable(name: str, items: object) -> Sequence[Any]:
+    """``items`` if it can be read again; ``()`` for what the stitch stage will refuse. An
+    iterator would be used up here, or its files missed: either loses routes or a file."""
+    if isinstance(items, Sequence) and not isinstance(items, str | bytes):
+        return items
+    if isinstance(items, Iterable) and not isinstance(items, str | bytes | Mapping):
+        raise TraceError(
+            f"{name}: expected a list or tuple (the retention scan reads every sample before "
+            f"it is stitched), found {type(items).__name__}"
+        )
+    return ()
 
 
 _FILE_KEY = re.compile(rb'"file"')

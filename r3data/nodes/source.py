@@ -21,8 +21,8 @@ from typing import Any, Generic, TypeVar
 
 from torchdata.nodes import BaseNode
 
-from r3data.errors import ConfigError
-from r3data.nodes.sample import sample_files, sample_length
+from r3data.errors import ConfigError, TraceError, with_message
+from r3data.nodes.sample import name_sample, sample_files, sample_id_of, sample_length
 from r3data.nodes.steps import MicroBatches, Shuffle, plan_step
 from r3data.payload.retention import PayloadRetention
 
@@ -248,7 +248,13 @@ class StepSource(BaseNode[MicroBatch[tuple[int, Any]]]):
         step = self._step
         while indices := self._indices(step):
             for i in indices:
-                for name in sample_files(self.samples[i]):  # type: ignore[index]
+                sample = self.samples[i]  # type: ignore[index]
+                try:
+                    names = sample_files(sample)
+                except TraceError as exc:
+                    message = name_sample(str(exc), sample_id_of(sample, i), i)
+                    raise with_message(exc, message) from exc
+                for name in names:
                     last[name] = self.start_step + step
             step += 1
         by_step: dict[int, list[str]] = defaultdict(list)

@@ -7,8 +7,10 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import pytest
 
 from r3data import loader
+from r3data.errors import TraceError
 from r3data.nodes import MicroBatches
 from r3data.payload import PayloadRetention, PayloadWriter
 
@@ -97,3 +99,19 @@ def test_micro_batches_of_one_step_share_the_claim(tmp_path):
     assert not (tmp_path / shared).exists()
     assert not (tmp_path / own).exists()
     retention.close()
+
+
+def test_requests_that_cannot_be_read_twice_are_refused_under_retention(tmp_path):
+    """The retention scan reads every sample before it is stitched: requests (or sources) in
+    a generator would be used up by it, or their files missed and deleted early."""
+    samples, _, _, _ = shared_file_samples(tmp_path)
+    samples[1] = {**samples[1], "requests": iter(samples[1]["requests"])}
+    retention = PayloadRetention(str(tmp_path), max_off_policy_steps=8, fresh=False)
+    with pytest.raises(
+        TraceError,
+        match=r"sample 'b' \(index 1\): requests: expected a list or tuple .*found list_iterator",
+    ):
+        next(iter(loader(samples, batch_size=1, retention=retention, prefetch=0)))
+    samples[1] = {**samples[1], "requests": [{**request(None), "sources": iter([])}]}
+    with pytest.raises(TraceError, match=r"a request's sources: expected a list or tuple"):
+        next(iter(loader(samples, batch_size=1, retention=retention, prefetch=0)))
