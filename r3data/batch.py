@@ -142,6 +142,7 @@ class TensorBatch(MutableMapping[str, Field]):
         sizes = {name: _field_size(name, value) for name, value in self._fields.items()}
         if batch_size is None:
             batch_size = next(iter(sizes.values()), 0)
+        batch_size = checked_int("batch_size", batch_size, error=PackedError)
         for name, size in sizes.items():
             if size != batch_size:
                 raise PackedError(
