@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import collections
 import copy
 import enum
 import gc
@@ -16,7 +17,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from r3data.batch import PerSample, TensorBatch
+from r3data.batch import PerSample, TensorBatch, merge_metadata
 from r3data.buffers import POOL_MIN_BYTES, BufferPool, empty_rows
 from r3data.errors import ConfigError, PackedError, PackedIndexError
 from r3data.options import as_options, checked_keywords, options
@@ -205,6 +206,18 @@ def test_batch_size_is_an_int():
     with pytest.raises(PackedError, match="batch_size: expected an int >= 0, found True"):
         TensorBatch({"a": torch.zeros(1)}, batch_size=True)
     assert TensorBatch({}, batch_size=np.int64(3)).batch_size == 3
+
+
+def test_namedtuple_metadata_is_a_record_not_a_tuple_of_names():
+    mesh = collections.namedtuple("Mesh", "tp cp")(2, 2)
+    batch = TensorBatch({"x": torch.arange(4)}, {"mesh": mesh, "files": ("a", "b")})
+    parts = batch.chunk(2)  # was a TypeError: Mesh() takes two arguments
+    assert [p.metadata["mesh"] for p in parts] == [mesh, mesh]
+    merged = TensorBatch.cat(parts).metadata
+    assert merged["mesh"] is mesh  # was (2,): joined without repeats, like file names
+    assert merged["files"] == ("a", "b")
+    other = collections.namedtuple("Mesh", "tp cp")(1, 2)
+    assert "mesh" not in merge_metadata([{"mesh": mesh}, {"mesh": other}])
 
 
 def test_ragged_index_lists_are_refused_typed():
