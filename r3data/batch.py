@@ -37,10 +37,10 @@ class PerSample(tuple):
 
 def _aggregate(value: Any) -> bool:
     """A value that adds up over parts: statistics (anything with ``+`` that is not a number,
-    a string or an array), lists and tuples (of names, warnings)."""
-    if isinstance(value, PerSample):
-        return False
-    if isinstance(value, list | tuple):
+    a string or an array), lists and plain tuples (of names, warnings)."""
+    if isinstance(value, tuple):
+        return type(value) is tuple  # a PerSample or a namedtuple (a record) is no list of names
+    if isinstance(value, list):
         return True
     return hasattr(value, "__add__") and not isinstance(
         value, numbers.Number | str | bytes | np.ndarray | torch.Tensor
@@ -142,6 +142,7 @@ class TensorBatch(MutableMapping[str, Field]):
         sizes = {name: _field_size(name, value) for name, value in self._fields.items()}
         if batch_size is None:
             batch_size = next(iter(sizes.values()), 0)
+        batch_size = checked_int("batch_size", batch_size, error=PackedError)
         for name, size in sizes.items():
             if size != batch_size:
                 raise PackedError(

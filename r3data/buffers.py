@@ -11,12 +11,16 @@ from __future__ import annotations
 
 import math
 import mmap
+import numbers
 import threading
 import weakref
 from collections.abc import Sequence
 
 import numpy as np
 import torch
+
+from r3data.errors import ConfigError, PackedError
+from r3data.validate import checked_int
 
 POOL_MIN_BYTES = 2 << 20
 """Smaller buffers come from torch's allocator: faults are cheap there, recycling is not."""
@@ -56,14 +60,17 @@ class BufferPool:
     """
 
     def __init__(self, max_free: int = 2, slack: float = 1.125) -> None:
-        self.max_free = max_free
+        self.max_free = checked_int("BufferPool max_free", max_free)
+        # a mapping must hold its request, and a request reuses mappings of at most twice it
+        if isinstance(slack, bool) or not isinstance(slack, numbers.Real) or not 1 <= slack <= 2:
+            raise ConfigError(f"BufferPool slack: expected a number in [1, 2], found {slack!r:.40}")
         self.slack = slack
         self._regions: list[_Region] = []
         self._lock = threading.Lock()
 
     def empty(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
         """An uninitialised tensor of ``shape`` (contents are whatever the last batch left)."""
-        shape = tuple(int(d) for d in shape)
+        shape = _shape(shape)
         nbytes = math.prod(shape) * dtype.itemsize
         if nbytes < POOL_MIN_BYTES:
             return torch.empty(shape, dtype=dtype)
@@ -76,9 +83,9 @@ class BufferPool:
         fits = [r for r in self._regions if r.free and nbytes <= r.nbytes <= 2 * nbytes]
         if fits:
             return min(fits, key=lambda r: r.nbytes)
+        self._trim()  # before the new mapping joins: it is not free, though nothing uses it yet
         region = _Region(int(nbytes * self.slack))
         self._regions.append(region)
-        self._trim()
         return region
 
     def _trim(self) -> None:
@@ -102,8 +109,13 @@ def empty_rows(
 ) -> torch.Tensor:
     """An uninitialised CPU tensor for a batch buffer: page-locked when asked and an
     accelerator exists, else from ``pool`` when given, else from torch's allocator."""
+    shape = _shape(shape)
     if pin_memory and torch.cuda.is_available():
-        return torch.empty(tuple(shape), dtype=dtype, pin_memory=True)
+        return torch.empty(shape, dtype=dtype, pin_memory=True)
     if pool is not None:
         return pool.empty(shape, dtype)
-    return torch.empty(tuple(shape), dtype=dtype)
+    return torch.empty(shape, dtype=dtype)
+
+
+def _shape(shape: Sequence[int]) -> tuple[int, ...]:
+    return tuple(checked_int("buffer shape", d, error=PackedError) for d in shape)

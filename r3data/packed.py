@@ -16,6 +16,7 @@ import torch
 from r3data.errors import PackedError
 from r3data.segmented import Segmented, check_count, pick_indices
 from r3data.tensor_buffer import as_tensor, bit_view, rebuild_tensor, tensor_buffer
+from r3data.validate import checked_fill, checked_int
 
 Side = Literal["left", "right"]
 
@@ -139,6 +140,7 @@ class PackedTensor(Segmented):
     @classmethod
     def from_padded(cls, padded: torch.Tensor, lengths: Any, side: Side = "right") -> PackedTensor:
         """Inverse of :meth:`padded`: keep the first (right) or last (left) ``lengths[b]`` rows."""
+        padded = as_tensor(padded)
         offsets = _offsets_from_lengths(lengths)
         batch = offsets.size - 1
         if padded.dim() < 2 or padded.shape[0] != batch:
@@ -265,14 +267,15 @@ class PackedTensor(Segmented):
     ) -> torch.Tensor:
         """A ``[B, max_len, *row_shape]`` rectangle (for code that still wants one)."""
         longest = self.max_length()
-        max_len = longest if max_len is None else max_len
+        max_len = longest if max_len is None else checked_int("max_len", max_len, error=PackedError)
         if max_len < longest:
             raise PackedError(f"max_len must be >= the longest sequence {longest}, found {max_len}")
+        checked_fill("fill", fill, self.dtype, error=PackedError)
+        rows = _padded_rows(self._offsets, max_len, side)  # checks side before allocating
         batch = len(self)
         out = torch.full(
             (batch * max_len, *self.row_shape), fill, dtype=self.dtype, device=self.device
         )
-        rows = _padded_rows(self._offsets, max_len, side)
         bit_view(out).index_copy_(0, _index(rows, self.device), bit_view(self.values))
         return out.view(batch, max_len, *self.row_shape)
 

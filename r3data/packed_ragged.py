@@ -15,7 +15,14 @@ import torch
 
 from r3data.errors import PackedError
 from r3data.packed import PackedTensor, aranges
-from r3data.ragged import DEFAULT_MAX_CELLS, MASK_FILL, RaggedRows, check_cells, row_offsets
+from r3data.ragged import (
+    DEFAULT_MAX_CELLS,
+    MASK_FILL,
+    RaggedRows,
+    check_cells,
+    exact_cast,
+    row_offsets,
+)
 from r3data.segmented import Segmented, check_count, pick_indices
 from r3data.tensor_buffer import as_tensor
 
@@ -47,12 +54,15 @@ class PackedRagged(Segmented):
 
     @classmethod
     def from_samples(cls, samples: Sequence[RaggedRows], dtype: Any = None) -> PackedRagged:
-        """Concatenate per-sample rows (one copy of the values)."""
+        """Concatenate per-sample rows (one copy of the values); ``dtype`` (default: the
+        samples' common one, int32 for none) must hold every value exactly."""
         compact = [s.compact() for s in samples]
-        dtype = np.result_type(*[v.dtype for v, _ in compact]) if dtype is None else dtype
+        if dtype is None:
+            dtype = np.result_type(*[v.dtype for v, _ in compact]) if compact else np.int32
         values = np.concatenate([v for v, _ in compact]) if compact else np.empty(0, dtype)
         lengths = np.concatenate([np.diff(o) for _, o in compact]) if compact else np.zeros(0)
-        rows = PackedTensor.from_lengths(as_tensor(values.astype(dtype, copy=False)), lengths)
+        values = exact_cast(values, dtype, "PackedRagged samples")
+        rows = PackedTensor.from_lengths(as_tensor(values), lengths)
         return cls(
             rows, np.concatenate(([0], np.cumsum([s.rows for s in samples], dtype=np.int64)))
         )

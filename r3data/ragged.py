@@ -15,8 +15,16 @@ from typing import Any
 import numpy as np
 
 from r3data.errors import PackedError
+from r3data.validate import checked_fill, checked_int
 
-__all__ = ["DEFAULT_MAX_CELLS", "MASK_FILL", "RaggedRows", "check_cells", "row_offsets"]
+__all__ = [
+    "DEFAULT_MAX_CELLS",
+    "MASK_FILL",
+    "RaggedRows",
+    "check_cells",
+    "exact_cast",
+    "row_offsets",
+]
 
 MASK_FILL = -1
 """What a padded view puts after each row's values."""
@@ -33,6 +41,23 @@ def row_offsets(offsets: Any, what: str) -> np.ndarray:
             f"{array.shape} of {array.dtype}"
         )
     return array.astype(np.int64, copy=False)
+
+
+def exact_cast(values: np.ndarray, dtype: Any, what: str) -> np.ndarray:
+    """``values`` as ``dtype``, refused where a value would change (wrap around, truncate)."""
+    target = np.dtype(dtype)
+    if values.dtype == target:
+        return values
+    if values.dtype.kind not in "biuf":
+        raise PackedError(f"{what}: expected numbers, found dtype {values.dtype}")
+    cast = values.astype(target)
+    if not np.can_cast(values.dtype, target):
+        changed = np.flatnonzero(~(cast == values))
+        if changed.size:
+            raise PackedError(
+                f"{what}: values do not fit {target} exactly: found {values[changed[0]].item()!r}"
+            )
+    return cast
 
 
 class RaggedRows:
@@ -73,9 +98,10 @@ class RaggedRows:
     @classmethod
     def from_rows(cls, rows: Sequence[Any], dtype: Any = np.int32) -> RaggedRows:
         """One row per 1-D array in ``rows``."""
-        arrays = [np.asarray(row, dtype=dtype).reshape(-1) for row in rows]
-        values = np.concatenate(arrays) if arrays else np.empty(0, dtype)
-        return cls.from_lengths(values, [a.size for a in arrays])
+        arrays = [np.asarray(row).reshape(-1) for row in rows]
+        filled = [a for a in arrays if a.size]  # an empty row is float64 to numpy: no promotion
+        values = np.concatenate(filled) if filled else np.empty(0, dtype)
+        return cls.from_lengths(exact_cast(values, dtype, "ragged rows"), [a.size for a in arrays])
 
     @classmethod
     def from_padded(cls, padded: Any, *, fill: int = MASK_FILL, what: str = "padded rows"):
@@ -123,6 +149,8 @@ class RaggedRows:
 
     def __getitem__(self, rows: slice) -> RaggedRows:
         """Rows ``rows`` (a step-1 slice), sharing memory."""
+        if not isinstance(rows, slice):
+            raise PackedError(f"ragged rows take step-1 slices, found {type(rows).__name__}")
         start, stop, step = rows.indices(self.rows)
         if step != 1:
             raise PackedError(f"ragged rows take step-1 slices, found step {step}")
@@ -142,6 +170,7 @@ class RaggedRows:
         """``[rows, width]`` (default: the widest row), each row's values then ``fill``."""
         width = self.widest if width is None else width
         check_cells(self.rows, width, self.widest, max_cells)
+        checked_fill("fill", fill, self.dtype, error=PackedError)
         values, offsets = self.compact()
         out = np.full((self.rows, width), fill, dtype=values.dtype)
         out[np.arange(width) < np.diff(offsets)[:, None]] = values
@@ -160,6 +189,7 @@ class RaggedRows:
 
 
 def check_cells(rows: int, width: int, widest: int, max_cells: int) -> None:
+    checked_int("padded width", width, error=PackedError)
     if width < widest:
         raise PackedError(f"padded width must be >= the widest row {widest}, found {width}")
     if rows * width > max_cells:

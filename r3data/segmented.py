@@ -72,7 +72,10 @@ def pick_indices(index: Any, batch: int) -> np.ndarray:
     """Positions in ``range(batch)`` picked by an index list or a boolean mask, validated."""
     if isinstance(index, torch.Tensor):
         index = index.detach().cpu().numpy()
-    picks = np.asarray(index)
+    try:
+        picks = np.asarray(index)
+    except ValueError:  # rows of different lengths
+        picks = np.asarray(index, dtype=object)
     if picks.dtype == np.bool_:
         if picks.shape != (batch,):
             raise PackedError(f"boolean mask must have shape ({batch},), found {picks.shape}")

@@ -29,11 +29,11 @@ def complement(spans: Iterable[Span], lo: int, hi: int) -> list[Span]:
     out: list[Span] = []
     cursor = lo
     for start, stop in spans:
+        if cursor >= hi:
+            return out
         if start > cursor:
             out.append((cursor, min(start, hi)))
         cursor = max(cursor, stop)
-        if cursor >= hi:
-            return out
     if cursor < hi:
         out.append((cursor, hi))
     return out

@@ -2,16 +2,20 @@
 
 Bools are refused (``True`` is an int to Python, never a length to a user) and numpy integers
 are accepted and returned as ``int``; the message names the value, what was expected and what
-was found, in the error class the caller's family uses.
+was found, in the error class the caller's family uses. :func:`checked_fill` does the same for
+a fill value, which must be one the array's dtype holds exactly.
 """
 
 from __future__ import annotations
 
+import numbers
+
 import numpy as np
+import torch
 
 from r3data.errors import ConfigError, R3DataError
 
-__all__ = ["checked_int", "nonnegative_int"]
+__all__ = ["checked_fill", "checked_int", "nonnegative_int"]
 
 
 def checked_int(
@@ -39,3 +43,32 @@ def checked_int(
 def nonnegative_int(name: str, value: object, error: type[R3DataError] = ConfigError) -> int:
     """``value`` as an int >= 0 (a length or a position), else ``error`` naming ``name``."""
     return checked_int(name, value, error=error)
+
+
+def checked_fill(
+    name: str,
+    value: object,
+    dtype: np.dtype | torch.dtype,
+    *,
+    error: type[R3DataError] = ConfigError,
+) -> object:
+    """``value`` if ``dtype`` (numpy or torch) holds it exactly, else ``error`` naming ``name``:
+    ``-1`` is no ``uint8`` (it would be 255, a valid expert id), ``0.5`` no integer."""
+    if isinstance(dtype, torch.dtype):
+        floating = dtype.is_floating_point or dtype.is_complex
+        bounds = (0, 1) if dtype == torch.bool else None if floating else torch.iinfo(dtype)
+    else:
+        kind = np.dtype(dtype).kind
+        floating = kind in "fc"
+        bounds = (0, 1) if kind == "b" else None if floating else np.iinfo(dtype)
+    if isinstance(value, numbers.Real | np.bool_):
+        if floating:
+            return value
+        low, high = bounds if isinstance(bounds, tuple) else (bounds.min, bounds.max)
+        try:
+            exact = int(value) == value
+        except (OverflowError, ValueError):  # inf, nan
+            exact = False
+        if exact and low <= value <= high:
+            return value
+    raise error(f"{name}: expected a value {dtype} holds exactly, found {value!r:.40}")

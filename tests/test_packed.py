@@ -98,14 +98,15 @@ def test_cat_repeat_and_repeat_interleave(case, n):
 def test_padded_round_trip(case, side, extra):
     model, packed = case
     longest = max((m.shape[0] for m in model), default=0)
-    rect = packed.padded(fill=7, side=side, max_len=longest + extra)
+    fill = 1 if packed.dtype == torch.bool else 7  # a bool holds 0 and 1, no other fill
+    rect = packed.padded(fill=fill, side=side, max_len=longest + extra)
     assert rect.shape == (len(model), longest + extra, *packed.row_shape)
     for b, m in enumerate(model):
         n = m.shape[0]
         real = rect[b, :n] if side == "right" else rect[b, rect.shape[1] - n :]
         pad = rect[b, n:] if side == "right" else rect[b, : rect.shape[1] - n]
         assert torch.equal(real, m)
-        assert bool((pad == torch.tensor(7).to(rect.dtype)).all())
+        assert bool((pad == torch.tensor(fill).to(rect.dtype)).all())
     assert PackedTensor.from_padded(rect, packed.lengths, side) == packed
 
 
