@@ -56,7 +56,7 @@ def error_line(exc: BaseException) -> str:
     if REMOTE_TRACEBACK in message:
         last = message.strip().splitlines()[-1]
         message = last.split(": ", 1)[-1]
-    return f"r3data: error: {_one_line(message)}"
+    return f"r3data: error: {printable(_one_line(message))}"
 
 
 class CommandParser(argparse.ArgumentParser):

@@ -131,3 +131,12 @@ def test_read_only_commands_write_nothing_anywhere(tmp_path, monkeypatch, capsys
     if "--json" in argv:
         json.loads(out)
     assert sorted((p, p.stat().st_mtime_ns) for p in tmp_path.rglob("*")) == before
+
+
+def test_an_error_naming_a_hostile_path_stays_one_printable_line(tmp_path, capsys):
+    missing = os.fsdecode(os.fsencode(tmp_path) + b"/\x1b[31mred\xff")
+    assert main(["inspect", missing]) == 2
+    captured = capsys.readouterr()
+    (line,) = captured.err.splitlines()
+    assert line.isprintable()
+    assert line == f"r3data: error: {tmp_path}/\\x1b[31mred\\udcff: no such file or directory"
