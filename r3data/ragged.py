@@ -70,7 +70,8 @@ class RaggedRows:
         if values.ndim != 1:
             raise PackedError(f"{what}: expected 1-D values, found shape {values.shape}")
         offsets = row_offsets(offsets, what)
-        if offsets[0] < 0 or offsets[-1] > values.size or (np.diff(offsets) < 0).any():
+        falls = offsets[1:] < offsets[:-1]  # compared: a difference wraps around int64
+        if offsets[0] < 0 or offsets[-1] > values.size or falls.any():
             raise PackedError(
                 f"{what}: expected non-decreasing offsets within [0, {values.size}], found "
                 f"{offsets[:8].tolist()}{'...' if offsets.size > 8 else ''}"

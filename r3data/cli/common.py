@@ -19,6 +19,7 @@ __all__ = [
     "count",
     "format_bytes",
     "int_at_least",
+    "printable",
     "progress",
     "render_table",
     "resolve",
@@ -27,6 +28,16 @@ __all__ = [
 
 def _one_line(text: str) -> str:
     return " ".join(str(text).split())
+
+
+def printable(text: object) -> str:
+    """``text`` safe to print: a name from a listing or a file header may hold a newline (that
+    would fake a line of the report), a terminal escape, or bytes that are not UTF-8 (which a
+    UTF-8 terminal refuses to print); each such character is shown as its escape."""
+    text = str(text)
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 EXIT_PROBLEMS = 1
@@ -45,7 +56,7 @@ def error_line(exc: BaseException) -> str:
     if REMOTE_TRACEBACK in message:
         last = message.strip().splitlines()[-1]
         message = last.split(": ", 1)[-1]
-    return f"r3data: error: {_one_line(message)}"
+    return f"r3data: error: {printable(_one_line(message))}"
 
 
 class CommandParser(argparse.ArgumentParser):

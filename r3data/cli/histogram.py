@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 
 from r3data.cli.common import count
+from r3data.errors import WireFormatError
 from r3data.nodes.screen import dense_layers
 from r3data.synth.expert_load import expert_load
 
@@ -16,6 +17,9 @@ __all__ = ["load_summary", "render_histogram"]
 BARS = " ▁▂▃▄▅▆▇█"
 ASCII_BARS = " .:-=+*#%@"
 EXPERTS_PER_LINE = 64
+MAX_EXPERTS = 1 << 16
+"""Expert ids a histogram counts (uint16 routes' range): a larger id is corrupt, and counting
+up to it would allocate per id."""
 
 
 def load_summary(routes: list[np.ndarray], num_experts: int | None = None) -> dict[str, Any] | None:
@@ -30,6 +34,10 @@ def load_summary(routes: list[np.ndarray], num_experts: int | None = None) -> di
     if not layers:  # every layer all zero: an engine bug, nothing to count
         return None
     experts = num_experts or max(int(r.max()) for r in same) + 1
+    if experts > MAX_EXPERTS:
+        raise WireFormatError(
+            f"expert load: expected expert ids below {MAX_EXPERTS}, found {experts - 1}"
+        )
     counts = sum(expert_load(r, experts, layers)[0] for r in same)
     per_expert = counts.sum(axis=0)
     return {

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 from fsspec import AbstractFileSystem
 
-from r3data.cli.common import count, format_bytes, int_at_least, render_table, resolve
+from r3data.cli.common import count, format_bytes, int_at_least, printable, render_table, resolve
 from r3data.cli.histogram import load_summary, render_histogram
 from r3data.errors import ConfigError, PayloadError, PayloadFormatError, WireFormatError
 from r3data.nodes.screen import ScreenOptions, dense_layers, screen_rows
@@ -113,10 +113,11 @@ def _is_routes(segment: PayloadSegment) -> bool:
 def _read_routes(
     fs: AbstractFileSystem, path: str, segments: list[PayloadSegment]
 ) -> list[np.ndarray]:
-    """The rows of every route-like field of the payload file at ``path``."""
+    """The rows of every route-like field of the payload file at ``path`` that the loader would
+    keep (no negative id)."""
     reader = PayloadReader(posixpath.dirname(path) or ".", fs=fs)
     wanted = [replace(s, file=posixpath.basename(path)) for s in segments if _is_routes(s)]
-    return [reader.read([s])[s.field] for s in wanted]
+    return [_kept(reader.read([s])[s.field]) for s in wanted]
 
 
 def _payload_file(fs: AbstractFileSystem, path: str, shown: str) -> dict[str, Any]:
@@ -238,8 +239,12 @@ def _screened(rows: RowSource) -> list[str]:
 
 
 def _replayable(rows: RowSource) -> np.ndarray:
-    """The route rows the loader would keep (no negative id: -1 is no route)."""
-    array = rows.array
+    """The route rows the loader would keep."""
+    return _kept(rows.array)
+
+
+def _kept(array: np.ndarray) -> np.ndarray:
+    """The route rows of ``array`` with no negative id (-1 is no route)."""
     if array.dtype.kind == "i" and array.size:
         array = array[array.reshape(array.shape[0], -1).min(axis=1) >= 0]
     return array
@@ -306,7 +311,7 @@ def _response(raw: bytes, args: argparse.Namespace) -> dict[str, Any]:
 def _field_rows(fields: list[dict[str, Any]]) -> list[list[str]]:
     return [
         [
-            f["field"],
+            printable(f["field"]),
             f"{f['pos']:,}",
             f"{f['rows']:,}",
             f["dtype"],
@@ -324,7 +329,7 @@ FIELD_HEADERS = ("field", "pos", "rows", "dtype", "row shape", "offset", "bytes"
 
 def _render_file(report: dict[str, Any]) -> list[str]:
     return [
-        f"{report['path']}: payload file (format {report['format_version']}), policy "
+        f"{printable(report['path'])}: payload file (format {report['format_version']}), policy "
         f"version {report['version']}, {format_bytes(report['size'])}",
         render_table(_field_rows(report["fields"]), FIELD_HEADERS),
     ]
@@ -333,27 +338,31 @@ def _render_file(report: dict[str, Any]) -> list[str]:
 def _render_directory(report: dict[str, Any]) -> list[str]:
     rows = [
         [
-            f["file"],
+            printable(f["file"]),
             f"v{f['version']}",
             format_bytes(f["size"]),
             ", ".join(
-                f"{e['field']} {e['rows']:,} x {e['shape'] or 'ragged'} {e['dtype']}"
+                f"{printable(e['field'])} {e['rows']:,} x {e['shape'] or 'ragged'} {e['dtype']}"
                 for e in f["fields"]
             ),
         ]
         for f in report["files"]
     ]
     return [
-        f"{report['path']}: {count(len(report['files']), 'payload file')} "
+        f"{printable(report['path'])}: {count(len(report['files']), 'payload file')} "
         f"({format_bytes(report['bytes'])}), versions {report['versions'] or 'none'}",
         render_table(rows, ("file", "version", "size", "fields")),
-        *[f"  not a payload file: {other['file']}" for other in report["not_payload_files"]],
+        *[
+            f"  not a payload file: {printable(other['file'])}"
+            for other in report["not_payload_files"]
+        ],
     ]
 
 
 def _render_response(report: dict[str, Any]) -> list[str]:
     lines = [
-        f"{report['path']}: {report['producer']} response, {format_bytes(report['body_bytes'])}"
+        f"{printable(report['path'])}: {report['producer']} response, "
+        f"{format_bytes(report['body_bytes'])}"
         + (f" (also read as {', '.join(report['formats'][1:])})" if report["formats"][1:] else "")
     ]
     rows = [
@@ -373,8 +382,8 @@ def _render_response(report: dict[str, Any]) -> list[str]:
         lines.append(render_table(rows, headers))
     for handle in report["handles"]:
         lines.append(
-            f"  by handle: {handle['field']} rows [{handle['pos']:,}, "
-            f"{handle['pos'] + handle['rows']:,}) in {handle['file']} at offset "
+            f"  by handle: {printable(handle['field'])} rows [{handle['pos']:,}, "
+            f"{handle['pos'] + handle['rows']:,}) in {printable(handle['file'])} at offset "
             f"{handle['offset']:,}"
         )
     for side in report["side_fields"]:
@@ -382,9 +391,9 @@ def _render_response(report: dict[str, Any]) -> list[str]:
             f"  {side['field']}: {side['rows']:,} rows from position {side['pos']:,}, widest "
             f"{side.get('widest', '-')}, {side.get('rows_without_ids', 0):,} without ids"
         )
-    lines += [f"  missing: {m}" for m in report["missing"]]
-    lines += [f"  note: {n}" for n in report["notes"]]
-    return lines + [f"  warning: {w}" for w in report["warnings"]]
+    lines += [f"  missing: {printable(m)}" for m in report["missing"]]
+    lines += [f"  note: {printable(n)}" for n in report["notes"]]
+    return lines + [f"  warning: {printable(w)}" for w in report["warnings"]]
 
 
 RENDERERS = {

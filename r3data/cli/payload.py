@@ -7,7 +7,14 @@ import json
 
 from fsspec import AbstractFileSystem
 
-from r3data.cli.common import EXIT_PROBLEMS, count, format_bytes, int_at_least, resolve
+from r3data.cli.common import (
+    EXIT_PROBLEMS,
+    count,
+    format_bytes,
+    int_at_least,
+    printable,
+    resolve,
+)
 from r3data.errors import ConfigError, PayloadNotFoundError
 from r3data.payload import PayloadRoot, gc, verify
 
@@ -97,19 +104,19 @@ def run_verify(args: argparse.Namespace) -> int:
         print(json.dumps(report.as_dict(), indent=2))
         return EXIT_PROBLEMS if problems else 0
     print(
-        f"{args.root}: {count(report.files_checked, 'payload file')} checked "
+        f"{printable(args.root)}: {count(report.files_checked, 'payload file')} checked "
         f"({format_bytes(report.bytes_checked)}), versions {report.versions or 'none'}"
     )
     for title, problems_of in (("corrupt", report.corrupt), ("unreadable", report.unreadable)):
         for name, message in problems_of.items():
-            print(f"  {title:<10} {name}: {message}")
+            print(f"  {title:<10} {printable(name)}: {printable(message)}")
     for title, names in (
         ("orphan", report.orphans),
         ("temporary", report.temporary),
         ("headerless", report.headerless),
     ):
         for name in names:
-            print(f"  {title:<10} {name}")
+            print(f"  {title:<10} {printable(name)}")
     if report.stale_versions:
         print(
             f"  stale      versions {report.stale_versions}: no batch after step {args.step} "
@@ -136,11 +143,11 @@ def run_gc(args: argparse.Namespace) -> int:
         return EXIT_PROBLEMS if report.errors else 0
     verb = "would remove" if report.dry_run else "removed"
     print(
-        f"{args.root}: {verb} {count(len(report.files), 'file')} ({format_bytes(report.bytes)}) in "
+        f"{printable(args.root)}: {verb} {count(len(report.files), 'file')} ({format_bytes(report.bytes)}) in "
         f"versions {report.versions or 'none'}; versions >= v{report.bound} are kept"
     )
     for name in report.files:
-        print(f"  {name}")
+        print(f"  {printable(name)}")
     for message in report.errors:
-        print(f"  error {message}")
+        print(f"  error {printable(message)}")
     return EXIT_PROBLEMS if report.errors else 0

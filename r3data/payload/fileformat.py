@@ -18,6 +18,7 @@ knowledge of the header, exactly like the headerless files prime-rl's server wri
 
 from __future__ import annotations
 
+import itertools
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -186,7 +187,25 @@ def _parse_table(table: bytes, file: str, size: int, format_version: int) -> Pay
     names = [entry.segment.field for entry in entries]
     if len(set(names)) != len(names):
         raise PayloadFormatError(f"{file}: header lists a field twice: {names}")
+    _check_apart(entries, file)
     return PayloadHeader(format_version, version, entries, data_start)
+
+
+def _check_apart(entries: tuple[FieldEntry, ...], file: str) -> None:
+    """Refuse fields whose byte ranges (a ragged field's values and index included) overlap: a
+    writer never shares bytes, so one byte would be checked, and read, as two things."""
+    ranges = sorted(
+        (start, stop, entry.segment.field)
+        for entry in entries
+        for start, stop in entry.byte_ranges
+        if stop > start
+    )
+    for (start, stop, field), (next_start, next_stop, next_field) in itertools.pairwise(ranges):
+        if next_start < stop:
+            raise PayloadFormatError(
+                f"{file}: expected fields' bytes apart, found field {field!r} at [{start}, "
+                f"{stop}) and field {next_field!r} at [{next_start}, {next_stop}), which overlap"
+            )
 
 
 def _parse_entry(raw: Any, file: str, size: int, data_start: int) -> FieldEntry:

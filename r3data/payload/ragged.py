@@ -70,6 +70,11 @@ def as_ragged(data: RaggedRows | tuple[Any, Any] | Sequence[Any], what: str) -> 
     lengths = lengths.astype(np.int64)
     if lengths.size and lengths.min() < 0:
         raise SegmentError(f"{what}: row_lengths must be >= 0, found {int(lengths.min())}")
+    if lengths.size and lengths.max() > values.size:  # else their sum may wrap around int64
+        raise SegmentError(
+            f"{what}: row_lengths: expected each <= the {values.size} values, found "
+            f"{int(lengths.max())}"
+        )
     if int(lengths.sum()) != values.size:
         raise SegmentError(
             f"{what}: row_lengths sum to {int(lengths.sum())}, values hold {values.size} elements"

@@ -525,8 +525,8 @@ def ragged_index(index_range: RangeRead) -> np.ndarray:
     """The element offsets a ragged segment's index table (already read) holds, checked."""
     s = index_range.segment
     index = index_range.array().view(INDEX_DTYPE)
-    steps = np.diff(index)
-    if index[0] < 0 or (steps.size and steps.min() < 0):
+    # compared, not differenced: a difference wraps around int64 and hides a fall
+    if index[0] < 0 or (index[1:] < index[:-1]).any():
         raise PayloadFormatError(
             f"{s.file}: ragged index of field {s.field!r} at byte {s.index} must be non-decreasing "
             f"from >= 0, found {index[: min(8, index.size)].tolist()}..."

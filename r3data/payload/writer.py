@@ -33,6 +33,9 @@ TEMP_SUFFIX = ".tmp"
 _STREAM_CHUNK = 8 << 20
 """Bytes per write into an object store's file when it does not say its block size."""
 
+MAX_NUMBER = 2**63 - 1
+"""The largest version or position a header holds (its JSON integers are 64-bit)."""
+
 
 class PayloadWriter:
     """Writes files ``<root>/v<version>/<id>.bin`` and returns segments that name them.
@@ -64,7 +67,7 @@ class PayloadWriter:
         (routes and masks of one request usually start at different positions). Segments carry
         the CRC-32C of their bytes and name the file relative to the root (``v3/<id>.bin``).
         """
-        version = checked_int("payload version", version, error=SegmentError)
+        version = checked_int("payload version", version, maximum=MAX_NUMBER, error=SegmentError)
         if not isinstance(fields, Mapping) or not fields:
             raise SegmentError(
                 f"fields must be a non-empty mapping of name -> rows, found {fields!r:.80}"
@@ -129,7 +132,7 @@ class PayloadWriter:
                 _upload(fs, final, parts)
         except BaseException as exc:
             _remove_quietly(fs, final)
-            if isinstance(exc, OSError):
+            if isinstance(exc, Exception):  # a client library's own errors fail a write too
                 raise PayloadWriteError(
                     f"writing payload file {fs.unstrip_protocol(final)}: {exc}"
                 ) from exc
@@ -150,13 +153,18 @@ def _first_pos(pos: int | Mapping[str, int], name: str) -> int:
             raise SegmentError(
                 f"pos must give a first position for field {name!r}, has {sorted(pos)}"
             )
-        return pos[name]
-    return pos
+        pos = pos[name]
+    return checked_int(f"field {name!r} pos", pos, maximum=MAX_NUMBER, error=SegmentError)
 
 
 def _draft(file: str, name: str, data: FieldData, pos: int) -> tuple[FieldEntry, list[Any]]:
     """The field's segment before placement (offsets 0) and the buffers that hold its bytes."""
     what = f"field {name!r}"
+    if isinstance(name, str) and not name.isascii():
+        try:
+            name.encode()
+        except UnicodeEncodeError:
+            raise SegmentError(f"field name: expected UTF-8 text, found {name!r}") from None
     if isinstance(data, (tuple, list, RaggedRows)):
         ragged = as_ragged(data, what)
         index = ragged.offsets.astype(INDEX_DTYPE)

@@ -237,7 +237,7 @@ def test_reader_arguments_are_checked(tmp_path):
 @pytest.mark.parametrize(
     ("version", "fields", "pos", "message"),
     [
-        (-1, {"routes": ROUTES}, 0, "version: expected an int >= 0"),
+        (-1, {"routes": ROUTES}, 0, r"version: expected an int in \[0, 9223372036854775807\]"),
         (1, {}, 0, "non-empty mapping"),
         (1, {"routes": ROUTES, "mask": [np.arange(2)]}, {"routes": 0}, "pos must give .* 'mask'"),
         (1, {"mask": (np.arange(3), np.array([1, 1]))}, 0, "sum to 2, values hold 3"),
