@@ -44,9 +44,9 @@ def _validate_offsets(offsets: np.ndarray, total_rows: int) -> None:
         raise PackedError(
             f"cu_seqlens must end at the number of rows {total_rows}, found {int(offsets[-1])}"
         )
-    steps = np.diff(offsets)
-    if steps.size and steps.min() < 0:
-        at = int(np.argmin(steps))
+    falls = offsets[1:] < offsets[:-1]  # compared: a difference wraps around int64
+    if falls.any():
+        at = int(np.argmax(falls))
         raise PackedError(
             f"cu_seqlens must be non-decreasing, found {int(offsets[at])} then "
             f"{int(offsets[at + 1])} at index {at}"
