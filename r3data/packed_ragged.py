@@ -43,7 +43,7 @@ class PackedRagged(Segmented):
                 f"{type(rows).__name__}"
             )
         offsets = row_offsets(offsets, "PackedRagged offsets")
-        if offsets[0] != 0 or offsets[-1] != len(rows) or (np.diff(offsets) < 0).any():
+        if offsets[0] != 0 or offsets[-1] != len(rows) or (offsets[1:] < offsets[:-1]).any():
             raise PackedError(
                 f"PackedRagged offsets: expected non-decreasing offsets from 0 to the "
                 f"{len(rows)} rows, found {offsets[:8].tolist()}"

@@ -203,7 +203,7 @@ def test_given_cu_seqlens_is_kept_as_a_private_copy():
         (torch.zeros(3), [0, 2], "end at the number of rows 3, found 2"),
         (torch.zeros(3), [0, 2, 1, 3], "non-decreasing, found 2 then 1"),
         # a difference of neighbours wraps around int64; the comparison does not
-        (torch.zeros(3), [0, 2**62, -(2**63), 3], f"non-decreasing, found {2**62} then"),
+        (torch.zeros(3), [0, 2**62, -(2**63), -(2**62), 3], f"non-decreasing, found {2**62} then"),
         (torch.zeros(3), [[0, 3]], "1-D"),
         (torch.zeros(3), [0.0, 3.0], "integers"),
         (torch.zeros(3), torch.tensor([0.0, 3.0]), "integers"),

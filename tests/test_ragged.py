@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from r3data import TensorBatch
 from r3data.errors import PackedError, PackedIndexError
+from r3data.packed import PackedTensor
 from r3data.packed_ragged import PackedRagged
 from r3data.ragged import RaggedRows
 
@@ -102,3 +103,11 @@ def test_packed_ragged_refuses_what_a_packed_tensor_refuses():
         masks.repeat_interleave(-1)
     assert masks[-1].lengths.tolist() == [1]
     assert masks[1:1].total_rows == 0
+
+
+def test_packed_ragged_offsets_that_wrap_around_int64_are_refused():
+    """Sample offsets are compared neighbour to neighbour: their differences wrap around
+    int64, and ``[0, 2**62, -2**63, -2**62, 3]`` looked non-decreasing to them."""
+    rows = PackedTensor(torch.arange(3), [0, 1, 2, 3])
+    with pytest.raises(PackedError, match="expected non-decreasing offsets from 0 to the 3"):
+        PackedRagged(rows, [0, 2**62, -(2**63), -(2**62), 3])
