@@ -23,7 +23,7 @@ import inspect
 import re
 import weakref
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -46,22 +46,49 @@ _TOPK_NAMES = (
 _CHOICE_NAMES = ("n_routed_experts", "num_experts", "num_local_experts", "moe_num_experts")
 _PROBE_TOKENS = 16
 
-_probed: weakref.WeakKeyDictionary[torch.nn.Module, RouterSite | str] = weakref.WeakKeyDictionary()
-_found: weakref.WeakKeyDictionary[torch.nn.Module, Routers] = weakref.WeakKeyDictionary()
+
+@dataclass(frozen=True)
+class _Contract:
+    """What the probe learnt of one router module (holding no reference to it, so that the
+    cache keyed by the module lets it go)."""
+
+    on_block: bool
+    """The pick is in the block's ``route_tokens_to_experts``, not the router's forward."""
+    topk: int
+    choices: int
+    carries: str
+    selects_on_logits: bool
+
+
+_probed: weakref.WeakKeyDictionary[torch.nn.Module, _Contract | str] = weakref.WeakKeyDictionary()
+_found: weakref.WeakKeyDictionary[torch.nn.Module, tuple[Routers, tuple[str, ...]]] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 def find_routers(model: torch.nn.Module) -> Routers:
     """The model's routers with their contracts, or a :class:`ReplayError` saying why not.
 
-    Found once per model (modules added or replaced later are not seen).
+    Found once per model and found again when a router module found before is no longer
+    at its place in the model (replaced or wrapped since).
     """
     known = _found.get(model)
-    if known is None:
+    if known is None or not _still_there(model, *known):
         known = _found[model] = _find(model)
-    return known
+    return known[0]
 
 
-def _find(model: torch.nn.Module) -> Routers:
+def _still_there(model: torch.nn.Module, routers: Routers, paths: tuple[str, ...]) -> bool:
+    try:
+        return all(
+            model.get_submodule(path) is site.module
+            for site, path in zip(routers.sites, paths, strict=True)
+        )
+    except AttributeError:
+        return False
+
+
+def _find(model: torch.nn.Module) -> tuple[Routers, tuple[str, ...]]:
     config = _text_config(model)
     layers = _decoder_layers(model, _int_attr(config, ("num_hidden_layers", "num_layers")))
     num_layers = len(layers)
@@ -92,7 +119,8 @@ def _find(model: torch.nn.Module) -> Routers:
             f"{type(model).__name__} routes a different top-k per layer ({sorted(topks)}); "
             "routes [tokens, layers, topk] need one"
         )
-    return Routers(num_layers, tuple(sites))
+    paths = {id(module): path for path, module in model.named_modules()}
+    return Routers(num_layers, tuple(sites)), tuple(paths[id(site.module)] for site in sites)
 
 
 # --- structure ------------------------------------------------------------------------------
@@ -159,7 +187,11 @@ def _site(
     if isinstance(known, str):
         raise ReplayError(known)
     if known is not None:
-        return replace(known, layer=layer, name=name)
+        method = "route_tokens_to_experts" if known.on_block else "forward"
+        return RouterSite(
+            layer, parent if known.on_block else module, method, known.topk, known.choices,
+            name, known.carries, known.selects_on_logits, probed=True,
+        )  # fmt: skip
     topk = _int_attr(module, _TOPK_NAMES) or _int_attr(parent, _TOPK_NAMES)
     topk = topk or _int_attr(config, _TOPK_NAMES)
     choices = _int_attr(module, _CHOICE_NAMES) or _int_attr(parent, _CHOICE_NAMES)
@@ -179,7 +211,10 @@ def _site(
         _probed[module] = str(error)
         raise
     if site is not None:
-        _probed[module] = site
+        on_block = site.module is not module
+        _probed[module] = _Contract(
+            on_block, site.topk, site.choices, site.carries, site.selects_on_logits
+        )
         return site
     return RouterSite(layer, module, "forward", topk, choices, name)
 

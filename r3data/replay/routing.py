@@ -17,7 +17,7 @@ from typing import Literal
 import torch
 
 from r3data.errors import ReplayError
-from r3data.layout import Fill, ModelLayers, RoundRobin
+from r3data.layout import PAD, Fill, ModelLayers, RoundRobin
 from r3data.packed import PackedTensor
 from r3data.replay.agreement import RoutingAgreement
 from r3data.replay.hf_inputs import HFInputs
@@ -27,6 +27,8 @@ from r3data.replay.tap import RouterSite, tap_routers
 __all__ = ["Record", "Replay", "Routers", "recording", "replaying"]
 
 FillOption = Fill | Literal["round_robin"]
+#: Route dtypes without a CPU min or max in torch: widened for the id check.
+_WIDENED = (torch.uint16, torch.uint32)
 
 
 @dataclass(frozen=True)
@@ -143,12 +145,12 @@ def replaying(
     per_layer = inputs.routes(
         routes, routers.model_layers, layer_axis=axis, fill=resolve_fill(routers, fill)
     )
+    on_device = _on_device(routers, per_layer, device)
+    _check_distinct(routers, on_device, inputs)
     counted = inputs.token_mask(device)
     if valid is not None:
         counted &= inputs.pad(valid.to(dtype=torch.bool), fill=False).reshape(-1).to(device)
-    session = ReplaySession(
-        routers.sites, _on_device(routers, per_layer, device), counted, threshold=threshold
-    )
+    session = ReplaySession(routers.sites, on_device, counted, threshold=threshold)
     with tap_routers(routers.sites, session, replays=True):
         yield Replay(routers, session)
 
@@ -204,7 +206,9 @@ def _check_ids(routers: Routers, routes: PackedTensor, axis: str) -> None:
         return
     dense = sorted(set(range(routers.num_layers)) - set(routers.moe_layers))
     columns = values[:, list(routers.moe_layers)] if axis == "all" and dense else values
-    low, high = (int(v) for v in torch.aminmax(columns))  # in the routes' own dtype
+    if columns.dtype in _WIDENED:  # torch has no min or max of these on the CPU
+        columns = columns.to(torch.int64)
+    low, high = (int(v) for v in torch.aminmax(columns))
     if low < 0 or high >= routers.choices:
         raise ReplayError(
             f"routes hold expert id {low if low < 0 else high}; this model's routers pick "
@@ -222,6 +226,37 @@ def _check_ids(routers: Routers, routes: PackedTensor, axis: str) -> None:
             f"{block[row, which].tolist()} at row {row}; a dense layer has no router (zeros "
             "expected): the routes come from another model"
         )
+
+
+def _check_distinct(routers: Routers, per_layer: dict[int, torch.Tensor], inputs: HFInputs) -> None:
+    """Refuse a token whose replayed experts repeat one (a router picks ``topk`` distinct
+    experts; a repeat would send the token to that expert twice, or to fewer than ``topk``),
+    checked on the device the routes replay from, with one synchronisation."""
+    topk = routers.topk
+    if topk < 2 or not per_layer or not inputs.num_tokens:
+        return
+    flags = torch.stack(
+        [
+            torch.stack([(t[:, s:] == t[:, :-s]).any() for s in range(1, topk)]).any()
+            for t in per_layer.values()
+        ]
+    )
+    if not bool(flags.any()):
+        return
+    layer, routes = next(
+        (layer, t)
+        for (layer, t), flag in zip(per_layer.items(), flags.tolist(), strict=True)
+        if flag
+    )
+    ordered = routes.sort(dim=-1).values
+    token = int(torch.nonzero((ordered[:, 1:] == ordered[:, :-1]).any(-1))[0])
+    row = int(inputs.index[token])
+    where = "at padding" if row == PAD else f"at row {row}"
+    raise ReplayError(
+        f"layer {layer}'s router picks {topk} distinct experts, the routes give it "
+        f"{routes[token].tolist()} {where} (a repeated id is no route: an engine's zero row, "
+        "or a corrupt one)"
+    )
 
 
 def _check_inputs(inputs: object) -> None:

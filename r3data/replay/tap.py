@@ -29,6 +29,18 @@ from r3data.errors import ReplayError
 __all__ = ["RouterSite", "Session", "TopkTap", "carried", "in_backward", "tap_routers"]
 
 _TOPK = (torch.topk, torch.Tensor.topk)
+#: A group-limited choice masks the scores of the groups not chosen before its top-k.
+_MASKS = (torch.masked_fill, torch.Tensor.masked_fill)
+#: Shape changes a masked score tensor may take on the way to the top-k.
+_RESHAPES = (
+    torch.flatten,
+    torch.Tensor.flatten,
+    torch.reshape,
+    torch.Tensor.reshape,
+    torch.Tensor.view,
+    torch.unflatten,
+    torch.Tensor.unflatten,
+)
 
 
 @dataclass(frozen=True, eq=False)
@@ -69,14 +81,19 @@ class TopkTap(TorchFunctionMode):
         self.scores: torch.Tensor | None = None
         self.own: torch.Tensor | None = None
         self.used: torch.Tensor | None = None
+        self._unmasked: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        """``id(masked) -> (masked, the same scores before any mask)``, for this call."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func in _MASKS or func in _RESHAPES:
+            return self._track(func, args, kwargs)
         if func not in _TOPK or not self._selects(args, kwargs):
             return func(*args, **kwargs)
         values, own = func(*args, **kwargs)
         self.calls += 1
-        scores = args[0]
+        # the trainer's own scores: a group-limited choice's mask only steers its own pick
+        scores = self._before_masks(args[0])
         flat_scores = scores.reshape(-1, self.choices)
         flat_own = own.reshape(-1, self.k)
         picked = None if self.choose is None else self.choose(flat_scores, flat_own)
@@ -87,6 +104,23 @@ class TopkTap(TorchFunctionMode):
         used = picked.to(own.device, own.dtype).view(own.shape)
         self.used = used
         return torch.return_types.topk((scores.gather(-1, used), used))
+
+    def _track(self, func, args: tuple, kwargs: dict) -> Any:
+        """Run a mask or a reshape, remembering the scores before any mask."""
+        out = func(*args, **kwargs)
+        source = args[0] if args else None
+        if not isinstance(out, torch.Tensor) or not isinstance(source, torch.Tensor):
+            return out
+        if func in _MASKS:
+            self._unmasked[id(out)] = (out, self._before_masks(source))
+        elif id(source) in self._unmasked and self._unmasked[id(source)][0] is source:
+            before = func(self._unmasked[id(source)][1], *args[1:], **kwargs)
+            self._unmasked[id(out)] = (out, before)
+        return out
+
+    def _before_masks(self, tensor: torch.Tensor) -> torch.Tensor:
+        masked, before = self._unmasked.get(id(tensor), (None, tensor))
+        return before if masked is tensor else tensor
 
     def _selects(self, args: tuple, kwargs: dict) -> bool:
         """Is this the router's top-k: ``k`` largest over the last dim of ``choices``?"""
