@@ -10,6 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from layout_reference import PAD, rank_rows
+from test_layout_expand import all_ranks
 
 from r3data.errors import LayoutError
 from r3data.layout import ModelLayers, RankRows, TokenLayout, expand, expand_batch_major, gather
@@ -59,22 +60,6 @@ def local_read(routes: PackedTensor, layout: TokenLayout, lengths) -> RankRows:
     return RankRows(rows.values, rows.cu_seqlens, layout=layout, full_lengths=lengths)
 
 
-def every_rank(tp, cp, sp, packed, **extra) -> list[TokenLayout]:
-    return [
-        TokenLayout(
-            tp_size=tp,
-            tp_rank=t,
-            cp_size=cp,
-            cp_rank=c,
-            sequence_parallel=sp,
-            packed=packed,
-            **extra,
-        )
-        for c in range(cp)
-        for t in range(tp)
-    ]
-
-
 LENGTHS = st.lists(
     st.one_of(st.integers(0, 2), st.integers(29, 35), st.integers(0, 200)), min_size=0, max_size=5
 )
@@ -113,7 +98,7 @@ def layout_kwargs(case) -> dict:
     tp, cp, sp, packed = case["tp"], case["cp"], case["sp"], case["packed"]
     need = (2 * cp if cp > 1 else 1) * (tp if sp else 1)
     pad_multiple = None if case["pad_factor"] is None else need * case["pad_factor"]
-    kwargs = {"pad_multiple": pad_multiple, "padding_side": "right" if packed else case["side"]}
+    kwargs = {"pad_multiple": pad_multiple, "side": case["side"]}
     if not packed and case["extra_length"] is not None:
         longest = max(case["lengths"], default=0)
         kwargs["seq_length"] = (-(-longest // need) + case["extra_length"]) * need
@@ -145,7 +130,7 @@ def test_expand_matches_a_per_token_reference_on_every_rank_and_geometry(case, s
         "narrow": list(rng.permutation(8)[:topk]),
     }[case["fill"]]
     fill_row = np.arange(topk) if fill == "distinct" else np.asarray(fill)
-    ranks = every_rank(
+    ranks = all_ranks(
         case["tp"], case["cp"], case["sp"], case["packed"], layers=layers, **layout_kwargs(case)
     )
     with pytest.MonkeyPatch.context() as patch:
@@ -195,8 +180,8 @@ def test_runs_ending_at_staging_block_and_segment_edges(layers, topk, dtype, shi
     for layout in [
         TokenLayout(packed=False),
         TokenLayout(packed=False, padding_side="left", seq_length=4 * places + 2),
-        *every_rank(2, 2, True, False, padding_side="left"),
-        *every_rank(1, 3, False, False),
+        *all_ranks(2, 2, True, False, "left"),
+        *all_ranks(1, 3, False, False),
     ]:
         rows = rank_rows(layout, lengths)
         want = expected(values, rows, range(layers), np.arange(topk))
@@ -209,7 +194,7 @@ def test_the_piece_cache_serves_equal_layouts_and_stays_unchanged_across_calls()
     micro-batches of one common length; interleaved calls over ranks and lengths, and calls
     after the cache was emptied, all equal the reference, and no call writes the cache."""
     _sequence_pieces.cache_clear()
-    plain = every_rank(2, 2, True, False)
+    plain = all_ranks(2, 2, True, False)
     numpy_built = [
         TokenLayout(
             tp_size=np.int64(2),

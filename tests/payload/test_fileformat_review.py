@@ -20,6 +20,7 @@ import pytest
 from fsspec.implementations.memory import MemoryFileSystem
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from test_payload_roundtrip import random_rows
 
 from r3data.errors import PackedError, PayloadFormatError
 from r3data.payload import (
@@ -48,13 +49,7 @@ FIELDS = {
 
 
 def rows_of(dtype: str, shape: tuple[int, ...], seed: int) -> np.ndarray:
-    rng = np.random.default_rng(seed)
-    if dtype == "bool":
-        return rng.random(shape) < 0.5
-    if np.dtype(dtype).kind == "f":
-        return rng.standard_normal(shape).astype(dtype)
-    info = np.iinfo(dtype)
-    return rng.integers(info.min, info.max, shape, dtype=dtype, endpoint=True)
+    return random_rows(np.random.default_rng(seed), dtype, shape)
 
 
 @st.composite
