@@ -80,20 +80,50 @@ def replay(
     rate is in the agreement).
     """
     routes, batch = routes_of(routes)
-    with replaying(
-        find_routers(model),
-        routes,
-        inputs,
-        model_device(model),
-        layer_axis=layer_axis,
-        fill=fill,
-        threshold=threshold,
-        valid=None if batch is None else batch.get(VALID_FIELD),
-    ) as handle:
+    with (
+        replaying(
+            find_routers(model),
+            routes,
+            inputs,
+            model_device(model),
+            layer_axis=layer_axis,
+            fill=fill,
+            threshold=threshold,
+            valid=None if batch is None else batch.get(VALID_FIELD),
+        ) as handle,
+        _only_these_inputs(model, inputs),
+    ):
         yield handle
     handle.session.check_recomputed(_checkpointed(model))
     if batch is not None:
         batch.metadata["agreement"] = handle.agreement
+
+
+@contextlib.contextmanager
+def _only_these_inputs(model: torch.nn.Module, inputs: HFInputs) -> Iterator[None]:
+    """Refuse a forward on other ``input_ids`` than the routes were laid out for: another
+    micro-batch of the same token count would otherwise take these routes, silently."""
+    expected: dict[torch.device, torch.Tensor] = {}
+
+    def check(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if not isinstance(ids, torch.Tensor):
+            return  # inputs_embeds: nothing to compare; the routers check the token count
+        want = expected.get(ids.device)
+        if want is None:
+            want = expected[ids.device] = inputs.input_ids.to(ids.device)
+        if ids.shape != want.shape or not torch.equal(ids, want):
+            raise ReplayError(
+                f"the model was called with input_ids of shape {list(ids.shape)} other than "
+                f"the {list(want.shape)} the routes were laid out for: one replay context "
+                "holds one micro-batch's routes (open one per micro-batch)"
+            )
+
+    handle = model.register_forward_pre_hook(check, with_kwargs=True)
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 def routes_of(routes: PackedTensor | TensorBatch) -> tuple[PackedTensor, TensorBatch | None]:

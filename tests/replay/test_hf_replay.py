@@ -262,10 +262,25 @@ def test_routes_that_do_not_fit_raise_before_the_forward(qwen):
     hook.remove()
     assert not ran
     with (
-        pytest.raises(ReplayError, match="routes 30 tokens, the replayed routes hold 27"),
+        pytest.raises(ReplayError, match=r"input_ids of shape \[3, 10\] other than the \[3, 9\]"),
         replay(model, routes, inputs),
     ):
         outputs(model, causal, hf_inputs(token_batch([10, 10, 10])))  # other inputs
+
+
+def test_another_micro_batch_of_the_same_token_count_is_refused(qwen):
+    """A replay context holds one micro-batch's routes: the next micro-batch, of the same
+    lengths but other tokens, must not take them (the routers see only the token count)."""
+    model, causal = qwen
+    inputs = hf_inputs(token_batch(seed=0))
+    routes, _ = recorded(model, causal, inputs)
+    with replay(model, routes, inputs):
+        outputs(model, causal, inputs)
+        outputs(model, causal, hf_inputs(token_batch(seed=0)))  # the same ids, rebuilt
+        with pytest.raises(ReplayError, match="one replay context holds one micro-batch's"):
+            outputs(model, causal, hf_inputs(token_batch(seed=1)))
+    plain = outputs(model, causal, hf_inputs(token_batch(seed=1)))  # the check left with it
+    assert plain.shape[:2] == inputs.input_ids.shape
 
 
 def test_dense_layers_take_zeros_or_placeholders_and_nothing_else():
