@@ -36,7 +36,7 @@ from r3data.replay.hf_inputs import HFInputs
 from r3data.replay.hf_routers import find_routers
 from r3data.replay.routing import FillOption, Record, Replay, recording, replaying
 
-__all__ = ["ROUTES_FIELD", "VALID_FIELD", "record", "replay"]
+__all__ = ["ROUTES_FIELD", "VALID_FIELD", "only_these_inputs", "record", "replay"]
 
 ROUTES_FIELD = "routed_experts"
 VALID_FIELD = "routed_experts_valid"
@@ -91,7 +91,7 @@ def replay(
             threshold=threshold,
             valid=None if batch is None else batch.get(VALID_FIELD),
         ) as handle,
-        _only_these_inputs(model, inputs),
+        only_these_inputs(model, inputs),
     ):
         yield handle
     handle.session.check_recomputed(_checkpointed(model))
@@ -100,15 +100,16 @@ def replay(
 
 
 @contextlib.contextmanager
-def _only_these_inputs(model: torch.nn.Module, inputs: HFInputs) -> Iterator[None]:
-    """Refuse a forward on other ``input_ids`` than the routes were laid out for: another
-    micro-batch of the same token count would otherwise take these routes, silently."""
+def only_these_inputs(model: torch.nn.Module, inputs: HFInputs) -> Iterator[None]:
+    """Refuse a forward on other token ids (``input_ids``, torchtitan's ``tokens``) than the
+    routes were laid out for: another micro-batch of the same token count would otherwise
+    take these routes, silently."""
     expected: dict[torch.device, torch.Tensor] = {}
 
     def check(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-        ids = kwargs.get("input_ids", args[0] if args else None)
-        if not isinstance(ids, torch.Tensor):
-            return  # inputs_embeds: nothing to compare; the routers check the token count
+        ids = kwargs.get("input_ids", kwargs.get("tokens", args[0] if args else None))
+        if not isinstance(ids, torch.Tensor) or ids.is_floating_point() or ids.dtype == torch.bool:
+            return  # embeddings or a later pipeline stage's hidden states: the routers check
         want = expected.get(ids.device)
         if want is None:
             want = expected[ids.device] = inputs.input_ids.to(ids.device)

@@ -25,7 +25,7 @@ import torch
 from r3data.batch import TensorBatch
 from r3data.errors import ReplayError
 from r3data.packed import PackedTensor
-from r3data.replay.hf import VALID_FIELD, model_device, routes_of
+from r3data.replay.hf import VALID_FIELD, model_device, only_these_inputs, routes_of
 from r3data.replay.hf_inputs import HFInputs
 from r3data.replay.routing import FillOption, Record, Replay, Routers, recording, replaying
 from r3data.replay.tap import RouterSite
@@ -96,16 +96,19 @@ def replay(
     Run backward inside the context when activation checkpointing recomputes the routers.
     """
     routes, batch = routes_of(routes)
-    with replaying(
-        find_routers(model),
-        routes,
-        inputs,
-        model_device(model),
-        layer_axis=layer_axis,
-        fill=fill,
-        threshold=threshold,
-        valid=None if batch is None else batch.get(VALID_FIELD),
-    ) as handle:
+    with (
+        replaying(
+            find_routers(model),
+            routes,
+            inputs,
+            model_device(model),
+            layer_axis=layer_axis,
+            fill=fill,
+            threshold=threshold,
+            valid=None if batch is None else batch.get(VALID_FIELD),
+        ) as handle,
+        only_these_inputs(model, inputs),
+    ):
         yield handle
     if batch is not None:
         batch.metadata["agreement"] = handle.agreement

@@ -157,3 +157,20 @@ def test_torchtitan_routes_that_do_not_fit_raise_before_the_forward():
     model.layers[1].moe.router._debug_force_load_balance = True
     with pytest.raises(ReplayError, match="forces load balancing"), record(model, inputs):
         pass
+
+
+def test_torchtitan_forward_on_other_tokens_is_refused():
+    """One replay context holds one micro-batch's routes: other tokens of the same shape (the
+    next micro-batch) are refused; a forward on the same tokens replays them again."""
+    model = Decoder()
+    inputs = hf_inputs(token_batch(seed=0))
+    with torch.no_grad(), record(model, inputs) as recorded:
+        model(inputs["input_ids"])
+    other = hf_inputs(token_batch(seed=1))["input_ids"]
+    assert other.shape == inputs["input_ids"].shape
+    with torch.no_grad(), replay(model, recorded.routes, inputs):
+        model(inputs["input_ids"].clone())
+        with pytest.raises(ReplayError, match="one replay context holds one micro-batch's"):
+            model(other)
+        with pytest.raises(ReplayError, match="one replay context holds one micro-batch's"):
+            model(tokens=other)
