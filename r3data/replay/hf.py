@@ -24,7 +24,7 @@ config (see :mod:`r3data.replay.hf_routers`).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Literal
 
 import torch
@@ -34,9 +34,9 @@ from r3data.errors import ReplayError
 from r3data.packed import PackedTensor
 from r3data.replay.hf_inputs import HFInputs
 from r3data.replay.hf_routers import find_routers
-from r3data.replay.routing import FillOption, Record, Replay, recording, replaying
+from r3data.replay.routing import FillOption, Record, Replay, Routers, recording, replaying
 
-__all__ = ["ROUTES_FIELD", "VALID_FIELD", "only_these_inputs", "record", "replay"]
+__all__ = ["ROUTES_FIELD", "VALID_FIELD", "record", "replay", "replaying_model"]
 
 ROUTES_FIELD = "routed_experts"
 VALID_FIELD = "routed_experts_valid"
@@ -79,10 +79,38 @@ def replay(
     at least r times its weakest own top-k score, refilling from its own top-k (the replace
     rate is in the agreement).
     """
+    with replaying_model(
+        model,
+        find_routers(model),
+        routes,
+        inputs,
+        layer_axis=layer_axis,
+        fill=fill,
+        threshold=threshold,
+        checkpointed=lambda: _checkpointed(model),
+    ) as handle:
+        yield handle
+
+
+@contextlib.contextmanager
+def replaying_model(
+    model: torch.nn.Module,
+    routers: Routers,
+    routes: PackedTensor | TensorBatch,
+    inputs: HFInputs,
+    *,
+    layer_axis: Literal["all", "moe"] | None,
+    fill: FillOption,
+    threshold: float | None,
+    checkpointed: Callable[[], bool] | None,
+) -> Iterator[Replay]:
+    """:func:`replay` on ``routers`` of ``model`` (transformers' or torchtitan's), forwards
+    on these inputs only; on exit, ``checkpointed()`` (when the model's activation
+    checkpointing can be seen) checks the recomputes, and a batch gets its agreement."""
     routes, batch = routes_of(routes)
     with (
         replaying(
-            find_routers(model),
+            routers,
             routes,
             inputs,
             model_device(model),
@@ -94,7 +122,8 @@ def replay(
         only_these_inputs(model, inputs),
     ):
         yield handle
-    handle.session.check_recomputed(_checkpointed(model))
+    if checkpointed is not None:
+        handle.session.check_recomputed(checkpointed())
     if batch is not None:
         batch.metadata["agreement"] = handle.agreement
 

@@ -25,9 +25,9 @@ import torch
 from r3data.batch import TensorBatch
 from r3data.errors import ReplayError
 from r3data.packed import PackedTensor
-from r3data.replay.hf import VALID_FIELD, model_device, only_these_inputs, routes_of
+from r3data.replay.hf import model_device, replaying_model
 from r3data.replay.hf_inputs import HFInputs
-from r3data.replay.routing import FillOption, Record, Replay, Routers, recording, replaying
+from r3data.replay.routing import FillOption, Record, Replay, Routers, recording
 from r3data.replay.tap import RouterSite
 
 __all__ = ["find_routers", "record", "replay"]
@@ -95,20 +95,14 @@ def replay(
 
     Run backward inside the context when activation checkpointing recomputes the routers.
     """
-    routes, batch = routes_of(routes)
-    with (
-        replaying(
-            find_routers(model),
-            routes,
-            inputs,
-            model_device(model),
-            layer_axis=layer_axis,
-            fill=fill,
-            threshold=threshold,
-            valid=None if batch is None else batch.get(VALID_FIELD),
-        ) as handle,
-        only_these_inputs(model, inputs),
-    ):
+    with replaying_model(
+        model,
+        find_routers(model),
+        routes,
+        inputs,
+        layer_axis=layer_axis,
+        fill=fill,
+        threshold=threshold,
+        checkpointed=None,  # torchtitan's checkpoint wrapper is not visible from here
+    ) as handle:
         yield handle
-    if batch is not None:
-        batch.metadata["agreement"] = handle.agreement
