@@ -1,0 +1,140 @@
+"""Review of the megatron replay path against real megatron-core routers (one process): inputs
+that megatron would take silently or fail on untyped, and forwards the step took for recompute.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core")
+
+from megatron_helpers import (
+    EXPERTS,
+    TOPK,
+    build_routers,
+    distinct_routes,
+    make_config,
+    quiet_import_megatron,
+    routing_map,
+)
+
+sys.path.append(str(Path(__file__).resolve().parents[1] / "integration"))
+from realparts import free_port
+
+from r3data.errors import ReplayError
+from r3data.replay import install, replay_step
+
+quiet_import_megatron()
+from megatron.core import parallel_state  # noqa: E402
+from megatron.core.transformer.moe.router_replay import RouterReplay  # noqa: E402
+
+
+@pytest.fixture(scope="module", autouse=True)
+def world_of_one():
+    torch.distributed.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
+    )
+    parallel_state.initialize_model_parallel(create_gloo_process_groups=False)
+    yield
+    parallel_state.destroy_model_parallel()
+    torch.distributed.destroy_process_group()
+
+
+@pytest.fixture
+def config():
+    return make_config()
+
+
+@pytest.fixture
+def routers(config):
+    RouterReplay.clear_global_router_replay_instances()
+    built = build_routers(config, [1, 2, 3])
+    yield built
+    RouterReplay.clear_global_indices()
+    RouterReplay.clear_global_router_replay_action()
+    RouterReplay.clear_global_router_replay_instances()
+
+
+def routes_for(tokens: int, width: int = TOPK, seed: int = 0) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return [distinct_routes(tokens, width, EXPERTS, generator) for _ in range(3)]
+
+
+def logits(tokens: int, seed: int = 1) -> torch.Tensor:
+    return torch.randn(tokens, 1, EXPERTS, generator=torch.Generator().manual_seed(seed))
+
+
+def fifos_empty(routers) -> bool:
+    return all(r.router_replay.replay_backward_list == [] for r in routers)
+
+
+def test_routes_without_experts_are_refused_typed(routers):
+    with pytest.raises(ReplayError, match=r"routes\[0\] must hold at least one expert per row"):
+        install([torch.zeros(4, 0, dtype=torch.int32)] * 3, num_experts=EXPERTS)
+    assert fifos_empty(routers)
+
+
+def test_routes_of_another_width_are_refused_without_topk(routers):
+    from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+    routes = routes_for(4)
+    routes[1] = routes_for(4, width=3)[1]
+    RouterReplay.set_replay_data(routes)  # what megatron alone does with them
+    RouterReplay.set_global_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+    _, mapping = routers[1].routing(logits(4))
+    assert mapping.sum(dim=1).tolist() == [3] * 4  # a top-2 router sent each token to 3 experts
+    RouterReplay.clear_global_indices()
+    RouterReplay.clear_global_router_replay_action()
+    message = r"routes\[1\] must hold top-2 rows like routes\[0\], found 3"
+    with pytest.raises(ReplayError, match=message):
+        install(routes, num_experts=EXPERTS)
+    assert fifos_empty(routers)
+
+
+def test_routes_on_another_device_are_refused_typed(routers):
+    routes = routes_for(4)
+    routes[2] = routes[2].to("meta")
+    with pytest.raises(ReplayError, match=r"routes\[2\] must be on cpu like routes\[0\], found meta"):
+        install(routes, num_experts=EXPERTS, topk=TOPK)
+    assert fifos_empty(routers)
+
+
+@pytest.mark.parametrize("num_experts", [True, None, 0, 8.0])
+def test_num_experts_must_be_a_positive_int(routers, num_experts):
+    with pytest.raises(ReplayError, match=r"num_experts: expected an int >= 1, found"):
+        install(routes_for(4), num_experts=num_experts, topk=TOPK)
+    assert fifos_empty(routers)
+
+
+def test_a_forward_without_grad_after_the_step_forward_is_no_recompute(config, routers):
+    # recompute runs with grad enabled (it must build the graph for backward); a no_grad
+    # forward outside step.forward would replay the previous micro-batch's routes
+    def stray_forward():
+        with replay_step(config) as step:
+            with step.forward(routes_for(4)):
+                for router in routers:
+                    router.routing(logits(4))
+            with torch.no_grad():
+                routers[0].routing(logits(4, seed=2))
+
+    with pytest.raises(ReplayError, match="router 0: a forward without grad outside step.forward"):
+        stray_forward()
+    assert fifos_empty(routers)
+
+
+def test_a_recompute_with_grad_still_replays_in_order(config, routers):
+    first, second = routes_for(4, seed=0), routes_for(4, seed=1)
+    with replay_step(config) as step:
+        for routes in (first, second):
+            with step.forward(routes), torch.no_grad():  # a full-recompute forward: no grad
+                for router in routers:
+                    router.routing(logits(4))
+        for routes in (first, second):
+            for router, layer in zip(routers, routes, strict=True):
+                _, mapping = router.routing(logits(4, seed=3))
+                assert torch.equal(mapping, routing_map(layer, EXPERTS))
+    assert fifos_empty(routers)
