@@ -39,6 +39,7 @@ import torch
 
 from r3data.errors import ReplayError
 from r3data.layout import ModelLayers, TokenLayout
+from r3data.validate import checked_int
 
 __all__ = [
     "ReplayStep",
@@ -181,7 +182,8 @@ def _check_routes(
             f"instances: this stage's MoE layers, plus any MTP or second model's), found "
             f"{len(routes)}"
         )
-    tokens = None
+    checked_int("num_experts", num_experts, minimum=1, error=ReplayError)
+    first = None
     for layer, tensor in enumerate(routes):
         if not isinstance(tensor, torch.Tensor) or tensor.dim() != 2:
             found = (
@@ -194,12 +196,24 @@ def _check_routes(
             )
         if topk is not None and tensor.shape[1] != topk:
             raise ReplayError(f"routes[{layer}] must hold top-{topk} rows, found {tensor.shape[1]}")
-        if tokens is not None and tensor.shape[0] != tokens:
+        if tensor.shape[1] == 0:
+            raise ReplayError(f"routes[{layer}] must hold at least one expert per row, found 0")
+        first = tensor if first is None else first
+        if tensor.shape[1] != first.shape[1]:  # megatron routes every column it is given
             raise ReplayError(
-                f"routes[{layer}] must hold {tokens} tokens like routes[0], found {tensor.shape[0]}"
+                f"routes[{layer}] must hold top-{first.shape[1]} rows like routes[0], found "
+                f"{tensor.shape[1]}"
             )
-        tokens = tensor.shape[0]
-    if not routes or not tokens:
+        if tensor.shape[0] != first.shape[0]:
+            raise ReplayError(
+                f"routes[{layer}] must hold {first.shape[0]} tokens like routes[0], found "
+                f"{tensor.shape[0]}"
+            )
+        if tensor.device != first.device:
+            raise ReplayError(
+                f"routes[{layer}] must be on {first.device} like routes[0], found {tensor.device}"
+            )
+    if first is None or not first.shape[0]:
         return
     stats = torch.stack(
         [torch.stack([t.min().long(), t.max().long(), _has_repeat(t).long()]) for t in routes]
@@ -305,6 +319,12 @@ class ReplayStep:
                     target = _instance.target_topk_idx
                 elif mode == action.REPLAY_BACKWARD:
                     _tally.recomputes += 1
+                    if not torch.is_grad_enabled():  # recompute builds the graph for backward
+                        raise ReplayError(
+                            f"router {_layer}: a forward without grad outside step.forward "
+                            "would replay the backward FIFO; expected a recompute (grad "
+                            "enabled), found grad disabled"
+                        )
                     if not _instance.replay_backward_list:
                         raise ReplayError(
                             f"router {_layer}: recompute #{_tally.recomputes} found no routes "

@@ -98,7 +98,9 @@ def test_routes_of_another_width_are_refused_without_topk(routers):
 def test_routes_on_another_device_are_refused_typed(routers):
     routes = routes_for(4)
     routes[2] = routes[2].to("meta")
-    with pytest.raises(ReplayError, match=r"routes\[2\] must be on cpu like routes\[0\], found meta"):
+    with pytest.raises(
+        ReplayError, match=r"routes\[2\] must be on cpu like routes\[0\], found meta"
+    ):
         install(routes, num_experts=EXPERTS, topk=TOPK)
     assert fifos_empty(routers)
 
@@ -121,7 +123,9 @@ def test_a_forward_without_grad_after_the_step_forward_is_no_recompute(config, r
             with torch.no_grad():
                 routers[0].routing(logits(4, seed=2))
 
-    with pytest.raises(ReplayError, match="router 0: a forward without grad outside step.forward"):
+    with pytest.raises(
+        ReplayError, match=r"router 0: a forward without grad outside step\.forward"
+    ):
         stray_forward()
     assert fifos_empty(routers)
 
