@@ -44,6 +44,7 @@ from r3data.validate import checked_int
 __all__ = [
     "ReplayStep",
     "check_config",
+    "check_routes",
     "install",
     "megatron_layout",
     "model_layers",
@@ -173,15 +174,12 @@ def router_replays(model: torch.nn.Module | Sequence[torch.nn.Module] | None = N
     ]
 
 
-def _check_routes(
-    routes: Sequence[torch.Tensor], instances: Sequence[Any], num_experts: int, topk: int | None
+def check_routes(
+    routes: Sequence[torch.Tensor], *, num_experts: int, topk: int | None = None
 ) -> None:
-    if len(routes) != len(instances):
-        raise ReplayError(
-            f"expected one routes tensor per local router ({len(instances)} RouterReplay "
-            f"instances: this stage's MoE layers, plus any MTP or second model's), found "
-            f"{len(routes)}"
-        )
+    """The checks :func:`install` makes on the tensors themselves, without routers: each a
+    ``[tokens, topk]`` int32/int64 tensor, all of one shape and device, ids in
+    ``[0, num_experts)``, distinct experts per row."""
     checked_int("num_experts", num_experts, minimum=1, error=ReplayError)
     first = None
     for layer, tensor in enumerate(routes):
@@ -250,7 +248,13 @@ def install(
     ``RouterReplay.set_replay_data`` does (target indices set, backward FIFO appended).
     """
     instances = router_replays(model)
-    _check_routes(routes_per_layer, instances, num_experts, topk)
+    if len(routes_per_layer) != len(instances):
+        raise ReplayError(
+            f"expected one routes tensor per local router ({len(instances)} RouterReplay "
+            f"instances: this stage's MoE layers, plus any MTP or second model's), found "
+            f"{len(routes_per_layer)}"
+        )
+    check_routes(routes_per_layer, num_experts=num_experts, topk=topk)
     if model is None:
         _router_replay().RouterReplay.set_replay_data(list(routes_per_layer))
     else:

@@ -4,6 +4,9 @@ that megatron would take silently or fail on untyped, and forwards the step took
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -142,3 +145,47 @@ def test_a_recompute_with_grad_still_replays_in_order(config, routers):
                 _, mapping = router.routing(logits(4, seed=3))
                 assert torch.equal(mapping, routing_map(layer, EXPERTS))
     assert fifos_empty(routers)
+
+
+CHECK_REPLAY_CASES = """
+import json, torch
+from r3data.replay.megatron_check import check_replay
+good = torch.tensor([[0, 1], [2, 3]])
+cases = {
+    "one_dim": ([torch.zeros(4, dtype=torch.long)], {}),
+    "float_ids": ([torch.tensor([[0.0, 1.5]])], {}),
+    "too_few_layers": ([good, good], {"num_layers": 1}),
+    "no_experts": ([good], {"num_experts": 0}),
+    "good": ([good.to(torch.uint8), good], {}),
+}
+outcomes = {}
+for name, (routes, options) in cases.items():
+    outcome = check_replay(routes, **{"num_experts": 8, **options})
+    outcomes[name] = [outcome.status, outcome.detail]
+print(json.dumps(outcomes))
+"""
+
+
+def test_check_replay_refuses_bad_routes_with_a_failed_outcome():
+    # check_replay builds its own process group: run it where none exists
+    done = subprocess.run(
+        [sys.executable, "-c", CHECK_REPLAY_CASES],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env={**os.environ, "PYTHONWARNINGS": "ignore"},
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    outcomes = json.loads(done.stdout.strip().splitlines()[-1])
+    assert outcomes["one_dim"] == [
+        "failed",
+        "routes[0] must be a [tokens, topk] tensor, found (4,)",
+    ]
+    assert outcomes["float_ids"][0] == "failed"  # not truncated to expert 1 and "verified"
+    assert "found torch.float32" in outcomes["float_ids"][1]
+    assert outcomes["too_few_layers"] == [
+        "failed",
+        "num_layers: expected an int >= 2, found 1",
+    ]
+    assert outcomes["no_experts"] == ["failed", "num_experts: expected an int >= 1, found 0"]
+    assert outcomes["good"][0] == "verified"
