@@ -22,8 +22,12 @@ import torch
 
 from r3data.errors import ReplayError
 from r3data.replay import replay_step
+from r3data.replay.megatron import check_routes
+from r3data.validate import checked_int
 
 __all__ = ["ReplayOutcome", "check_replay"]
+
+_NARROW_IDS = (torch.uint8, torch.int8, torch.int16, torch.int32)
 
 ROUTER_HIDDEN = 64
 """Hidden size of the stand-in routers: replay never reads the gate weights' values."""
@@ -129,11 +133,21 @@ def check_replay(
             "a process group or Megatron model parallelism already exists: the check builds "
             "its own single-process routers and must not touch a trainer's state",
         )
-    routes = [t.to(torch.int64) for t in per_layer]
-    tokens = routes[0].shape[0] if routes else 0
-    generator = torch.Generator().manual_seed(seed)
-    if not routes:
+    if not per_layer:
         return ReplayOutcome("skipped", "no MoE layer on this rank: nothing to replay")
+    # narrow integer ids widen losslessly; anything else goes to the checks as it is
+    routes = [
+        t.to(torch.int64) if isinstance(t, torch.Tensor) and t.dtype in _NARROW_IDS else t
+        for t in per_layer
+    ]
+    try:
+        check_routes(routes, num_experts=num_experts)
+        if num_layers is not None:
+            checked_int("num_layers", num_layers, minimum=len(routes), error=ReplayError)
+    except ReplayError as exc:
+        return ReplayOutcome("failed", str(exc))
+    tokens = routes[0].shape[0]
+    generator = torch.Generator().manual_seed(seed)
     logits = torch.randn(tokens, 1, num_experts, generator=generator)
     with warnings.catch_warnings():
         # megatron warns about missing Transformer Engine and the stand-in config's defaults
