@@ -189,3 +189,24 @@ def test_check_replay_refuses_bad_routes_with_a_failed_outcome():
     ]
     assert outcomes["no_experts"] == ["failed", "num_experts: expected an int >= 1, found 0"]
     assert outcomes["good"][0] == "verified"
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_routes_installed_behind_the_steps_back_fail_on_exit(config, routers, recompute):
+    # a second install inside step.forward: the forward replays it, the recompute pops the
+    # step's own routes, and the FIFO ends the step holding one entry more than it should
+    def step_with_an_extra_install():
+        with replay_step(config) as step:
+            with step.forward(routes_for(4, seed=0)):
+                RouterReplay.set_replay_data(routes_for(4, seed=1))
+                for router in routers:
+                    router.routing(logits(4))
+            if recompute:
+                for router in routers:
+                    router.routing(logits(4))
+
+    with pytest.raises(
+        ReplayError, match=r"router 0: expected its backward FIFO to hold \d entries .*, found \d"
+    ):
+        step_with_an_extra_install()
+    assert fifos_empty(routers)
