@@ -354,7 +354,7 @@ class ReplayStep:
             instance.clear_router_replay_action()
 
     def _check_consumed(self) -> None:
-        for layer, tally in enumerate(self._tallies):
+        for layer, (instance, tally) in enumerate(zip(self._instances, self._tallies, strict=True)):
             if tally.forwards != tally.installs:
                 raise ReplayError(
                     f"router {layer}: {tally.installs} micro-batches installed but "
@@ -365,6 +365,13 @@ class ReplayStep:
                 raise ReplayError(
                     f"router {layer}: recomputed {tally.recomputes} of {tally.installs} "
                     "micro-batches; its backward FIFO is out of step"
+                )
+            left, expected = len(instance.replay_backward_list), tally.installs - tally.recomputes
+            if left != expected:
+                raise ReplayError(
+                    f"router {layer}: expected its backward FIFO to hold {expected} entries "
+                    f"({tally.installs} installed, {tally.recomputes} recomputed), found {left}: "
+                    "routes were installed or taken outside step.forward"
                 )
             if tally.unreplayed:
                 raise ReplayError(
