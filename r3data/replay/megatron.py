@@ -393,6 +393,12 @@ def replay_step(
     """
     check_config(config)
     instances = router_replays(model)
+    busy = [i for i, r in enumerate(instances) if "get_replay_topk" in vars(r)]
+    if busy:  # its exit would strip the other step's counting and clear its routes
+        raise ReplayError(
+            f"routers {busy} are in another replay step: expected one step at a time, found "
+            "replay_step entered again inside it"
+        )
     stale = [i for i, r in enumerate(instances) if r.replay_backward_list or r.router_replay_action]
     if stale:
         raise ReplayError(

@@ -214,9 +214,9 @@ def test_routes_installed_behind_the_steps_back_fail_on_exit(config, routers, re
 
 def test_a_step_inside_a_step_is_refused(config, routers):
     with replay_step(config) as outer:
-        with pytest.raises(ReplayError, match=r"routers \[0, 1, 2\] are in another replay step"):
-            with replay_step(config):
-                pass
+        message = r"routers \[0, 1, 2\] are in another replay step"
+        with pytest.raises(ReplayError, match=message), replay_step(config):
+            pass
         with outer.forward(routes_for(4)):  # the outer step still counts its routers
             for router in routers:
                 router.routing(logits(4))
