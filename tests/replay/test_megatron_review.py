@@ -29,7 +29,7 @@ sys.path.append(str(Path(__file__).resolve().parents[1] / "integration"))
 from realparts import free_port
 
 from r3data.errors import ReplayError
-from r3data.replay import install, replay_step
+from r3data.replay import install, replay_step, router_replays
 
 quiet_import_megatron()
 from megatron.core import parallel_state  # noqa: E402
@@ -221,3 +221,11 @@ def test_a_step_inside_a_step_is_refused(config, routers):
             for router in routers:
                 router.routing(logits(4))
     assert fifos_empty(routers)
+
+
+@pytest.mark.parametrize("model", ["policy", [torch.nn.Linear(2, 2), object()], 3])
+def test_a_model_that_is_no_module_is_refused_typed(config, routers, model):
+    with pytest.raises(ReplayError, match=r"model: expected a torch\.nn\.Module or a sequence"):
+        router_replays(model)
+    with pytest.raises(ReplayError, match="model: expected"), replay_step(config, model=model):
+        pass
