@@ -165,7 +165,14 @@ def router_replays(model: torch.nn.Module | Sequence[torch.nn.Module] | None = N
     replay_cls = _router_replay().RouterReplay
     if model is None:
         return list(replay_cls.global_router_replay_instances)
-    chunks = [model] if isinstance(model, torch.nn.Module) else list(model)
+    chunks = [model] if isinstance(model, torch.nn.Module) else model
+    if isinstance(chunks, str | bytes) or not (
+        isinstance(chunks, Sequence) and all(isinstance(c, torch.nn.Module) for c in chunks)
+    ):
+        raise ReplayError(
+            "model: expected a torch.nn.Module or a sequence of them (megatron's model chunks), "
+            f"found {type(model).__name__}"
+        )
     return [
         module.router_replay
         for chunk in chunks
