@@ -229,3 +229,13 @@ def test_a_model_that_is_no_module_is_refused_typed(config, routers, model):
         router_replays(model)
     with pytest.raises(ReplayError, match="model: expected"), replay_step(config, model=model):
         pass
+
+
+def test_one_stacked_tensor_is_no_list_of_layers(routers):
+    # [tokens, layers, topk] with as many tokens as routers would give router i token i's rows
+    stacked = torch.stack(routes_for(3), dim=1)
+    with pytest.raises(ReplayError, match="expected a sequence of per-layer tensors, found Tensor"):
+        install(stacked, num_experts=EXPERTS, topk=TOPK)
+    with pytest.raises(ReplayError, match="found generator"):
+        install((t for t in routes_for(3)), num_experts=EXPERTS, topk=TOPK)
+    assert fifos_empty(routers)
