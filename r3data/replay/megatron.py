@@ -254,6 +254,11 @@ def install(
     dtype, ids in ``[0, num_experts)`` and distinct experts per row, then does what
     ``RouterReplay.set_replay_data`` does (target indices set, backward FIFO appended).
     """
+    if not isinstance(routes_per_layer, Sequence):  # a stacked tensor is none either
+        raise ReplayError(
+            "routes_per_layer: expected a sequence of per-layer tensors, found "
+            f"{type(routes_per_layer).__name__}"
+        )
     instances = router_replays(model)
     if len(routes_per_layer) != len(instances):
         raise ReplayError(
