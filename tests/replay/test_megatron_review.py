@@ -239,3 +239,30 @@ def test_one_stacked_tensor_is_no_list_of_layers(routers):
     with pytest.raises(ReplayError, match="found generator"):
         install((t for t in routes_for(3)), num_experts=EXPERTS, topk=TOPK)
     assert fifos_empty(routers)
+
+
+@pytest.mark.parametrize(
+    ("impl", "scope", "refused"),
+    [
+        ("local", [], True),  # an empty scope is the whole layer, router included
+        ("transformer_engine", ["moe_router", "moe_preprocess"], True),
+        ("local", ["full_iteration"], True),
+        ("transformer_engine", ["moe"], True),
+        ("transformer_engine", ["attn"], False),
+        ("none", [], False),
+    ],
+)
+def test_cuda_graphs_that_capture_the_router_are_refused(impl, scope, refused):
+    # a captured router replays its kernels, never RouterReplay: later installs are not read
+    from megatron.core.transformer.enums import CudaGraphScope
+
+    from r3data.replay import check_config
+
+    config = make_config()
+    config.cuda_graph_impl = impl  # set after validation: capture needs CUDA and TE
+    config.cuda_graph_scope = [CudaGraphScope[name] for name in scope]
+    if refused:
+        with pytest.raises(ReplayError, match=f"found cuda_graph_impl='{impl}'"):
+            check_config(config)
+    else:
+        check_config(config)
