@@ -18,6 +18,8 @@ What megatron-core 0.16.1 does (read from its source, and exercised by this pack
   differentiable, and the routing map is a scatter of the indices: a row with a repeated
   expert routes the token to fewer than top-k experts, and fewer index rows than tokens
   leave the rest unrouted without an error.
+- a CUDA graph (``cuda_graph_impl``) whose scope holds the router replays captured kernels:
+  the Python ``get_replay_topk`` runs only while capturing, so later installs are never read.
 - ``moe_router_fusion=True`` calls Transformer Engine's fused top-k and never consults
   ``RouterReplay``; ``moe_router_load_balancing_type="sinkhorn"`` skips it too;
   ``moe_router_force_load_balancing`` replaces the logits by random ones, so replayed gates
@@ -53,6 +55,8 @@ __all__ = [
 ]
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
+_SCOPES_WITHOUT_ROUTER = {"attn", "mlp", "mamba"}
+"""``CudaGraphScope`` names whose graphs hold no router (an empty scope is the whole layer)."""
 
 
 def _router_replay() -> Any:
@@ -88,6 +92,15 @@ def check_config(config: Any) -> None:
             f"virtual pipeline parallelism is not supported, found "
             f"virtual_pipeline_model_parallel_size={vpp}: installing routes for every local "
             "router at each forward would feed other model chunks' FIFOs"
+        )
+    impl = getattr(config, "cuda_graph_impl", "none")
+    scopes = [getattr(s, "name", s) for s in getattr(config, "cuda_graph_scope", None) or []]
+    if impl != "none" and (not scopes or set(scopes) - _SCOPES_WITHOUT_ROUTER):
+        raise ReplayError(
+            "a CUDA graph that captures the router replays its captured kernels and never asks "
+            "RouterReplay: expected cuda_graph_impl='none' or a cuda_graph_scope within "
+            f"{sorted(_SCOPES_WITHOUT_ROUTER)}, found cuda_graph_impl={impl!r}, "
+            f"cuda_graph_scope={scopes or 'the whole layer'}"
         )
     if getattr(config, "moe_router_force_load_balancing", False):
         raise ReplayError(
