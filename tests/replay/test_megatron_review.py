@@ -162,6 +162,8 @@ outcomes = {}
 for name, (routes, options) in cases.items():
     outcome = check_replay(routes, **{"num_experts": 8, **options})
     outcomes[name] = [outcome.status, outcome.detail]
+with torch.no_grad():  # a caller without grad: the recompute it stands in for has grad
+    outcomes["under_no_grad"] = [check_replay([good], num_experts=8).status, ""]
 print(json.dumps(outcomes))
 """
 
@@ -189,6 +191,7 @@ def test_check_replay_refuses_bad_routes_with_a_failed_outcome():
     ]
     assert outcomes["no_experts"] == ["failed", "num_experts: expected an int >= 1, found 0"]
     assert outcomes["good"][0] == "verified"
+    assert outcomes["under_no_grad"][0] == "verified"
 
 
 @pytest.mark.parametrize("recompute", [False, True])
