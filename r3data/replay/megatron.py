@@ -19,7 +19,7 @@ What megatron-core 0.16.1 does (read from its source, and exercised by this pack
   expert routes the token to fewer than top-k experts, and fewer index rows than tokens
   leave the rest unrouted without an error.
 - a CUDA graph (``cuda_graph_impl``) whose scope holds the router replays captured kernels:
-  the Python ``get_replay_topk`` runs only while capturing, so later installs are never read.
+  the Python ``get_replay_topk`` runs only in warm-up and capture: later installs go unread.
 - ``moe_router_fusion=True`` calls Transformer Engine's fused top-k and never consults
   ``RouterReplay``; ``moe_router_load_balancing_type="sinkhorn"`` skips it too;
   ``moe_router_force_load_balancing`` replaces the logits by random ones, so replayed gates

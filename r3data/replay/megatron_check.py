@@ -105,7 +105,8 @@ def _replay(
             with replay_step(config, model=routers) as step:
                 with step.forward(routes):
                     forward = [router.routing(logits)[1] for router in routers]
-                recompute = [router.routing(logits)[1] for router in routers]
+                with torch.enable_grad():  # as megatron's recompute in backward
+                    recompute = [router.routing(logits)[1] for router in routers]
         finally:
             _forget(routers)
     return forward, recompute, len(routers)
