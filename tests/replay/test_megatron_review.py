@@ -269,3 +269,44 @@ def test_cuda_graphs_that_capture_the_router_are_refused(impl, scope, refused):
             check_config(config)
     else:
         check_config(config)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"num_layers": 5, "moe_layer_freq": 2},
+        {"num_layers": 6, "moe_layer_freq": 3},
+        {"num_layers": 4, "moe_layer_freq": [0, 0, 1, 1]},  # first-k-dense
+        {"num_layers": 8, "moe_layer_freq": [0, 1] * 4, "pipeline_model_parallel_size": 2},
+        {
+            "num_layers": 7,
+            "moe_layer_freq": [0] + [1] * 6,
+            "pipeline_model_parallel_size": 3,
+            "num_layers_in_first_pipeline_stage": 1,
+        },
+        {
+            "num_layers": 6,
+            "moe_layer_freq": 2,
+            "pipeline_model_parallel_size": 4,
+            "account_for_embedding_in_pipeline_split": True,
+            "account_for_loss_in_pipeline_split": True,
+        },
+    ],
+)
+def test_model_layers_name_the_routers_megatron_builds_on_each_stage(overrides):
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    from r3data.replay import model_layers
+
+    pp = overrides.get("pipeline_model_parallel_size", 1)
+    config = make_config(**overrides, **({"pipeline_dtype": torch.float32} if pp > 1 else {}))
+    layers = model_layers(config)
+    for rank in range(pp):
+        spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, pp_rank=rank)
+        built = [s.submodules.mlp.module is MoELayer for s in spec.layer_specs]
+        stage = layers.stage(pp, rank)
+        assert len(built) == len(stage)
+        assert [i for i, moe in zip(stage, built, strict=True) if moe] == list(
+            layers.moe_stage(pp, rank)
+        )
