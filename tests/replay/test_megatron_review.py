@@ -310,3 +310,23 @@ def test_model_layers_name_the_routers_megatron_builds_on_each_stage(overrides):
         assert [i for i, moe in zip(stage, built, strict=True) if moe] == list(
             layers.moe_stage(pp, rank)
         )
+
+
+def test_a_one_forward_one_backward_schedule_recomputes_each_micro_batch_in_turn(config, routers):
+    # 1F1B: F1 F2 B1 F3 B2 B3; each recompute must see its own micro-batch's routes
+    batches = [routes_for(4, seed=seed) for seed in range(3)]
+
+    def recompute(batch):
+        for router, layer in zip(routers, batch, strict=True):
+            _, mapping = router.routing(logits(4, seed=9))
+            assert torch.equal(mapping, routing_map(layer, EXPERTS))
+
+    with replay_step(config) as step:
+        for k, batch in enumerate(batches):
+            with step.forward(batch):
+                for router in routers:
+                    router.routing(logits(4))
+            if k >= 1:
+                recompute(batches[k - 1])
+        recompute(batches[-1])
+    assert fifos_empty(routers)
