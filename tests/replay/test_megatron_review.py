@@ -330,3 +330,18 @@ def test_a_one_forward_one_backward_schedule_recomputes_each_micro_batch_in_turn
                 recompute(batches[k - 1])
         recompute(batches[-1])
     assert fifos_empty(routers)
+
+
+def test_a_step_config_with_more_experts_than_the_routers_is_refused(routers):
+    # ids checked against 16 experts would index past a router's 8 scores (a device-side
+    # assert on CUDA)
+    generator = torch.Generator().manual_seed(0)
+    routes = [distinct_routes(4, TOPK, 16, generator) for _ in range(3)]
+    message = r"router 0 scores 8 experts, the routes were checked against num_experts=16"
+    with (
+        pytest.raises(ReplayError, match=message),
+        replay_step(make_config(num_moe_experts=16)) as step,
+        step.forward(routes),
+    ):
+        routers[0].routing(logits(4))
+    assert fifos_empty(routers)
