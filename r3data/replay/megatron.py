@@ -334,7 +334,7 @@ class ReplayStep:
 
     def _instrument(self) -> None:
         """Count each router's replays and check every replayed tensor fits its tokens."""
-        action = self._action
+        action, num_experts = self._action, self._config.num_moe_experts
         for layer, (instance, tally) in enumerate(zip(self._instances, self._tallies, strict=True)):
             original = instance.get_replay_topk
 
@@ -363,6 +363,11 @@ class ReplayStep:
                 else:
                     _tally.unreplayed += 1
                     target = None
+                if target is not None and scores.shape[1] != num_experts:
+                    raise ReplayError(
+                        f"router {_layer} scores {scores.shape[1]} experts, the routes were "
+                        f"checked against num_experts={num_experts}: config and model disagree"
+                    )
                 if target is not None and tuple(target.shape) != (scores.shape[0], topk):
                     raise ReplayError(
                         f"router {_layer} routes {scores.shape[0]} tokens with top-{topk}, the "
