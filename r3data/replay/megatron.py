@@ -263,8 +263,8 @@ def install(
 ) -> None:
     """Validate one micro-batch's per-layer routes and hand them to the local routers.
 
-    Checks the number of routers, every tensor's ``[tokens, topk]`` shape and int32/int64
-    dtype, ids in ``[0, num_experts)`` and distinct experts per row, then does what
+    Checks one tensor per router, then :func:`check_routes` (one ``[tokens, topk]`` shape and
+    device, int32/int64, ids in ``[0, num_experts)``, distinct experts per row), then does what
     ``RouterReplay.set_replay_data`` does (target indices set, backward FIFO appended).
     """
     if not isinstance(routes_per_layer, Sequence):  # a stacked tensor is none either
