@@ -18,7 +18,6 @@ pytest.importorskip("megatron.core")
 from megatron_helpers import (
     EXPERTS,
     TOPK,
-    build_routers,
     distinct_routes,
     make_config,
     quiet_import_megatron,
@@ -26,40 +25,17 @@ from megatron_helpers import (
 )
 
 sys.path.append(str(Path(__file__).resolve().parents[1] / "integration"))
-from realparts import free_port
 
 from r3data.errors import ReplayError
 from r3data.replay import install, replay_step, router_replays
 
 quiet_import_megatron()
-from megatron.core import parallel_state  # noqa: E402
 from megatron.core.transformer.moe.router_replay import RouterReplay  # noqa: E402
 
 
 @pytest.fixture(scope="module", autouse=True)
-def world_of_one():
-    torch.distributed.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
-    )
-    parallel_state.initialize_model_parallel(create_gloo_process_groups=False)
-    yield
-    parallel_state.destroy_model_parallel()
-    torch.distributed.destroy_process_group()
-
-
-@pytest.fixture
-def config():
-    return make_config()
-
-
-@pytest.fixture
-def routers(config):
-    RouterReplay.clear_global_router_replay_instances()
-    built = build_routers(config, [1, 2, 3])
-    yield built
-    RouterReplay.clear_global_indices()
-    RouterReplay.clear_global_router_replay_action()
-    RouterReplay.clear_global_router_replay_instances()
+def _world(world_of_one):
+    """Every test here runs in the one-process megatron world."""
 
 
 def routes_for(tokens: int, width: int = TOPK, seed: int = 0) -> list[torch.Tensor]:

@@ -27,7 +27,6 @@ from megatron_helpers import (
 )
 
 sys.path.append(str(Path(__file__).resolve().parents[1] / "integration"))
-from realparts import free_port
 
 from r3data.errors import ReplayError
 from r3data.layout import ModelLayers, TokenLayout
@@ -48,29 +47,8 @@ from megatron.core.transformer.moe.router_replay import (  # noqa: E402
 
 
 @pytest.fixture(scope="module", autouse=True)
-def world_of_one():
-    torch.distributed.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
-    )
-    parallel_state.initialize_model_parallel(create_gloo_process_groups=False)
-    yield
-    parallel_state.destroy_model_parallel()
-    torch.distributed.destroy_process_group()
-
-
-@pytest.fixture
-def config():
-    return make_config()
-
-
-@pytest.fixture
-def routers(config):
-    RouterReplay.clear_global_router_replay_instances()
-    built = build_routers(config, [1, 2, 3])
-    yield built
-    RouterReplay.clear_global_indices()
-    RouterReplay.clear_global_router_replay_action()
-    RouterReplay.clear_global_router_replay_instances()
+def _world(world_of_one):
+    """Every test here runs in the one-process megatron world."""
 
 
 def routes_for(
