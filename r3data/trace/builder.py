@@ -66,7 +66,8 @@ class FieldInfo:
 
 @dataclass(frozen=True)
 class Trace:
-    """A snapshot of a trace: per field, pieces ordered by position that never overlap."""
+    """A snapshot of a trace: per field, pieces ordered by position that never overlap;
+    ``last_token_row``: the engine sends a route row for each request's last token too."""
 
     trace_id: str
     routes_field: str
@@ -74,16 +75,19 @@ class Trace:
     pieces: Mapping[str, tuple[Source, ...]]
     info: Mapping[str, FieldInfo]
     warnings: tuple[str, ...] = ()
+    last_token_row: bool = False
     _expected: dict[bool, list[Span]] = field(default_factory=dict, compare=False, repr=False)
 
     def expected(self, field: str) -> list[Span]:
         """Ranges where the engine should have produced rows of ``field``, merged and ordered:
-        every forwarded token for routes, every completion token for other fields."""
+        every forwarded token for routes (every token with ``last_token_row``), every
+        completion token for other fields."""
         routes = field == self.routes_field
         spans = self._expected.get(routes)
         if spans is None:
             if routes:
-                spans = merge((0, routes_end(p, c)) for p, c in self.requests)
+                last = self.last_token_row
+                spans = merge((0, routes_end(p, c, last_token_row=last)) for p, c in self.requests)
             else:
                 spans = merge((p, p + c) for p, c in self.requests)
             self._expected[routes] = spans
@@ -143,8 +147,9 @@ class TraceBuilder:
     """Collects the requests of one trace; :meth:`build` gives an immutable :class:`Trace`.
 
     ``routes_field`` rows are anchored on forwarded tokens, so they end by the last one (see
-    :mod:`r3data.wire.anchors`; ``last_token_row`` also admits a row for the last token, which
-    vLLM, SGLang and prime-rl never send); every other field sits on completion tokens. Fields
+    :mod:`r3data.wire.anchors`; ``last_token_row`` is for an engine that also sends a row for
+    the last token, which vLLM, SGLang and prime-rl never do: the row is admitted, and owed,
+    so its absence is a gap); every other field sits on completion tokens. Fields
     in ``ragged_fields`` hold rows of varying width (sampling masks): inline as
     :class:`~r3data.ragged.RaggedRows` or padded 2-D with -1 (made ragged here, once), by
     handle with an index table or padded with -1. Bad option values raise
@@ -313,4 +318,5 @@ class TraceBuilder:
             requests=tuple(self._requests),
             pieces=MappingProxyType({f: tuple(t.pieces) for f, t in self._tracks.items()}),
             info=MappingProxyType(self._info),
+            last_token_row=self.last_token_row,
         )

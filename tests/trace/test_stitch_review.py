@@ -113,9 +113,10 @@ def source_of(request, name, lo, hi, dtype, form, role, writer):
     return InlineRows(name, array, lo, meta)
 
 
-def reference(requests, name, n):
+def reference(requests, name, n, last_token_row):
     """Per position: the request whose row lands there (None: no row), and the gaps; the
-    requests kept, ``(prompt_len, completion_len, number, sources)`` in arrival order."""
+    requests kept, ``(prompt_len, completion_len, number, sources)`` in arrival order; with
+    ``last_token_row`` the engine owes a route row for each request's last token too."""
     owner: dict[int, int] = {}
     expected: set[int] = set()
     for prompt, completion, r, sources in requests:
@@ -124,7 +125,7 @@ def reference(requests, name, n):
                 start = max(lo, prompt) if role == "decode" else lo
                 owner.update((p, r) for p in range(start, hi))
         if name == ROUTES:
-            expected.update(range(routes_end(prompt, completion)))
+            expected.update(range(routes_end(prompt, completion, last_token_row=last_token_row)))
         else:
             expected.update(range(prompt, prompt + completion))
     return [owner.get(p) for p in range(n)], sorted(p for p in expected if p < n and p not in owner)
@@ -158,7 +159,7 @@ def test_every_position_gets_the_row_the_documented_rule_names(case, placeholder
     assert [request[:2] for request in kept] == list(trace.requests)
 
     for name in (ROUTES, AUX, MASK):
-        owner, gaps = reference(kept, name, n)
+        owner, gaps = reference(kept, name, n, last_token_row)
         event(
             f"{name}: {'gap' if gaps else 'no gap'}, {'rows' if any(o is not None for o in owner) else 'none'}"
         )

@@ -122,6 +122,20 @@ def test_a_row_for_the_last_token_is_refused_unless_admitted(payload):
         admitted.add_request(13, 3, [routes(4, 10, 17)])
 
 
+def test_with_last_token_row_a_missing_last_row_is_a_gap():
+    # the engine sends rows for the last token, so one it did not send is missing, not the
+    # never-forwarded token's placeholder
+    builder, _ = vllm_trace(last_token_row=True)  # each turn one row short of its last token
+    with pytest.raises(TraceGapError, match=r"'chat-1' field 'routed_experts'.*\[15, 16\)"):
+        stitch(builder, LENGTH, on_gap="raise")
+    assert stitch(builder, LENGTH, on_gap="drop_sample") is None
+    assert stitch(builder, LENGTH - 1, on_gap="raise").valid.all()  # the row's token cut off
+    complete, _ = vllm_trace(extra=(0, 0, 1), last_token_row=True)
+    assert complete.build().expected("routed_experts") == [(0, LENGTH)]
+    assert stitch(complete, LENGTH, on_gap="raise").valid.all()
+    assert builder.build().expected("logprobs") == [(4, 7), (9, 11), (13, 16)]
+
+
 def test_engine_returning_the_full_prefix_each_turn():
     builder, arrays = vllm_trace(starts=(0, 0, 0))
     trace = builder.build()
