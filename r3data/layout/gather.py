@@ -159,20 +159,35 @@ def expand_mask(
     local: bool | None = None,
     lengths: Any = None,
 ) -> torch.Tensor:
-    """A per-token mask (``[rows]`` or ``[rows, 1]``) in router order; padding is False.
-    Rank-local masks (``RankRows``) follow the rules of :func:`expand`."""
+    """A per-token mask (``[rows]`` or ``[rows, 1]``, bool or integer 0/1) in router order;
+    padding is False. Rank-local masks (``RankRows``) follow the rules of :func:`expand`."""
     if not isinstance(mask, PackedTensor):
         raise LayoutError(f"mask must be a PackedTensor, found {type(mask).__name__}")
     if mask.row_shape not in ((), (1,)):
         raise LayoutError(f"mask rows must be scalars, found row shape {mask.row_shape}")
     layout, full, local = _geometry(mask, layout, local, lengths)
     index = layout.token_index(full, local=local)
-    flat = mask.values.reshape(-1).bool()
+    flat = _mask_bools(mask.values.reshape(-1))
     real = index != PAD
     if not real.any():
         return torch.zeros(index.size, dtype=torch.bool, device=flat.device)
     rows = torch.from_numpy(np.where(real, index, 0)).to(flat.device)
     return flat.index_select(0, rows) & torch.from_numpy(real).to(flat.device)
+
+
+def _mask_bools(flat: torch.Tensor) -> torch.Tensor:
+    """``flat`` as bools: a mask holds bools or integers 0 and 1; anything else (a float 0.5,
+    an id 2, a -1) is not a mask, and ``.bool()`` would silently read it as True."""
+    if flat.dtype == torch.bool:
+        return flat
+    expected = "mask: expected bool or integer 0/1 values"
+    if flat.dtype.is_floating_point or flat.dtype.is_complex:
+        raise LayoutError(f"{expected}, found dtype {flat.dtype}")
+    other = (flat != 0) & (flat != 1)
+    if other.any():
+        at = int(other.nonzero()[0])
+        raise LayoutError(f"{expected}, found {int(flat[at])} at row {at}")
+    return flat.bool()
 
 
 # --- where the rows are ----------------------------------------------------------------------

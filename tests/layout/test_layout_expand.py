@@ -253,6 +253,25 @@ def test_malformed_routes_raise(values, message):
         expand(PackedTensor.from_lengths(values, [4]), TokenLayout())
 
 
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        (torch.tensor([0.0, 0.5, 1.0]), r"bool or integer 0/1 values, found dtype torch.float32"),
+        (torch.tensor([0, 2, 1], dtype=torch.uint8), r"0/1 values, found 2 at row 1"),
+        (torch.tensor([1, 0, -1]), r"0/1 values, found -1 at row 2"),
+    ],
+)
+def test_expand_mask_refuses_what_is_not_a_mask(values, message):
+    with pytest.raises(LayoutError, match=message):
+        expand_mask(PackedTensor.from_lengths(values, [3]), TokenLayout())
+
+
+@pytest.mark.parametrize("dtype", [torch.bool, torch.uint8, torch.int32, torch.int64])
+def test_expand_mask_takes_bool_and_integer_0_1_masks(dtype):
+    mask = PackedTensor.from_lengths(torch.tensor([1, 0, 1, 1]).to(dtype), [1, 3])
+    assert expand_mask(mask, TokenLayout()).tolist() == [True, False, True, True]
+
+
 def test_expand_mask_on_a_rank_without_real_tokens():
     mask = PackedTensor.from_lengths(torch.ones(3, dtype=torch.bool), [3])
     layout = TokenLayout(tp_size=2, tp_rank=1, sequence_parallel=True, pad_multiple=8)
