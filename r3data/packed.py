@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from r3data.errors import PackedError
+from r3data.ragged import DEFAULT_MAX_CELLS, check_cells
 from r3data.segmented import Segmented, check_count, pick_indices
 from r3data.tensor_buffer import as_tensor, bit_view, rebuild_tensor, tensor_buffer
 from r3data.validate import checked_fill, checked_int
@@ -263,9 +264,15 @@ class PackedTensor(Segmented):
         return [array[lo:hi] for lo, hi in zip(self._offsets[:-1], self._offsets[1:], strict=True)]
 
     def padded(
-        self, fill: float | int = 0, side: Side = "right", max_len: int | None = None
+        self,
+        fill: float | int = 0,
+        side: Side = "right",
+        max_len: int | None = None,
+        *,
+        max_cells: int = DEFAULT_MAX_CELLS,
     ) -> torch.Tensor:
-        """A ``[B, max_len, *row_shape]`` rectangle (for code that still wants one)."""
+        """A ``[B, max_len, *row_shape]`` rectangle (for code that still wants one); refused
+        above ``max_cells`` values (one long sequence makes every sequence that long)."""
         longest = self.max_length()
         max_len = longest if max_len is None else checked_int("max_len", max_len, error=PackedError)
         if max_len < longest:
@@ -273,6 +280,7 @@ class PackedTensor(Segmented):
         checked_fill("fill", fill, self.dtype, error=PackedError)
         rows = _padded_rows(self._offsets, max_len, side)  # checks side before allocating
         batch = len(self)
+        check_cells((batch, max_len, *self.row_shape), max_cells, kept="packed")
         out = torch.full(
             (batch * max_len, *self.row_shape), fill, dtype=self.dtype, device=self.device
         )

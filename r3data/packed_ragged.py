@@ -20,6 +20,7 @@ from r3data.ragged import (
     MASK_FILL,
     RaggedRows,
     check_cells,
+    checked_width,
     exact_cast,
     row_offsets,
 )
@@ -141,9 +142,10 @@ class PackedRagged(Segmented):
         """The rows as ``[total_rows, width]`` (default: the widest row), values then ``fill``,
         packed by sample; refused above ``max_cells`` cells."""
         widest = self.rows.max_length()
-        width = widest if width is None else width
-        check_cells(self.total_rows, width, widest, max_cells)
-        return PackedTensor(self.rows.padded(fill, max_len=width), self._offsets)
+        width = widest if width is None else checked_width(width, widest)
+        check_cells((self.total_rows, width), max_cells)
+        padded = self.rows.padded(fill, max_len=width, max_cells=max_cells)
+        return PackedTensor(padded, self._offsets)
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, PackedRagged):

@@ -9,6 +9,7 @@ at 0); a batch holds them as :class:`~r3data.packed_ragged.PackedRagged`. A padd
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -22,6 +23,7 @@ __all__ = [
     "MASK_FILL",
     "RaggedRows",
     "check_cells",
+    "checked_width",
     "exact_cast",
     "row_offsets",
 ]
@@ -169,8 +171,8 @@ class RaggedRows:
         self, width: int | None = None, *, fill: int = MASK_FILL, max_cells: int = DEFAULT_MAX_CELLS
     ) -> np.ndarray:
         """``[rows, width]`` (default: the widest row), each row's values then ``fill``."""
-        width = self.widest if width is None else width
-        check_cells(self.rows, width, self.widest, max_cells)
+        width = self.widest if width is None else checked_width(width, self.widest)
+        check_cells((self.rows, width), max_cells)
         checked_fill("fill", fill, self.dtype, error=PackedError)
         values, offsets = self.compact()
         out = np.full((self.rows, width), fill, dtype=values.dtype)
@@ -189,12 +191,20 @@ class RaggedRows:
         return f"RaggedRows(rows={self.rows}, values={int(self.offsets[-1] - self.offsets[0])}, dtype={self.dtype})"
 
 
-def check_cells(rows: int, width: int, widest: int, max_cells: int) -> None:
-    checked_int("padded width", width, error=PackedError)
+def checked_width(width: Any, widest: int) -> int:
+    """A padded view's width: an int, at least the widest row."""
+    width = checked_int("padded width", width, error=PackedError)
     if width < widest:
         raise PackedError(f"padded width must be >= the widest row {widest}, found {width}")
-    if rows * width > max_cells:
+    return width
+
+
+def check_cells(shape: Sequence[int], max_cells: int, *, kept: str = "ragged") -> None:
+    """Refuse a padded view of ``shape`` above ``max_cells`` values, before it is allocated
+    (rows of a hostile length would otherwise make it huge); ``kept`` names the rows' form."""
+    cells = math.prod(shape)
+    if cells > max_cells:
         raise PackedError(
-            f"a padded view [{rows}, {width}] has {rows * width} cells, more than max_cells "
-            f"{max_cells}; keep the rows ragged or pass a larger max_cells"
+            f"a padded view {list(shape)} has {cells} cells, more than max_cells {max_cells}; "
+            f"keep the rows {kept} or pass a larger max_cells"
         )

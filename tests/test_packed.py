@@ -261,3 +261,23 @@ def test_corrupt_pickle_is_rejected():
         rebuild((data, "torch.nonsense", shape), offsets)
     with pytest.raises(PackedError, match="end at the number of rows 4, found 5"):
         rebuild(state, [0, 5])
+
+
+def test_padded_is_bounded_like_the_ragged_views_before_allocating():
+    # one long sequence and many short ones: the rectangle is B * longest rows
+    lengths = [1 << 14] + [1] * ((1 << 14) - 1)
+    packed = PackedTensor.from_lengths(
+        torch.zeros((sum(lengths), 48, 8), dtype=torch.uint8), lengths
+    )
+    with pytest.raises(
+        PackedError,
+        match=r"a padded view \[16384, 16384, 48, 8\] has 103079215104 cells, more than "
+        r"max_cells 268435456; keep the rows packed or pass a larger max_cells",
+    ):
+        packed.padded()  # was 96 GiB
+    with pytest.raises(PackedError, match=r"\[2, 1099511627776\] has .* more than max_cells"):
+        PackedTensor.from_lengths(torch.arange(5), [2, 3]).padded(max_len=1 << 40)
+    small = PackedTensor.from_lengths(torch.arange(6).reshape(3, 2), [1, 2])
+    assert small.padded(max_cells=8).shape == (2, 2, 2)
+    with pytest.raises(PackedError, match=r"\[2, 2, 2\] has 8 cells, more than max_cells 7"):
+        small.padded(max_cells=7)
