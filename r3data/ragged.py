@@ -108,13 +108,17 @@ class RaggedRows:
 
     @classmethod
     def from_padded(cls, padded: Any, *, fill: int = MASK_FILL, what: str = "padded rows"):
-        """``[rows, width]`` rows, each its values first and ``fill`` after them."""
+        """``[rows, width]`` rows, each its values first and ``fill`` after them. A dtype that
+        cannot hold ``fill`` (-1 in an unsigned one) holds no padding: every value is kept, and
+        the value ``fill`` wraps to there (-1 in uint16: 65535) is refused, padding or id?"""
         array = np.asarray(padded)
         if array.ndim != 2 or (array.size and array.dtype.kind not in "iu"):
             raise PackedError(
                 f"{what}: expected a [rows, width] integer array, found shape {array.shape} of "
                 f"{array.dtype}"
             )
+        if array.size:
+            _check_no_wrapped_fill(array, fill, what)
         kept = array != fill
         lengths = kept.sum(axis=1, dtype=np.int64)
         holes = kept != (np.arange(array.shape[1]) < lengths[:, None])
@@ -189,6 +193,23 @@ class RaggedRows:
 
     def __repr__(self) -> str:
         return f"RaggedRows(rows={self.rows}, values={int(self.offsets[-1] - self.offsets[0])}, dtype={self.dtype})"
+
+
+def _check_no_wrapped_fill(array: np.ndarray, fill: int, what: str) -> None:
+    """Refuse, when ``array``'s dtype cannot hold ``fill``, any value ``fill`` wraps to in it:
+    -1 padding cast to an unsigned dtype would otherwise be read as ids."""
+    info = np.iinfo(array.dtype)
+    if info.min <= fill <= info.max:
+        return
+    wrapped = (int(fill) - info.min) % (1 << info.bits) + info.min
+    found = np.flatnonzero(array == wrapped)
+    if found.size:
+        row, column = divmod(int(found[0]), array.shape[1])
+        raise PackedError(
+            f"{what}: expected rows padded with {fill}, which {array.dtype} cannot hold; found "
+            f"{wrapped} ({fill} wrapped?) at row {row}, column {column}; pass fill={wrapped} if "
+            f"it is padding"
+        )
 
 
 def checked_width(width: Any, widest: int) -> int:

@@ -53,6 +53,23 @@ def test_ragged_rows_refuse_what_is_not_csr():
         _ragged([[1, 2, 3], [4]]).padded(max_cells=4)
 
 
+@pytest.mark.parametrize("dtype", [np.uint8, np.uint16, np.uint32])
+def test_unsigned_rows_cannot_hold_the_fill_so_its_wrapped_value_is_refused(dtype):
+    top = np.iinfo(dtype).max
+    # -1 padding cast to an unsigned dtype is its max: padding or an id? refused, not read
+    with pytest.raises(
+        PackedError,
+        match=rf"mask: expected rows padded with -1, which {np.dtype(dtype)} cannot hold; "
+        rf"found {top} \(-1 wrapped\?\) at row 1, column 1; pass fill={top} if it is padding",
+    ):
+        RaggedRows.from_padded(np.array([[1, 2], [3, top]], dtype), what="mask")
+    # nothing there can be padding: every value is an id (e.g. a top-k mask, all rows full)
+    full = RaggedRows.from_padded(np.array([[1, 2], [3, 4]], dtype))
+    assert full == RaggedRows.from_rows([[1, 2], [3, 4]], dtype=dtype)
+    padded = RaggedRows.from_padded(np.array([[1, top], [3, 4]], dtype), fill=top)
+    assert padded == RaggedRows.from_rows([[1], [3, 4]], dtype=dtype)
+
+
 @settings(max_examples=40, deadline=None)
 @given(samples_strategy, st.data())
 def test_packed_ragged_batch_algebra_matches_per_sample_lists(samples, data):
