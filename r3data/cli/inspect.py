@@ -11,13 +11,22 @@ from typing import Any
 import numpy as np
 from fsspec import AbstractFileSystem
 
-from r3data.cli.common import count, format_bytes, int_at_least, printable, render_table, resolve
+from r3data.cli.common import (
+    EXIT_PROBLEMS,
+    count,
+    format_bytes,
+    int_at_least,
+    printable,
+    render_table,
+    resolve,
+)
 from r3data.cli.histogram import load_summary, render_histogram
 from r3data.errors import ConfigError, PayloadError, PayloadFormatError, WireFormatError
 from r3data.nodes.screen import ScreenOptions, dense_layers, screen_rows
 from r3data.parallel import fill_rows, io_workers
 from r3data.payload import MAGIC, PayloadReader, PayloadSegment
 from r3data.payload import inspect as inspect_file
+from r3data.payload.fileformat import starts_like_payload
 from r3data.payload.fs import open_file
 from r3data.synth import MODEL_SHAPES
 from r3data.wire import RowSource
@@ -92,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(report, indent=2, default=_json_default))
     else:
         print(_render(report))
-    return 0
+    return EXIT_PROBLEMS if report.get("corrupt") else 0
 
 
 def _json_default(value: Any) -> Any:
@@ -134,22 +143,41 @@ def _payload_file(fs: AbstractFileSystem, path: str, shown: str) -> dict[str, An
     }
 
 
+def _starts_like_payload(fs: AbstractFileSystem, path: str) -> bool:
+    """Whether the file at ``path`` starts like a payload file (False: unreadable now)."""
+    try:
+        with open_file(path, fs) as f:
+            head = bytearray(len(MAGIC))
+            return starts_like_payload(bytes(head[: f.read_at(0, memoryview(head))]))
+    except PayloadError:
+        return False
+
+
 def _directory(fs: AbstractFileSystem, path: str, args: argparse.Namespace) -> dict[str, Any]:
+    """Every file under ``path``: payload files (their headers; the routes of the first
+    ``--max-files`` read, checksums checked, for the expert load), corrupt ones with what is
+    wrong (a header, or routes read, that fail their checks), and the other files."""
     names = sorted(fs.find(path))
 
     def header(i: int) -> dict[str, Any]:
         try:
             info = inspect_file(names[i], fs=fs)
+        except PayloadFormatError as exc:
+            corrupt = _starts_like_payload(fs, names[i])
+            return {"file": names[i], "corrupt" if corrupt else "error": str(exc)}
         except PayloadError as exc:
             return {"file": names[i], "error": str(exc)}
         return {"file": names[i], "info": info}
 
     found = fill_rows(header, len(names), io_workers())
-    files, others, routes = [], [], []
+    files, others, corrupt, routes = [], [], {}, []
     for entry in found:
         name = posixpath.relpath(entry["file"], path)
         if "error" in entry:
             others.append({"file": name, "error": entry["error"]})
+            continue
+        if "corrupt" in entry:
+            corrupt[name] = entry["corrupt"].removeprefix(f"{entry['file']}: ")
             continue
         info = entry["info"]
         files.append(
@@ -161,11 +189,15 @@ def _directory(fs: AbstractFileSystem, path: str, args: argparse.Namespace) -> d
             }
         )
         if len(files) <= args.max_files:
-            routes += _read_routes(fs, entry["file"], info.header.segments())
+            try:
+                routes += _read_routes(fs, entry["file"], info.header.segments())
+            except PayloadError as exc:
+                corrupt[name] = str(exc).removeprefix(f"{entry['file']}: ")
     return {
         "kind": "payload directory",
         "path": args.path,
         "files": files,
+        "corrupt": dict(sorted(corrupt.items())),
         "not_payload_files": others,
         "bytes": sum(f["size"] for f in files),
         "versions": sorted({f["version"] for f in files}),
@@ -353,6 +385,10 @@ def _render_directory(report: dict[str, Any]) -> list[str]:
         f"({format_bytes(report['bytes'])}), versions {report['versions'] or 'none'}",
         render_table(rows, ("file", "version", "size", "fields")),
         *[
+            f"  corrupt    {printable(name)}: {printable(message)}"
+            for name, message in report["corrupt"].items()
+        ],
+        *[
             f"  not a payload file: {printable(other['file'])}"
             for other in report["not_payload_files"]
         ],
@@ -407,4 +443,6 @@ def _render(report: dict[str, Any]) -> str:
     lines = RENDERERS[report["kind"]](report)
     if report["expert_load"] is not None:
         lines += render_histogram(report["expert_load"])
+    if report.get("corrupt"):
+        lines.append(f"problems: {count(len(report['corrupt']), 'corrupt file')}")
     return "\n".join(lines)

@@ -20,7 +20,14 @@ from r3data.errors import (
     PayloadReadError,
 )
 from r3data.parallel import fill_rows, io_workers
-from r3data.payload.fileformat import MAGIC, FieldEntry, PayloadHeader, checksum, read_header
+from r3data.payload.fileformat import (
+    MAGIC,
+    FieldEntry,
+    PayloadHeader,
+    checksum,
+    read_header,
+    starts_like_payload,
+)
 from r3data.payload.fs import PayloadFile, PayloadRoot, open_file
 from r3data.payload.retention import VERSION_DIR, min_fresh_version
 from r3data.payload.writer import TEMP_SUFFIX
@@ -171,7 +178,7 @@ def _check_file(root: PayloadRoot, name: str) -> tuple[str, str]:
         with root.open_read(name) as file:
             f = _stream(file)
             head = f.read(len(MAGIC))
-            if head != MAGIC and not (head and MAGIC.startswith(head)):  # a cut magic: corrupt
+            if not starts_like_payload(head):  # a cut magic is corrupt, not headerless
                 return _HEADERLESS, ""
             for entry in read_header(f, name).fields:
                 _check_field(f, entry, name)

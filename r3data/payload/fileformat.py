@@ -41,6 +41,7 @@ __all__ = [
     "checksum",
     "place_fields",
     "read_header",
+    "starts_like_payload",
 ]
 
 MAGIC = b"R3PAYLD\x00"
@@ -138,6 +139,13 @@ def _placed(drafts: Sequence[FieldEntry], start: int) -> tuple[FieldEntry, ...]:
         placed.append(replace(draft, segment=replace(draft.segment, **moved)))
         cursor = _align(cursor, DATA_ALIGN)
     return tuple(placed)
+
+
+def starts_like_payload(head: bytes) -> bool:
+    """Whether ``head``, a file's first ``len(MAGIC)`` bytes (fewer for a shorter file), starts
+    an r3data payload file: the magic, or the magic cut short (a payload file truncated inside
+    it). Anything else is another file, e.g. a headerless raw file."""
+    return head == MAGIC or (bool(head) and MAGIC.startswith(head))
 
 
 def read_header(f: BinaryIO, file: str) -> PayloadHeader:

@@ -112,6 +112,38 @@ def test_inspect_a_directory_sums_every_file(written_root, capsys):
     assert f"{len(written_root.routes)} payload files" in text
 
 
+def test_inspect_a_directory_lists_every_file_and_marks_corrupt_ones(written_root, capsys):
+    """A corrupt file stopped inspect at the first one (exit 2, nothing listed)."""
+    data_victim = written_root.segments[2]  # routes of version 1: a flipped data byte
+    path = written_root.root / data_victim.file
+    data = bytearray(path.read_bytes())
+    data[data_victim.offset + 5] ^= 0xFF
+    path.write_bytes(bytes(data))
+    header_victim = written_root.segments[0].file  # version 0: a flipped byte of its table
+    path = written_root.root / header_victim
+    data = bytearray(path.read_bytes())
+    data[30] ^= 0x01
+    path.write_bytes(bytes(data))
+    (written_root.root / "stray.bin").write_bytes(b"left behind")
+    healthy = written_root.segments[4].file
+    code, report = run_json(capsys, "inspect", str(written_root.root))
+    assert code == 1
+    assert sorted(report["corrupt"]) == sorted([data_victim.file, header_victim])
+    assert "expected crc32c" in report["corrupt"][data_victim.file]
+    assert "header table checksum mismatch" in report["corrupt"][header_victim]
+    assert [f["file"] for f in report["files"]] == sorted([data_victim.file, healthy])
+    assert [o["file"] for o in report["not_payload_files"]] == ["stray.bin"]
+    load = report["expert_load"]  # the routes of the healthy file only
+    want = bincount([written_root.routes[healthy]], load["experts"])
+    assert load["per_expert"] == want.tolist()
+    assert main(["inspect", str(written_root.root)]) == 1
+    lines = capsys.readouterr().out.splitlines()
+    assert any(line.startswith(f"  corrupt    {data_victim.file}: ") for line in lines)
+    assert any(line.startswith(f"  corrupt    {header_victim}: ") for line in lines)
+    assert "  not a payload file: stray.bin" in lines
+    assert lines[-1] == "problems: 2 corrupt files"
+
+
 @pytest.fixture
 def rollout():
     return synth_rollouts(SyntheticRouter(SHAPE, seed=9), 1, seed=9, max_turns=2)[0]
