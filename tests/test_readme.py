@@ -271,3 +271,39 @@ def test_the_architecture_import_rules_hold():
     assert set(rank) == {m.split(".")[1] for m in modules if "." in m}
     assert not upward
     graphlib.TopologicalSorter(graph).prepare()  # raises CycleError on a circle
+
+
+def test_the_formats_sources_and_sample_load():
+    import r3data
+    from r3data.errors import ConfigError
+    from r3data.wire.producers import FORMATS, EngineRequest
+
+    page = ROOT / "docs" / "formats.md"
+    sources, sample_block = python_blocks(page)
+    for line in sources.strip().splitlines():
+        source = eval(line, {"raw_body": b"{}", "decode_body": b"{}"})
+        FORMATS[source.pop("producer")].make_options(source, skip=("response",))
+    with pytest.raises(ConfigError, match="'start'"):
+        FORMATS["vllm"].make_options({"strat": 1})
+
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, 1000, 1484 + 79)
+    routes = rng.integers(0, 128, (1484 + 79 - 1, 48, 8), dtype=np.uint8)
+
+    def body(prompt: int, completion: int, start: int) -> bytes:
+        ids = tokens[: prompt + completion].tolist()
+        rows = routes[start : prompt + completion - 1]
+        return FORMATS["vllm"].encode(EngineRequest(ids[:prompt], ids[prompt:], rows, start=start))
+
+    scope = {"raw_body": body(1484, 79, 1401)}
+    code = "sample = " + sample_block
+    for key, value in (("token_ids", "tokens"), ("loss_mask", "mask"), ("logprobs", "logps")):
+        code = code.replace(f'"{key}": [...]', f'"{key}": {value}')
+    scope |= {"tokens": tokens, "mask": [True] * tokens.size, "logps": np.zeros(tokens.size)}
+    sample = run(code, page, scope)["sample"]
+    earlier = {"producer": "vllm", "response": body(1300, 102, 0)}
+    sample["requests"].insert(0, {"prompt_len": 1300, "completion_len": 102, "sources": [earlier]})
+    (batch,) = r3data.loader([sample], batch_size=1, num_experts=128)
+    np.testing.assert_array_equal(batch["routed_experts"].values[:-1].numpy(), routes)
+    assert batch["routed_experts_valid"].values.sum() == routes.shape[0]
+    assert batch["sample_id"] == ["rollout-17"]
