@@ -307,3 +307,51 @@ def test_the_formats_sources_and_sample_load():
     np.testing.assert_array_equal(batch["routed_experts"].values[:-1].numpy(), routes)
     assert batch["routed_experts_valid"].values.sum() == routes.shape[0]
     assert batch["sample_id"] == ["rollout-17"]
+
+
+def test_the_megatron_snippet_replays_every_micro_batch():
+    pytest.importorskip("megatron.core")
+    import warnings
+
+    import torch
+
+    import r3data
+    from r3data.replay import megatron_check
+    from r3data.wire import pack_ndarray
+
+    rng, samples = np.random.default_rng(0), []
+    for i, n in enumerate((7, 12, 9, 5)):
+        picks = [rng.permutation(8)[:2] for _ in range((n - 1) * 2)]
+        rows = np.stack(picks).reshape(n - 1, 2, 2).astype(np.uint8)
+        response = {"choices": [{"routed_experts": pack_ndarray(rows, start=0)}]}
+        source = {"producer": "prime-rl", "response": response}
+        request = {"prompt_len": 3, "completion_len": n - 3, "sources": [source]}
+        samples.append({"id": f"s{i}", "token_ids": np.arange(n), "requests": [request]})
+    (batch,) = r3data.loader(samples, batch_size=4)
+    routed = []
+
+    def model(*_):
+        """Each router routes fresh logits of the installed routes' tokens."""
+        losses = []
+        for router in routers:
+            installed = router.router_replay.target_topk_idx
+            logits = torch.randn(installed.shape[0], 8, requires_grad=True)
+            probs, routing_map = router.routing(logits)
+            routed.append(
+                torch.equal(
+                    routing_map.nonzero()[:, 1].view(-1, 2).sort(1).values, installed.sort(1).values
+                )
+            )
+            losses.append(probs.sum())
+        return sum(losses)
+
+    (block,) = python_blocks(ROOT / "docs" / "megatron.md")
+    with warnings.catch_warnings(), megatron_check._single_rank():
+        warnings.simplefilter("ignore")
+        config, routers = megatron_check._routers(2, 8, 2, 2)
+        try:
+            scope = {"config": config, "micro_batches": batch.chunk(2), "device": "cpu"}
+            run(block, ROOT / "docs" / "megatron.md", scope | {"model": model})
+        finally:
+            megatron_check._forget(routers)
+    assert routed == [True] * 4  # 2 micro-batches x 2 routers, each as installed
