@@ -355,3 +355,22 @@ def test_the_megatron_snippet_replays_every_micro_batch():
         finally:
             megatron_check._forget(routers)
     assert routed == [True] * 4  # 2 micro-batches x 2 routers, each as installed
+
+
+def calls(code: str) -> dict[str, set[str]]:
+    """Each called name of ``code`` and the keywords it is called with."""
+    found: dict[str, set[str]] = {}
+    for node in ast.walk(ast.parse(code)):
+        if isinstance(node, ast.Call):
+            name = ast.unparse(node.func)
+            found.setdefault(name, set()).update(k.arg for k in node.keywords if k.arg)
+    return found
+
+
+def test_the_loader_page_loop_is_the_examples():
+    (block,) = python_blocks(ROOT / "docs" / "loader.md")
+    documented = calls(block)
+    example = calls((ROOT / "examples" / "trainer_loop.py").read_text())
+    for name in ("PayloadRetention", "loader", "MicroBatches", "DataParallel", "TokenLayout"):
+        assert documented[name] == example[name], name
+    assert {"expand", "retention.on_policy_update", "optimizer.step"} <= set(documented)
