@@ -71,7 +71,7 @@ class RolloutDataset(IterableDataset):
     def __len__(self) -> int:
         raise UsageError(
             "RolloutDataset is a stream of micro-batches that already shards data-parallel "
-            "ranks: give loader(..., data_parallel=DataParallel(rank, size)) (or "
+            "ranks: give loader(..., data_parallel=DataParallel(rank=..., size=...)) (or "
             "DataParallel.from_torch()) instead of a DistributedSampler"
         )
 

@@ -210,11 +210,11 @@ def loader(
     ``samples``: dicts or dataclasses (see :mod:`r3data.nodes.sample`): a list or any
     map-style collection, a re-iterable, a torchdata ``BaseNode`` or a stateful iterable
     (state nested, resumed), the same on every rank. ``batch_size`` samples are one optimizer
-    step's global batch over all ``data_parallel`` ranks (``DataParallel(rank, size)`` or
-    ``DataParallel.from_torch()``); each rank gets a disjoint share balanced by tokens, cut
+    step's global batch over all ``data_parallel`` ranks (``DataParallel(rank=..., size=...)``
+    or ``DataParallel.from_torch()``); each rank gets a disjoint share balanced by tokens, cut
     into ``micro_batches`` (``MicroBatches(size=...)`` or ``MicroBatches(max_tokens=...)``;
-    default: one per step), as many on every rank. ``shuffle`` (``True`` or ``Shuffle(seed,
-    epoch)``) permutes a map-style source; ``drop_last`` drops a short last step; steps count
+    default: one per step), as many on every rank. ``shuffle`` (``True`` or ``Shuffle(seed=...,
+    epoch=...)``) permutes a map-style source; ``drop_last`` drops a short last step; steps count
     from ``start_step``. Every micro-batch records its ``step``, ``micro_batch`` and
     ``micro_batches`` in its metadata.
 

@@ -248,7 +248,7 @@ def test_dataloader_misuse_gets_one_line_saying_what_to_write():
     assert "\n" not in str(info.value)
     with pytest.raises(UsageError) as info:
         DistributedSampler(dataset, num_replicas=2, rank=0)
-    assert "data_parallel=DataParallel(rank, size)" in str(info.value)
+    assert "data_parallel=DataParallel(rank=..., size=...)" in str(info.value)
     assert isinstance(info.value, TypeError)
     assert "\n" not in str(info.value)
     with pytest.raises(ConfigError) as info:
