@@ -22,6 +22,9 @@ def execute(name: str, tmp_path: Path) -> tuple[dict, int]:
     NotebookClient(
         notebook,
         timeout=120,
+        # a loaded machine can deliver a cell's output after its reply: wait for it, never drop it
+        iopub_timeout=60,
+        raise_on_iopub_timeout=True,
         kernel_name="python3",
         resources={"metadata": {"path": str(tmp_path)}},
     ).execute()
