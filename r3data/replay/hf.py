@@ -143,10 +143,14 @@ def only_these_inputs(model: torch.nn.Module, inputs: HFInputs) -> Iterator[None
         if want is None:
             want = expected[ids.device] = inputs.input_ids.to(ids.device)
         if ids.shape != want.shape or not torch.equal(ids, want):
+            found = (
+                f"of shape {list(ids.shape)} other than the {list(want.shape)}"
+                if ids.shape != want.shape
+                else f"of shape {list(ids.shape)} holding other token ids than the ones"
+            )
             raise ReplayError(
-                f"the model was called with input_ids of shape {list(ids.shape)} other than "
-                f"the {list(want.shape)} the routes were laid out for: one replay context "
-                "holds one micro-batch's routes (open one per micro-batch)"
+                f"the model was called with input_ids {found} the routes were laid out for: "
+                "one replay context holds one micro-batch's routes (open one per micro-batch)"
             )
 
     handle = model.register_forward_pre_hook(check, with_kwargs=True)

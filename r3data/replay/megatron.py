@@ -194,12 +194,22 @@ def router_replays(model: torch.nn.Module | Sequence[torch.nn.Module] | None = N
     ]
 
 
+def _check_per_layer(routes: Any) -> None:
+    """Routes come as one tensor per layer: a stacked tensor would iterate by token."""
+    if not isinstance(routes, Sequence):
+        raise ReplayError(
+            "routes_per_layer: expected a sequence of per-layer tensors, found "
+            f"{type(routes).__name__}"
+        )
+
+
 def check_routes(
     routes: Sequence[torch.Tensor], *, num_experts: int, topk: int | None = None
 ) -> None:
     """The checks :func:`install` makes on the tensors themselves, without routers: each a
     ``[tokens, topk]`` int32/int64 tensor, all of one shape and device, ids in
     ``[0, num_experts)``, distinct experts per row."""
+    _check_per_layer(routes)
     checked_int("num_experts", num_experts, minimum=1, error=ReplayError)
     first = None
     for layer, tensor in enumerate(routes):
@@ -267,11 +277,7 @@ def install(
     device, int32/int64, ids in ``[0, num_experts)``, distinct experts per row), then does what
     ``RouterReplay.set_replay_data`` does (target indices set, backward FIFO appended).
     """
-    if not isinstance(routes_per_layer, Sequence):  # a stacked tensor is none either
-        raise ReplayError(
-            "routes_per_layer: expected a sequence of per-layer tensors, found "
-            f"{type(routes_per_layer).__name__}"
-        )
+    _check_per_layer(routes_per_layer)
     instances = router_replays(model)
     if len(routes_per_layer) != len(instances):
         raise ReplayError(

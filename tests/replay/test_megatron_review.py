@@ -28,6 +28,7 @@ sys.path.append(str(Path(__file__).resolve().parents[1] / "integration"))
 
 from r3data.errors import ReplayError
 from r3data.replay import install, replay_step, router_replays
+from r3data.replay.megatron import check_routes
 
 quiet_import_megatron()
 from megatron.core.transformer.moe.router_replay import RouterReplay  # noqa: E402
@@ -217,6 +218,8 @@ def test_one_stacked_tensor_is_no_list_of_layers(routers):
         install(stacked, num_experts=EXPERTS, topk=TOPK)
     with pytest.raises(ReplayError, match="found generator"):
         install((t for t in routes_for(3)), num_experts=EXPERTS, topk=TOPK)
+    with pytest.raises(ReplayError, match="expected a sequence of per-layer tensors"):
+        check_routes(stacked, num_experts=EXPERTS, topk=TOPK)  # its rows would pass as layers
     assert fifos_empty(routers)
 
 
