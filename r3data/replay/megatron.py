@@ -148,16 +148,28 @@ def megatron_layout(
     pad_multiple: int | None = None,
     seq_length: int | None = None,
 ) -> TokenLayout:
-    """This rank's :class:`TokenLayout`, from ``parallel_state`` and a ``TransformerConfig``."""
+    """This rank's :class:`TokenLayout`, from ``parallel_state`` and a ``TransformerConfig``
+    (whose parallel sizes must be the state's: the model was built by one of them)."""
     from megatron.core import parallel_state
 
+    sizes = {
+        "tensor_model_parallel_size": parallel_state.get_tensor_model_parallel_world_size(),
+        "context_parallel_size": parallel_state.get_context_parallel_world_size(),
+        "pipeline_model_parallel_size": parallel_state.get_pipeline_model_parallel_world_size(),
+    }
+    for name, size in sizes.items():
+        if getattr(config, name, size) != size:
+            raise ReplayError(
+                f"config.{name} must be parallel_state's {size} (the model's layout), found "
+                f"{getattr(config, name)!r}"
+            )
     return TokenLayout(
-        tp_size=parallel_state.get_tensor_model_parallel_world_size(),
+        tp_size=sizes["tensor_model_parallel_size"],
         tp_rank=parallel_state.get_tensor_model_parallel_rank(),
         sequence_parallel=bool(config.sequence_parallel),
-        cp_size=parallel_state.get_context_parallel_world_size(),
+        cp_size=sizes["context_parallel_size"],
         cp_rank=parallel_state.get_context_parallel_rank(),
-        pp_size=parallel_state.get_pipeline_model_parallel_world_size(),
+        pp_size=sizes["pipeline_model_parallel_size"],
         pp_rank=parallel_state.get_pipeline_model_parallel_rank(),
         vpp_size=config.virtual_pipeline_model_parallel_size,
         packed=packed,

@@ -254,6 +254,16 @@ def test_layout_and_layers_come_from_megatron():
     assert model_layers(make_config(moe_layer_freq=2)).moe_layer_ids == (0, 2)
 
 
+@pytest.mark.parametrize(
+    "name", ["tensor_model_parallel_size", "context_parallel_size", "pipeline_model_parallel_size"]
+)
+def test_a_config_of_other_parallel_sizes_than_the_state_is_refused(name):
+    config = make_config(sequence_parallel=False)
+    setattr(config, name, 2)  # the world is of one process: every size is 1
+    with pytest.raises(ReplayError, match=f"config.{name} must be parallel_state's 1 .* found 2"):
+        megatron_layout(config, packed=True)
+
+
 def test_importing_r3data_replay_does_not_import_megatron():
     code = (
         "import sys, r3data.replay, r3data.layout\n"
