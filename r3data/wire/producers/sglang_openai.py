@@ -13,7 +13,12 @@ serving_chat.py ``_generate_chat_stream``):
   :mod:`~r3data.wire.producers.sglang_openai_v059`). ``usage`` gives the lengths when the
   response has one choice.
 - A chat stream sends no routes with its content chunks, then one extra chunk with
-  ``"choices": []`` and ``sglext.routed_experts``.
+  ``"choices": []`` and ``sglext.routed_experts``; with ``x-sglext-ids-framed: 1`` the
+  sglext ids (``input_ids``, ``output_ids``) follow in a second such chunk (``event:
+  sglext_ids``): the chunks' sglext fields are merged, routes sent once.
+- Chat with ``return_meta_info`` (0.5.23): no ``sglext.routed_experts``; each choice carries
+  its own sequence's ``meta_info`` (``routed_experts``, ``prompt_tokens``,
+  ``completion_tokens``), so every choice has its routes, ``n > 1`` included.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from r3data.wire.producers.base import (
     ProducerFormat,
 )
 from r3data.wire.producers.common import (
+    any_choice,
     check_stream_choices,
     documents,
     is_stream,
@@ -60,14 +66,35 @@ def _assemble(raw: Any, what: str) -> dict[str, Any]:
         for part in chunk["choices"]:
             index = part.get("index") if isinstance(part, Mapping) else None
             indices.add(nonnegative_int(f"{what} event {number} index", index, WireFormatError))
-        if chunk.get(EXT) is not None:
-            if EXT in merged:
-                raise WireFormatError(f"{what} event {number}: a second '{EXT}' chunk")
-            merged[EXT] = chunk[EXT]
+        ext = chunk.get(EXT)
+        if ext is not None:
+            if not isinstance(ext, Mapping):
+                raise WireFormatError(
+                    f"{what} event {number}: expected '{EXT}' to be an object, found "
+                    f"{type(ext).__name__}"
+                )
+            into = merged.setdefault(EXT, {})
+            if ext.get(ROUTES_FIELD) is not None and into.get(ROUTES_FIELD) is not None:
+                raise WireFormatError(
+                    f"{what} event {number}: a second '{EXT}.{ROUTES_FIELD}' (SGLang sends "
+                    f"the routes once, after the content)"
+                )
+            into.update((k, v) for k, v in ext.items() if v is not None)
         if chunk.get("usage") is not None:
             merged["usage"] = chunk["usage"]
     count = max(1, check_stream_choices(indices, what))
     return {**merged, "choices": [{"index": i} for i in range(count)]}
+
+
+def _choice_meta_info(choice: object) -> Mapping[str, Any] | None:
+    """A choice's own ``meta_info`` (chat with ``return_meta_info``), else None."""
+    meta_info = choice.get("meta_info") if isinstance(choice, Mapping) else None
+    return meta_info if isinstance(meta_info, Mapping) else None
+
+
+def _sends_meta_info_routes(choice: Mapping[str, Any]) -> bool:
+    meta_info = _choice_meta_info(choice)
+    return meta_info is not None and isinstance(meta_info.get(ROUTES_FIELD), str)
 
 
 def _ext_routes(doc: object) -> object:
@@ -89,9 +116,15 @@ class SglangOpenaiFormat(ProducerFormat):
         return super().parse(response)
 
     def recognise(self, doc: Any) -> bool:
-        return any(isinstance(_ext_routes(event), str) for event in documents(doc))
+        return any(
+            isinstance(_ext_routes(event), str) or any_choice(event, _sends_meta_info_routes)
+            for event in documents(doc)
+        )
 
     def decode_choice(self, choice: Choice) -> ChoiceRows:
+        meta_info = _choice_meta_info(choice.entry)
+        if meta_info is not None:
+            return self._meta_info_rows(choice, meta_info)
         what = f"{self.name} {EXT}.{ROUTES_FIELD}"
         if choice.index:
             first_only = f"{what} for choice {choice.index} (first sequence only)"
@@ -104,6 +137,19 @@ class SglangOpenaiFormat(ProducerFormat):
         if value is None:
             return ChoiceRows(choice.index, (), (what,))
         prompt, completion = choice.placed(what, found)
+        start = self.start_of(choice.options)
+        meta = self.rows_meta(choice, prompt, completion)
+        rows = flat_int32_rows(value, choice.options, start, meta, what)
+        anchored_pos(rows.rows, prompt, completion, start, what=what)
+        return ChoiceRows(choice.index, (rows,))
+
+    def _meta_info_rows(self, choice: Choice, meta_info: Mapping[str, Any]) -> ChoiceRows:
+        """The rows of a choice that carries its own ``meta_info`` (``return_meta_info``)."""
+        what = f"{self.name} choices[{choice.index}].meta_info.{ROUTES_FIELD}"
+        prompt, completion = choice.placed(what, token_counts(meta_info, f"{what}: "))
+        value = meta_info.get(ROUTES_FIELD)
+        if value is None:
+            return ChoiceRows(choice.index, (), (what,))
         start = self.start_of(choice.options)
         meta = self.rows_meta(choice, prompt, completion)
         rows = flat_int32_rows(value, choice.options, start, meta, what)
