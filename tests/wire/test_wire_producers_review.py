@@ -5,9 +5,12 @@ sources: /work/notes/producers.md, "Review 2026-12"."""
 from __future__ import annotations
 
 import functools
+import itertools
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from producer_bodies import common
 
 from r3data.errors import EngineRoutesError, WireFormatError
@@ -169,3 +172,170 @@ def test_sglang_chat_stream_with_framed_ids_event_reads_the_routes():
     twice = raw.replace(ids, routed)
     with pytest.raises(WireFormatError, match=r"second 'sglext.routed_experts'"):
         decode("sglang-openai", twice, (3, 2), num_layers=LAYERS, topk=TOPK)
+
+
+# --- vLLM 0.30+ tokens endpoint: the native sampling_mask (also what prime-rl now sends) -------
+
+
+def _tokens_choice(index: int, output: list[int], routes: np.ndarray, mask: object) -> dict:
+    """``GenerateTokensChoice`` in vLLM 0.32's field order (scale_out/token_in_token_out/
+    protocol.py): ``sampling_mask`` is ``output.sampling_mask.token_ids``, one list of kept
+    vocabulary ids per completion token."""
+    return {
+        "index": index,
+        "finish_reason": "length",
+        "stop_reason": None,
+        "token_ids": output,
+        "routed_experts": common.npy_b64(routes.astype(np.uint8)),
+        "sampling_mask": mask,
+        "weight_versions": None,
+        "logprobs": None,
+    }
+
+
+def _tokens_body(prompt: list[int] | None, choices: list[dict]) -> bytes:
+    body = {
+        "request_id": "r",
+        "model": "m",
+        "created": 0,
+        "prompt_token_ids": prompt,
+        "output_mode": "tokens",
+        "choices": choices,
+        "usage": None,
+    }
+    return common.starlette_body(body)
+
+
+MASK = [[1, 5], [2], [3, 4, 9]]
+
+
+def _mask_rows(choice) -> list[tuple[int, list[list[int]]]]:
+    out = []
+    for source in choice.sources:
+        if source.field == "sampling_mask":
+            ragged = source.array
+            rows = [ragged.values[a:b].tolist() for a, b in itertools.pairwise(ragged.offsets)]
+            out.append((source.pos, rows))
+    return out
+
+
+def test_vllm_tokens_endpoint_sampling_mask_rows_sit_at_the_completion_tokens():
+    routes = engine_rows(8)  # prompt 5 + completion 3
+    raw = _tokens_body([0, 1, 2, 3, 4], [_tokens_choice(0, [7, 8, 9], routes, MASK)])
+    for body in (raw, FORMATS["vllm"].parse(raw)):
+        (choice,) = decode("vllm", body)
+        assert _mask_rows(choice) == [(5, MASK)]
+        (rows,) = [s for s in choice.sources if s.field == "routed_experts"]
+        np.testing.assert_array_equal(rows.array, routes)
+    (unknown,) = decode(
+        "vllm", _tokens_body(None, [_tokens_choice(0, [7, 8, 9], routes, MASK)]), (5, 3)
+    )
+    assert _mask_rows(unknown) == [(5, MASK)]
+    nulled = _tokens_body([0, 1, 2, 3, 4], [_tokens_choice(0, [7, 8, 9], routes, None)])
+    (plain,) = decode("vllm", nulled)
+    assert _mask_rows(plain) == []
+    assert [s.field for s in plain.sources] == ["routed_experts"]
+
+
+def test_vllm_routes_alone_never_need_the_mask_placed():
+    from r3data.wire.producers import vllm_routes
+
+    routes = engine_rows(8)
+    raw = _tokens_body(None, [_tokens_choice(0, [7, 8, 9], routes, MASK)])
+    (rows,) = vllm_routes(raw)
+    np.testing.assert_array_equal(rows.array, routes)
+
+
+@pytest.mark.parametrize(
+    ("mask", "match"),
+    [
+        ([[1, 5], [2]], r"expected one kept set per completion token \(3\), found 2"),
+        ([[1, 5], [2], [-3]], r"token ids in \[0, 2147483647\], found \[-3, 5\]"),
+        ([[1, 5], [2], [3.0]], r"expected lists of token ids"),
+        ([[1, 5], [2], [True]], r"expected lists of token ids"),
+        ([[1, 5], 2, [3]], r"expected lists of token ids"),
+        ({"ids": [1]}, r"expected a list of kept-id lists"),
+    ],
+)
+def test_vllm_sampling_mask_that_is_not_one_list_of_ids_per_token_is_refused(mask, match):
+    raw = _tokens_body([0, 1, 2, 3, 4], [_tokens_choice(0, [7, 8, 9], engine_rows(8), mask)])
+    with pytest.raises(WireFormatError, match=match):
+        decode("vllm", raw)
+
+
+def test_vllm_tokens_stream_sampling_mask_deltas_join_per_choice():
+    """Stream chunks carry the mask rows of their delta (output_processor clears the chunks
+    per delta); the routes come once, on the finishing chunk."""
+    routes = [engine_rows(7, seed=1), engine_rows(6, seed=2)]  # prompt 4 + completion 3 / 2
+    lens = [3, 2]
+    events = []
+    for step in range(3):
+        for i in range(2):
+            if step >= lens[i]:
+                continue
+            done = step == lens[i] - 1
+            choice = {
+                "index": i,
+                "finish_reason": "length" if done else None,
+                "stop_reason": None,
+                "token_ids": [10 + step],
+                "routed_experts": common.npy_b64(routes[i].astype(np.uint8)) if done else None,
+                "sampling_mask": [[step, 10 + step]],
+                "weight_versions": None,
+                "logprobs": None,
+            }
+            chunk = {"request_id": "r", "usage": None, "output_mode": "tokens", "choices": [choice]}
+            if step == 0 and i == 0:
+                chunk = {
+                    "request_id": "r",
+                    "usage": None,
+                    "prompt_token_ids": [0, 1, 2, 3],
+                    "output_mode": "tokens",
+                    "choices": [choice],
+                }
+            events.append(common.starlette_body(chunk))
+    raw = common.sse(events)
+    first, second = decode("vllm", raw)
+    assert _mask_rows(first) == [(4, [[0, 10], [1, 11], [2, 12]])]
+    assert _mask_rows(second) == [(4, [[0, 10], [1, 11]])]
+    np.testing.assert_array_equal(first.sources[0].array, routes[0])
+
+
+def test_primerl_tokens_endpoint_passes_vllm_sampling_mask_through():
+    """renderers 0.1.12 (client.py ``generate``) reads prime-rl's ``choices[0].sampling_mask``
+    as vLLM's native kept-id lists next to prime-rl's route envelope."""
+    routes = engine_rows(8)
+    envelope = {
+        "data": common.b64_raw(routes.astype(np.uint8)),
+        "shape": list(routes.shape),
+        "start": 0,
+        "dtype": "uint8",
+    }
+    choice = {
+        "index": 0,
+        "logprobs": None,
+        "finish_reason": "length",
+        "token_ids": [7, 8, 9],
+        "routed_experts": envelope,
+        "sampling_mask": MASK,
+    }
+    raw = common.starlette_body({"request_id": "r", "model": "m", "choices": [choice]})
+    assert detect(raw)[0].name == "prime-rl"
+    (got,) = decode("prime-rl", raw, (5, 3))
+    assert _mask_rows(got) == [(5, MASK)]
+    np.testing.assert_array_equal(
+        next(s for s in got.sources if s.field == "routed_experts").array, routes
+    )
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    mask=st.lists(st.lists(st.integers(0, 2**31 - 1), max_size=6), min_size=1, max_size=8),
+    prompt=st.integers(1, 6),
+)
+def test_vllm_sampling_mask_round_trips_any_kept_sets(mask, prompt):
+    completion = len(mask)
+    routes = engine_rows(prompt + completion)
+    raw = _tokens_body(list(range(prompt)), [_tokens_choice(0, [1] * completion, routes, mask)])
+    (choice,) = decode("vllm", raw)
+    assert _mask_rows(choice) == [(prompt, mask)]
