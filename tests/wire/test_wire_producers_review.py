@@ -339,3 +339,40 @@ def test_vllm_sampling_mask_round_trips_any_kept_sets(mask, prompt):
     raw = _tokens_body(list(range(prompt)), [_tokens_choice(0, [1] * completion, routes, mask)])
     (choice,) = decode("vllm", raw)
     assert _mask_rows(choice) == [(prompt, mask)]
+
+
+# --- SGLang /generate stream of a batch: items interleave, each with its "index" -------------
+
+
+def test_sglang_generate_stream_of_a_batch_gives_each_item_its_routes():
+    """A batched ``/generate`` stream (several prompts or ``n > 1``) interleaves the items'
+    cumulative chunks as they come, each tagged ``"index"`` (tokenizer_manager.py
+    ``_stream_batch_responses``); each item's routes are on its own last chunk."""
+    items = [
+        ([1, 2, 3], [4, 5, 6], engine_rows(6, seed=1)),
+        ([1, 2], [7, 8], engine_rows(4, seed=2)),
+    ]
+    order = [(1, 1), (0, 1), (0, 2), (1, 2), (0, 3)]  # (index, tokens so far)
+    events = []
+    for index, upto in order:
+        prompt, output, routes = items[index]
+        done = upto == len(output)
+        meta = _meta_info(len(prompt), upto, flat_int32(routes[1:]) if done else None)
+        meta["id"] = f"rid-{index}"
+        meta["finish_reason"] = meta["finish_reason"] if done else None
+        chunk = {"text": "x" * upto, "output_ids": output[:upto], "meta_info": meta, "index": index}
+        events.append(common.orjson_body(chunk))
+    raw = common.sse(events)
+    assert next(f.name for f in detect(raw)) == "sglang"
+    first, second = decode("sglang", raw, num_layers=LAYERS, topk=TOPK, start=1)
+    for choice, (_, output, routes) in zip((first, second), items, strict=True):
+        (rows,) = choice.sources
+        assert rows.pos == 1
+        assert rows.meta["completion_len"] == len(output)
+        np.testing.assert_array_equal(rows.array, routes[1:])
+    (alone,) = decode("sglang", raw, (2, 2), num_layers=LAYERS, topk=TOPK, start=1, choice=1)
+    np.testing.assert_array_equal(alone.sources[0].array, items[1][2][1:])
+    events[3] = events[3].replace(b'"index":1}', b'"index":0}')  # item 0's routes, then more
+    early = common.sse(events)
+    with pytest.raises(WireFormatError, match=r"routes on event"):
+        decode("sglang", early, num_layers=LAYERS, topk=TOPK, start=1)

@@ -12,7 +12,9 @@ managers/detokenizer_manager.py ``_b64_encode_per_request``, managers/tokenizer_
   ``routed_experts_start_len`` (honoured from 0.5.12; not echoed).
 - A batched request (several prompts, ``n > 1``) returns a list of such items, each its own.
 - A stream sends the routes in the final chunk only (they are gathered when the request
-  finishes): nothing to assemble, the final chunk is the whole response.
+  finishes): nothing to assemble, the final chunk is the whole response. A batch's stream
+  interleaves its items' chunks, each tagged ``"index"`` (tokenizer_manager.py
+  ``_stream_batch_responses``): each item's last chunk is that item.
 
 0.5.7-0.5.11 ignore the start: :mod:`~r3data.wire.producers.sglang_v057`.
 """
@@ -27,6 +29,7 @@ import numpy as np
 import orjson
 
 from r3data.errors import ConfigError, WireFormatError
+from r3data.validate import nonnegative_int
 from r3data.wire.anchors import anchored_pos
 from r3data.wire.producers.base import (
     ROUTES_FIELD,
@@ -41,6 +44,7 @@ from r3data.wire.producers.common import (
     array_base64,
     blob_nbytes,
     blob_rows,
+    check_stream_choices,
     documents,
     is_stream,
     parse_response,
@@ -81,20 +85,31 @@ def flat_int32_base64(routes: np.ndarray) -> str:
     return array_base64(routes.astype(INT32, copy=False))
 
 
-def _final_chunk(raw: Any, what: str) -> Any:
-    """The chunk of a ``/generate`` stream that carries the routes: the last one (SGLang sends
-    them when the request finishes; its chunks are cumulative)."""
+def _final_chunks(raw: Any, what: str) -> Any:
+    """The chunks of a ``/generate`` stream that carry the routes: each item's last (SGLang
+    sends them when the item finishes; its chunks are cumulative). A batch's items interleave,
+    each chunk tagged with its ``index``: they give a list, as the batch's body does."""
     chunks = [parse_response(event, (ROUTES_FIELD,)) for event in stream_events(raw, what)]
-    for number, chunk in enumerate(chunks[:-1]):
-        meta_info = _meta_info(chunk)
-        if meta_info is not None and meta_info.get(ROUTES_FIELD) is not None:
-            raise WireFormatError(
-                f"{what}: routes on event {number} of {len(chunks)}; SGLang sends them in the "
-                f"final chunk only"
-            )
     if not chunks:
         raise WireFormatError(f"{what}: no events")
-    return chunks[-1]
+    last: dict[int, int] = {}
+    for number, chunk in enumerate(chunks):
+        index = chunk.get("index", 0) if isinstance(chunk, Mapping) else 0
+        last[nonnegative_int(f"{what} event {number} index", index, WireFormatError)] = number
+    for number, chunk in enumerate(chunks):
+        meta_info = _meta_info(chunk)
+        index = chunk.get("index", 0) if isinstance(chunk, Mapping) else 0
+        routed = meta_info is not None and meta_info.get(ROUTES_FIELD) is not None
+        if number != last[index] and routed:
+            raise WireFormatError(
+                f"{what}: routes on event {number} of {len(chunks)}, before item {index}'s "
+                f"last chunk (event {last[index]}); SGLang sends them in an item's final chunk "
+                f"only"
+            )
+    count = check_stream_choices(last, what)
+    batched = any(isinstance(c, Mapping) and "index" in c for c in chunks)
+    finals = [chunks[last[index]] for index in range(count)]
+    return finals if batched else finals[0]
 
 
 def _meta_info(item: object) -> Mapping[str, Any] | None:
@@ -117,7 +132,7 @@ class SglangFormat(ProducerFormat):
 
     def parse(self, response: Any) -> Any:
         if is_stream(response):
-            return _final_chunk(response, f"{self.name} stream")
+            return _final_chunks(response, f"{self.name} stream")
         return super().parse(response)
 
     def recognise(self, doc: Any) -> bool:
