@@ -376,3 +376,35 @@ def test_sglang_generate_stream_of_a_batch_gives_each_item_its_routes():
     early = common.sse(events)
     with pytest.raises(WireFormatError, match=r"routes on event"):
         decode("sglang", early, num_layers=LAYERS, topk=TOPK, start=1)
+
+
+# --- SGLang 0.5.23 return_sampling_mask: meta_info.output_token_sampling_mask -----------------
+
+
+def test_sglang_output_token_sampling_mask_rows_sit_at_the_output_tokens():
+    """tokenizer_manager.py: with ``return_sampling_mask`` ``meta_info`` carries
+    ``output_token_sampling_mask`` (one kept-id list per output token, extended over a
+    stream), ``output_token_sampling_logprobs`` and ``output_token_sampling_mask_length``."""
+    output, routes = [4, 5, 6], engine_rows(6)  # prompt [1, 2, 3]
+    meta = _meta_info(3, 3, flat_int32(routes))
+    meta |= {
+        "output_token_sampling_mask": MASK,
+        "output_token_sampling_logprobs": [[0.0], [0.0], [0.0]],
+        "output_token_sampling_mask_length": 3,
+    }
+    body = common.orjson_body({"text": "x", "output_ids": output, "meta_info": meta})
+    (choice,) = decode("sglang", body, num_layers=LAYERS, topk=TOPK)
+    assert _mask_rows(choice) == [(3, MASK)]
+    np.testing.assert_array_equal(choice.sources[0].array, routes)
+    chat = common.orjson_body(
+        {"object": "chat.completion", "choices": [{"index": 0, "message": {}, "meta_info": meta}]}
+    )
+    (from_chat,) = decode("sglang-openai", chat, (3, 3), num_layers=LAYERS, topk=TOPK)
+    assert _mask_rows(from_chat) == [(3, MASK)]
+    short = body.replace(b"[[1,5],[2],[3,4,9]]", b"[[1,5],[2]]")
+    with pytest.raises(WireFormatError, match=r"one kept set per completion token \(3\), found 2"):
+        decode("sglang", short, num_layers=LAYERS, topk=TOPK)
+    from r3data.wire.producers import sglang_routes
+
+    (alone,) = sglang_routes(short, num_layers=LAYERS, topk=TOPK)  # routes need no mask
+    np.testing.assert_array_equal(alone.array, routes)

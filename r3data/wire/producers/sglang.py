@@ -8,6 +8,9 @@ managers/detokenizer_manager.py ``_b64_encode_per_request``, managers/tokenizer_
 - ``meta_info.routed_experts``: base64 of the flat little-endian int32 ids, shaped ``(-1,
   num_hidden_layers, num_experts_per_tok)`` by the model config (the body has no shape);
   absent when the request has none. ``meta_info.prompt_tokens`` / ``completion_tokens``.
+- ``meta_info.output_token_sampling_mask`` (0.5.23, ``return_sampling_mask``): per output
+  token the list of ids the sampler kept (greedy: the sampled one), row i at ``prompt + i``;
+  it becomes ``sampling_mask`` rows.
 - Rows cover ``[start, prompt + completion - 1)``, ``start`` the request's
   ``routed_experts_start_len`` (honoured from 0.5.12; not echoed).
 - A batched request (several prompts, ``n > 1``) returns a list of such items, each its own.
@@ -32,6 +35,7 @@ from r3data.errors import ConfigError, WireFormatError
 from r3data.validate import nonnegative_int
 from r3data.wire.anchors import anchored_pos
 from r3data.wire.producers.base import (
+    MASK_FIELD,
     ROUTES_FIELD,
     Choice,
     ChoiceRows,
@@ -47,6 +51,7 @@ from r3data.wire.producers.common import (
     check_stream_choices,
     documents,
     is_stream,
+    kept_id_rows,
     parse_response,
     sources_of,
     stream_events,
@@ -54,9 +59,19 @@ from r3data.wire.producers.common import (
 )
 from r3data.wire.rows import RowSource
 
-__all__ = ["FORMAT", "SglangFormat", "SglangOptions", "flat_int32_rows", "sglang_routes"]
+__all__ = [
+    "FORMAT",
+    "SglangFormat",
+    "SglangOptions",
+    "flat_int32_rows",
+    "meta_info_rows",
+    "sglang_routes",
+]
 
 INT32 = np.dtype("<i4")
+SAMPLING_MASK = "output_token_sampling_mask"
+"""Per output token the ids the sampler kept (``return_sampling_mask``; cumulative over a
+stream, so an item's last chunk has them all)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -78,6 +93,32 @@ def flat_int32_rows(
         )
     shape = (nbytes // (per_row * INT32.itemsize), options.num_layers, options.topk)
     return blob_rows(ROUTES_FIELD, value, dtype=INT32, shape=shape, pos=start, meta=meta, what=what)
+
+
+def meta_info_rows(
+    entry: ProducerFormat, choice: Choice, meta_info: Mapping[str, Any], where: str
+) -> ChoiceRows:
+    """The rows in one sequence's ``meta_info`` (``where`` names it): its routes, and with
+    ``return_sampling_mask`` its ``output_token_sampling_mask``; ``prompt_tokens`` and
+    ``completion_tokens`` place and check them."""
+    what = f"{where}.{ROUTES_FIELD}"
+    prompt, completion = choice.placed(what, token_counts(meta_info, f"{what}: "))
+    meta = entry.rows_meta(choice, prompt, completion)
+    sources: list[RowSource] = []
+    missing: tuple[str, ...] = ()
+    value = meta_info.get(ROUTES_FIELD)
+    if choice.wants(ROUTES_FIELD) and value is None:
+        missing = (what,)
+    elif choice.wants(ROUTES_FIELD):
+        start = entry.start_of(choice.options)
+        rows = flat_int32_rows(value, choice.options, start, meta, what)
+        anchored_pos(rows.rows, prompt, completion, start, what=what)
+        sources.append(rows)
+    mask = meta_info.get(SAMPLING_MASK)
+    if choice.wants(MASK_FIELD) and mask is not None:
+        where_mask = f"{where}.{SAMPLING_MASK}"
+        sources.append(kept_id_rows(MASK_FIELD, mask, prompt, completion, meta, where_mask))
+    return ChoiceRows(choice.index, tuple(sources), missing)
 
 
 def flat_int32_base64(routes: np.ndarray) -> str:
@@ -127,6 +168,7 @@ class SglangFormat(ProducerFormat):
     name = "sglang"
     producer = "SGLang"
     versions = "0.5.12-0.5.23 (/generate meta_info; batch lists; streams: the final chunk)"
+    fields = (ROUTES_FIELD, MASK_FIELD)
     options = SglangOptions
     spliced = (ROUTES_FIELD,)
 
@@ -151,21 +193,12 @@ class SglangFormat(ProducerFormat):
         return [(index, items[index]) for index in picked]
 
     def decode_choice(self, choice: Choice) -> ChoiceRows:
-        what = f"{self.name} [{choice.index}].meta_info.{ROUTES_FIELD}"
         meta_info = _meta_info(choice.entry)
         if meta_info is None:
             raise WireFormatError(
                 f"{self.name} [{choice.index}]: expected an object with 'meta_info'"
             )
-        prompt, completion = choice.placed(what, token_counts(meta_info, f"{what}: "))
-        value = meta_info.get(ROUTES_FIELD)
-        if value is None:
-            return ChoiceRows(choice.index, (), (what,))
-        start = self.start_of(choice.options)
-        meta = self.rows_meta(choice, prompt, completion)
-        rows = flat_int32_rows(value, choice.options, start, meta, what)
-        anchored_pos(rows.rows, prompt, completion, start, what=what)
-        return ChoiceRows(choice.index, (rows,))
+        return meta_info_rows(self, choice, meta_info, f"{self.name} [{choice.index}].meta_info")
 
     def encode(self, request: EngineRequest) -> bytes:
         """A ``/generate`` body for one prompt (``meta_info`` fields in SGLang's order)."""
@@ -191,4 +224,4 @@ def sglang_routes(
     """Routes of an SGLang ``/generate`` response (one object or a batch list), one per item:
     the ``"sglang"`` format's rows. ``start`` is the request's ``routed_experts_start_len``."""
     options = SglangOptions(num_layers=num_layers, topk=topk, start=start or 0)
-    return sources_of(FORMAT.decode(response, options))
+    return sources_of(FORMAT.decode(response, options, fields=frozenset({ROUTES_FIELD})))

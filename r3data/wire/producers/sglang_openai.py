@@ -18,7 +18,8 @@ serving_chat.py ``_generate_chat_stream``):
   sglext_ids``): the chunks' sglext fields are merged, routes sent once.
 - Chat with ``return_meta_info`` (0.5.23): no ``sglext.routed_experts``; each choice carries
   its own sequence's ``meta_info`` (``routed_experts``, ``prompt_tokens``,
-  ``completion_tokens``), so every choice has its routes, ``n > 1`` included.
+  ``completion_tokens``, with ``return_sampling_mask`` its ``output_token_sampling_mask``),
+  so every choice has its routes, ``n > 1`` included.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from r3data.errors import WireFormatError
 from r3data.validate import nonnegative_int
 from r3data.wire.anchors import anchored_pos
 from r3data.wire.producers.base import (
+    MASK_FIELD,
     ROUTES_FIELD,
     Choice,
     ChoiceRows,
@@ -48,7 +50,12 @@ from r3data.wire.producers.common import (
     stream_events,
     token_counts,
 )
-from r3data.wire.producers.sglang import SglangOptions, flat_int32_base64, flat_int32_rows
+from r3data.wire.producers.sglang import (
+    SglangOptions,
+    flat_int32_base64,
+    flat_int32_rows,
+    meta_info_rows,
+)
 
 __all__ = ["FORMAT", "SglangOpenaiFormat"]
 
@@ -107,6 +114,7 @@ class SglangOpenaiFormat(ProducerFormat):
     name = "sglang-openai"
     producer = "SGLang"
     versions = "0.5.12-0.5.23 (OpenAI chat and completions: response-level sglext; chat stream)"
+    fields = (ROUTES_FIELD, MASK_FIELD)
     options = SglangOptions
     spliced = (ROUTES_FIELD,)
 
@@ -124,8 +132,11 @@ class SglangOpenaiFormat(ProducerFormat):
     def decode_choice(self, choice: Choice) -> ChoiceRows:
         meta_info = _choice_meta_info(choice.entry)
         if meta_info is not None:
-            return self._meta_info_rows(choice, meta_info)
+            where = f"{self.name} choices[{choice.index}].meta_info"
+            return meta_info_rows(self, choice, meta_info, where)
         what = f"{self.name} {EXT}.{ROUTES_FIELD}"
+        if not choice.wants(ROUTES_FIELD):  # sglext holds routes only
+            return ChoiceRows(choice.index, ())
         if choice.index:
             first_only = f"{what} for choice {choice.index} (first sequence only)"
             return ChoiceRows(choice.index, (), (first_only,))
@@ -137,19 +148,6 @@ class SglangOpenaiFormat(ProducerFormat):
         if value is None:
             return ChoiceRows(choice.index, (), (what,))
         prompt, completion = choice.placed(what, found)
-        start = self.start_of(choice.options)
-        meta = self.rows_meta(choice, prompt, completion)
-        rows = flat_int32_rows(value, choice.options, start, meta, what)
-        anchored_pos(rows.rows, prompt, completion, start, what=what)
-        return ChoiceRows(choice.index, (rows,))
-
-    def _meta_info_rows(self, choice: Choice, meta_info: Mapping[str, Any]) -> ChoiceRows:
-        """The rows of a choice that carries its own ``meta_info`` (``return_meta_info``)."""
-        what = f"{self.name} choices[{choice.index}].meta_info.{ROUTES_FIELD}"
-        prompt, completion = choice.placed(what, token_counts(meta_info, f"{what}: "))
-        value = meta_info.get(ROUTES_FIELD)
-        if value is None:
-            return ChoiceRows(choice.index, (), (what,))
         start = self.start_of(choice.options)
         meta = self.rows_meta(choice, prompt, completion)
         rows = flat_int32_rows(value, choice.options, start, meta, what)
