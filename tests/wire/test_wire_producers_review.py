@@ -408,3 +408,26 @@ def test_sglang_output_token_sampling_mask_rows_sit_at_the_output_tokens():
 
     (alone,) = sglang_routes(short, num_layers=LAYERS, topk=TOPK)  # routes need no mask
     np.testing.assert_array_equal(alone.array, routes)
+
+
+def test_sglang_chat_stream_n2_routes_belong_to_the_choice_that_streamed_first():
+    """serving_chat.py ``_generate_chat_stream`` keys ``routed_experts`` by choice index in
+    the order the choices' first outputs arrive (each opens with a role chunk) and sends
+    ``next(v for v in routed_experts.values() if v is not None)``: the first-arriving
+    choice's routes, which need not be choice 0's."""
+    routes = engine_rows(5, seed=7)  # prompt 3 + completion 2 of choice 1
+    role = [
+        _chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}])
+        for i in (1, 0)
+    ]
+    content = [
+        _chunk([{"index": i, "delta": {"content": "x"}, "finish_reason": None}]) for i in (1, 0, 1)
+    ]
+    routed = _chunk([], sglext={"routed_experts": flat_int32(routes)})
+    raw = common.sse([*role, *content, routed])
+    first, second = decode("sglang-openai", raw, num_layers=LAYERS, topk=TOPK)
+    assert first.sources == ()
+    assert first.missing
+    np.testing.assert_array_equal(second.sources[0].array, routes)
+    (alone,) = decode("sglang-openai", raw, (3, 2), num_layers=LAYERS, topk=TOPK, choice=1)
+    np.testing.assert_array_equal(alone.sources[0].array, routes)

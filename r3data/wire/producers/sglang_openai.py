@@ -60,19 +60,26 @@ from r3data.wire.producers.sglang import (
 __all__ = ["FORMAT", "SglangOpenaiFormat"]
 
 EXT = "sglext"
+_ROUTED_CHOICE = ("r3data", "sglext choice")
+"""Key of an assembled stream (no JSON key can be it): the choice whose routes its
+``sglext`` holds; a response's are choice 0's (SGLang's ``ret[0]``)."""
 
 
-def _assemble(raw: Any, what: str) -> dict[str, Any]:
-    """One response from a chat stream: the choices seen, the one ``sglext`` and the usage."""
-    indices: set[int] = set()
-    merged: dict[str, Any] = {}
+def _assemble(raw: Any, what: str) -> dict[Any, Any]:
+    """One response from a chat stream: the choices seen, the one ``sglext`` and the usage.
+    Its routes are the choice's that streamed first: SGLang keys them by choice in order of
+    first output and sends the first (serving_chat.py ``_generate_chat_stream``)."""
+    indices: dict[int, None] = {}  # in order of first appearance
+    merged: dict[Any, Any] = {}
     for number, event in enumerate(stream_events(raw, what)):
         chunk = parse_response(event, (ROUTES_FIELD,))
         if not isinstance(chunk, Mapping) or not isinstance(chunk.get("choices"), list):
             raise WireFormatError(f"{what} event {number}: expected a chunk with a 'choices' list")
         for part in chunk["choices"]:
             index = part.get("index") if isinstance(part, Mapping) else None
-            indices.add(nonnegative_int(f"{what} event {number} index", index, WireFormatError))
+            indices.setdefault(
+                nonnegative_int(f"{what} event {number} index", index, WireFormatError)
+            )
         ext = chunk.get(EXT)
         if ext is not None:
             if not isinstance(ext, Mapping):
@@ -90,7 +97,8 @@ def _assemble(raw: Any, what: str) -> dict[str, Any]:
         if chunk.get("usage") is not None:
             merged["usage"] = chunk["usage"]
     count = max(1, check_stream_choices(indices, what))
-    return {**merged, "choices": [{"index": i} for i in range(count)]}
+    routed = next(iter(indices), 0)
+    return {**merged, _ROUTED_CHOICE: routed, "choices": [{"index": i} for i in range(count)]}
 
 
 def _choice_meta_info(choice: object) -> Mapping[str, Any] | None:
@@ -137,7 +145,7 @@ class SglangOpenaiFormat(ProducerFormat):
         what = f"{self.name} {EXT}.{ROUTES_FIELD}"
         if not choice.wants(ROUTES_FIELD):  # sglext holds routes only
             return ChoiceRows(choice.index, ())
-        if choice.index:
+        if choice.index != choice.response.get(_ROUTED_CHOICE, 0):
             first_only = f"{what} for choice {choice.index} (first sequence only)"
             return ChoiceRows(choice.index, (), (first_only,))
         found: tuple[int | None, int | None] = (None, None)
