@@ -431,3 +431,28 @@ def test_sglang_chat_stream_n2_routes_belong_to_the_choice_that_streamed_first()
     np.testing.assert_array_equal(second.sources[0].array, routes)
     (alone,) = decode("sglang-openai", raw, (3, 2), num_layers=LAYERS, topk=TOPK, choice=1)
     np.testing.assert_array_equal(alone.sources[0].array, routes)
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    lengths=st.lists(st.integers(1, 4), min_size=1, max_size=3),
+    data=st.data(),
+)
+def test_sglang_generate_batch_stream_any_interleaving(lengths, data):
+    items = [
+        ([1, 2], list(range(10, 10 + c)), engine_rows(2 + c, seed=i)) for i, c in enumerate(lengths)
+    ]
+    pending = [[(i, upto) for upto in range(1, c + 1)] for i, c in enumerate(lengths)]
+    events = []
+    while any(pending):
+        i = data.draw(st.sampled_from([k for k, p in enumerate(pending) if p]))
+        index, upto = pending[i].pop(0)
+        prompt, output, routes = items[index]
+        done = upto == len(output)
+        meta = _meta_info(len(prompt), upto, flat_int32(routes) if done else None)
+        chunk = {"text": "", "output_ids": output[:upto], "meta_info": meta, "index": index}
+        events.append(common.orjson_body(chunk))
+    choices = decode("sglang", common.sse(events), num_layers=LAYERS, topk=TOPK)
+    assert len(choices) == len(items)
+    for choice, (_, _, routes) in zip(choices, items, strict=True):
+        np.testing.assert_array_equal(choice.sources[0].array, routes)
