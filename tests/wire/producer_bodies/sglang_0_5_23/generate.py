@@ -45,9 +45,8 @@ def rows(n: int) -> np.ndarray:
 
 
 def b64(routes: np.ndarray) -> str:
-    return pybase64.b64encode(
-        routes.numpy().tobytes() if hasattr(routes, "numpy") else routes.tobytes()
-    ).decode("utf-8")
+    """``pybase64.b64encode(tensor.numpy().tobytes())`` of the int32 rows."""
+    return pybase64.b64encode(routes.tobytes()).decode("utf-8")
 
 
 def add(name: str, body: bytes, start: int, expected: list[dict]) -> None:
