@@ -231,6 +231,8 @@ def test_vllm_tokens_endpoint_sampling_mask_rows_sit_at_the_completion_tokens():
         "vllm", _tokens_body(None, [_tokens_choice(0, [7, 8, 9], routes, MASK)]), (5, 3)
     )
     assert _mask_rows(unknown) == [(5, MASK)]
+    masked_only = raw.replace(b'"routed_experts":"', b'"routed_experts":null,"x":"', 1)
+    assert [f.name for f in detect(masked_only)] == ["vllm"]  # a mask, routes null
     nulled = _tokens_body([0, 1, 2, 3, 4], [_tokens_choice(0, [7, 8, 9], routes, None)])
     (plain,) = decode("vllm", nulled)
     assert _mask_rows(plain) == []

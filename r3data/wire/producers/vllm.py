@@ -191,11 +191,19 @@ def _is_npy(value: object) -> bool:
     return isinstance(value, str) and value.startswith(_NPY_BASE64)
 
 
+def _sends_vllm_rows(choice: Mapping[str, Any]) -> bool:
+    """A ``.npy`` string of routes, or a native mask beside routes that are no envelope."""
+    routes = choice.get(ROUTES_FIELD)
+    return _is_npy(routes) or (
+        isinstance(choice.get(MASK_FIELD), list) and (routes is None or _is_npy(routes))
+    )
+
+
 def _sends_npy(doc: object) -> bool:
     return (
         isinstance(doc, Mapping)
         and "prompt_routed_experts" not in doc
-        and any_choice(doc, lambda c: _is_npy(c.get(ROUTES_FIELD)))
+        and any_choice(doc, _sends_vllm_rows)
     )
 
 
