@@ -458,3 +458,23 @@ def test_sglang_generate_batch_stream_any_interleaving(lengths, data):
     assert len(choices) == len(items)
     for choice, (_, _, routes) in zip(choices, items, strict=True):
         np.testing.assert_array_equal(choice.sources[0].array, routes)
+
+
+def test_sglang_sglext_ids_give_the_routed_choice_its_lengths():
+    """``sglext.input_ids`` / ``sglext.output_ids`` (0.5.23) are the prompt's and each
+    choice's ids: they check the routed choice's rows even with ``n > 1``."""
+    routes = engine_rows(5)  # prompt 3 + completion 2 of choice 0
+    ext = {
+        "routed_experts": flat_int32(routes),
+        "input_ids": [1, 2, 3],
+        "output_ids": [[4, 5], [6]],
+    }
+    body = common.orjson_body(
+        {"object": "chat.completion", "choices": [{"index": 0}, {"index": 1}], "sglext": ext}
+    )
+    first, _ = decode("sglang-openai", body, num_layers=LAYERS, topk=TOPK)
+    assert first.sources[0].meta["prompt_len"] == 3
+    assert first.sources[0].meta["completion_len"] == 2
+    short = body.replace(b'"output_ids":[[4,5]', b'"output_ids":[[4]')
+    with pytest.raises(EngineRoutesError, match=r"expected 3 route rows .* found 4"):
+        decode("sglang-openai", short, num_layers=LAYERS, topk=TOPK)

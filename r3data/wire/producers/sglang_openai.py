@@ -10,8 +10,9 @@ serving_chat.py ``_generate_chat_stream``):
   sequence only**: with ``n > 1`` or several prompts the other choices' routes are not sent.
 - Rows cover ``[start, prompt + completion - 1)``, ``start`` the request's
   ``routed_experts_start_len`` (forwarded from 0.5.12; 0.5.9-0.5.11: see
-  :mod:`~r3data.wire.producers.sglang_openai_v059`). ``usage`` gives the lengths when the
-  response has one choice.
+  :mod:`~r3data.wire.producers.sglang_openai_v059`). The sglext ids (``input_ids``,
+  ``output_ids``, 0.5.23) give the lengths where sent, else ``usage`` when the response has
+  one choice.
 - A chat stream sends no routes with its content chunks, then one extra chunk with
   ``"choices": []`` and ``sglext.routed_experts``; with ``x-sglext-ids-framed: 1`` the
   sglext ids (``input_ids``, ``output_ids``) follow in a second such chunk (``event:
@@ -112,6 +113,21 @@ def _sends_meta_info_routes(choice: Mapping[str, Any]) -> bool:
     return meta_info is not None and isinstance(meta_info.get(ROUTES_FIELD), str)
 
 
+def _ext_lengths(response: Mapping[str, Any], index: int) -> tuple[int | None, int | None]:
+    """``(prompt_len, completion_len)`` of choice ``index`` from the sglext ids
+    (``return_input_ids_in_sglext``: the prompt's ids; ``return_output_ids_in_sglext``: each
+    choice's output ids), where sent."""
+    ext = response.get(EXT)
+    if not isinstance(ext, Mapping):
+        return None, None
+    prompt, outputs = ext.get("input_ids"), ext.get("output_ids")
+    output = outputs[index] if isinstance(outputs, list) and index < len(outputs) else None
+    return (
+        len(prompt) if isinstance(prompt, list) else None,
+        len(output) if isinstance(output, list) else None,
+    )
+
+
 def _ext_routes(doc: object) -> object:
     """The routes in a response's (or chunk's) ``sglext``, else None."""
     ext = doc.get(EXT) if isinstance(doc, Mapping) else None
@@ -148,9 +164,10 @@ class SglangOpenaiFormat(ProducerFormat):
         if choice.index != choice.response.get(_ROUTED_CHOICE, 0):
             first_only = f"{what} for choice {choice.index} (first sequence only)"
             return ChoiceRows(choice.index, (), (first_only,))
-        found: tuple[int | None, int | None] = (None, None)
+        found = _ext_lengths(choice.response, choice.index)
         usage = choice.response.get("usage")
-        if isinstance(usage, Mapping) and len(choice.response["choices"]) == 1:
+        one_choice = len(choice.response["choices"]) == 1
+        if found == (None, None) and isinstance(usage, Mapping) and one_choice:
             found = token_counts(usage, "usage.")
         value = _ext_routes(choice.response)
         if value is None:
