@@ -9,6 +9,7 @@ the batch buffer) and apply no policy to the ids; the loader's one screen does t
 
 from __future__ import annotations
 
+import itertools
 import mmap
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -18,10 +19,12 @@ import orjson
 import pybase64
 
 from r3data.errors import ConfigError, R3DataError, WireFormatError
+from r3data.ragged import RaggedRows
 from r3data.validate import nonnegative_int
 from r3data.wire.blob import Blob, byte_view, decode_base64, decoded_length
 from r3data.wire.dtypes import compact_route_dtype
 from r3data.wire.envelope import array_from_buffer, check_nbytes
+from r3data.wire.masks import check_csr
 from r3data.wire.producers.request import EngineRequest, Lengths
 from r3data.wire.rows import EncodedRows, InlineRows, RowSource
 from r3data.wire.splice import load_packed_body
@@ -38,6 +41,7 @@ __all__ = [
     "encoded_chars",
     "envelope_rows",
     "is_stream",
+    "kept_id_rows",
     "nested_rows",
     "openai_usage",
     "optional_position",
@@ -374,6 +378,44 @@ def nested_rows(value: object, ndim: int, what: str) -> np.ndarray:
         if np.iinfo(dtype).min <= low and high <= np.iinfo(dtype).max:
             return array.astype(dtype)
     raise WireFormatError(f"{what}: expected ids in int32, found [{low}, {high}]")
+
+
+def kept_id_rows(
+    field: str,
+    value: object,
+    prompt: int | None,
+    completion: int | None,
+    meta: Mapping[str, Any] | None,
+    what: str,
+) -> InlineRows:
+    """Mask rows sent as one JSON list of kept token ids per completion token (vLLM's native
+    ``sampling_mask``, ``output.sampling_mask.token_ids``): row i at ``prompt + i``."""
+    if type(value) is not list:
+        raise WireFormatError(
+            f"{what}: expected a list of kept-id lists (one per completion token), found "
+            f"{type(value).__name__}"
+        )
+    if prompt is None:
+        raise WireFormatError(f"{what}: cannot place the mask rows without the prompt length")
+    if completion is not None and len(value) != completion:
+        raise WireFormatError(
+            f"{what}: expected one kept set per completion token ({completion}), found "
+            f"{len(value)} (first position {prompt})"
+        )
+    flat = list(itertools.chain.from_iterable(value)) if set(map(type, value)) <= {list} else None
+    if flat is None or not set(map(type, flat)) <= {int}:  # bools and floats too
+        token = next(
+            t for t, row in enumerate(value) if type(row) is not list or {*map(type, row)} - {int}
+        )
+        raise WireFormatError(
+            f"{what}[{token}]: expected lists of token ids (ints), found {value[token]!r:.60}"
+        )
+    try:
+        ids = np.array(flat, np.int64) if flat else np.empty(0, np.int64)
+    except OverflowError:
+        raise WireFormatError(f"{what}: expected token ids in int64") from None
+    ids, counts = check_csr(ids, np.fromiter(map(len, value), np.int64, len(value)), what=what)
+    return InlineRows(field, RaggedRows.from_lengths(ids, counts, what=what), prompt, meta)
 
 
 def sources_of(choices: list[Any]) -> list[Any]:

@@ -16,6 +16,9 @@ readers: verifiers v1/graph.py ``_attribute_routed_experts`` / ``_attribute_kept
   position ``prompt_len + i``; a count of 0 means no mask at that token (the full vocabulary:
   greedy, not truncated, or wider than 512), and the field is null when every count is 0.
   They become ``sampling_mask`` rows: a row of length 0 is "no mask", never an empty set.
+- ``choices[i].sampling_mask``: vLLM's native mask passed through by prime-rl's tokens
+  endpoint (read so by PrimeIntellect's renderers 0.1.12 client.py ``generate``): one list of
+  kept ids per completion token, row i at ``prompt_len + i``.
 - Under prefill/decode disaggregation PrimeIntellect-ai/router (src/routers/http/
   routed_experts_merge.rs at 02403201136d) merges the prefill's rows into each decode choice:
   inline, an envelope ``{data, shape, start}`` (uint8, no dtype); by handle, ``choices[i].
@@ -59,6 +62,7 @@ from r3data.wire.producers.common import (
     blob_rows,
     check_route_shape,
     envelope_rows,
+    kept_id_rows,
     optional_position,
     raw_blob,
     sources_of,
@@ -222,7 +226,15 @@ class PrimeRlFormat(ProducerFormat):
                 )
             elif not any(s.field == ROUTES_FIELD for s in sources):
                 missing.append(f"{what}.{ROUTES_FIELD}")
-        if choice.wants(MASK_FIELD) and KEPT_TOKENS in entry:
+        native = entry.get(MASK_FIELD)
+        if choice.wants(MASK_FIELD) and native is not None:
+            if entry.get(KEPT_TOKENS) is not None:
+                raise WireFormatError(
+                    f"{what}: expected one mask, found both {KEPT_TOKENS!r} and {MASK_FIELD!r}"
+                )
+            where = f"{what}.{MASK_FIELD}"
+            sources.append(kept_id_rows(MASK_FIELD, native, prompt, completion, meta, where))
+        elif choice.wants(MASK_FIELD) and KEPT_TOKENS in entry:
             sources.append(
                 kept_tokens_rows(
                     entry[KEPT_TOKENS], prompt, completion, meta, f"{what}.{KEPT_TOKENS}"

@@ -8,11 +8,16 @@ managers/detokenizer_manager.py ``_b64_encode_per_request``, managers/tokenizer_
 - ``meta_info.routed_experts``: base64 of the flat little-endian int32 ids, shaped ``(-1,
   num_hidden_layers, num_experts_per_tok)`` by the model config (the body has no shape);
   absent when the request has none. ``meta_info.prompt_tokens`` / ``completion_tokens``.
+- ``meta_info.output_token_sampling_mask`` (0.5.23, ``return_sampling_mask``): per output
+  token the list of ids the sampler kept (greedy: the sampled one), row i at ``prompt + i``;
+  it becomes ``sampling_mask`` rows.
 - Rows cover ``[start, prompt + completion - 1)``, ``start`` the request's
   ``routed_experts_start_len`` (honoured from 0.5.12; not echoed).
 - A batched request (several prompts, ``n > 1``) returns a list of such items, each its own.
 - A stream sends the routes in the final chunk only (they are gathered when the request
-  finishes): nothing to assemble, the final chunk is the whole response.
+  finishes): nothing to assemble, the final chunk is the whole response. A batch's stream
+  interleaves its items' chunks, each tagged ``"index"`` (tokenizer_manager.py
+  ``_stream_batch_responses``): each item's last chunk is that item.
 
 0.5.7-0.5.11 ignore the start: :mod:`~r3data.wire.producers.sglang_v057`.
 """
@@ -27,8 +32,10 @@ import numpy as np
 import orjson
 
 from r3data.errors import ConfigError, WireFormatError
+from r3data.validate import nonnegative_int
 from r3data.wire.anchors import anchored_pos
 from r3data.wire.producers.base import (
+    MASK_FIELD,
     ROUTES_FIELD,
     Choice,
     ChoiceRows,
@@ -41,8 +48,10 @@ from r3data.wire.producers.common import (
     array_base64,
     blob_nbytes,
     blob_rows,
+    check_stream_choices,
     documents,
     is_stream,
+    kept_id_rows,
     parse_response,
     sources_of,
     stream_events,
@@ -50,9 +59,19 @@ from r3data.wire.producers.common import (
 )
 from r3data.wire.rows import RowSource
 
-__all__ = ["FORMAT", "SglangFormat", "SglangOptions", "flat_int32_rows", "sglang_routes"]
+__all__ = [
+    "FORMAT",
+    "SglangFormat",
+    "SglangOptions",
+    "flat_int32_rows",
+    "meta_info_rows",
+    "sglang_routes",
+]
 
 INT32 = np.dtype("<i4")
+SAMPLING_MASK = "output_token_sampling_mask"
+"""Per output token the ids the sampler kept (``return_sampling_mask``; cumulative over a
+stream, so an item's last chunk has them all)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -76,25 +95,62 @@ def flat_int32_rows(
     return blob_rows(ROUTES_FIELD, value, dtype=INT32, shape=shape, pos=start, meta=meta, what=what)
 
 
+def meta_info_rows(
+    entry: ProducerFormat, choice: Choice, meta_info: Mapping[str, Any], where: str
+) -> ChoiceRows:
+    """The rows in one sequence's ``meta_info`` (``where`` names it): its routes, and with
+    ``return_sampling_mask`` its ``output_token_sampling_mask``; ``prompt_tokens`` and
+    ``completion_tokens`` place and check them."""
+    what = f"{where}.{ROUTES_FIELD}"
+    prompt, completion = choice.placed(what, token_counts(meta_info, f"{what}: "))
+    meta = entry.rows_meta(choice, prompt, completion)
+    sources: list[RowSource] = []
+    missing: tuple[str, ...] = ()
+    value = meta_info.get(ROUTES_FIELD)
+    if choice.wants(ROUTES_FIELD) and value is None:
+        missing = (what,)
+    elif choice.wants(ROUTES_FIELD):
+        start = entry.start_of(choice.options)
+        rows = flat_int32_rows(value, choice.options, start, meta, what)
+        anchored_pos(rows.rows, prompt, completion, start, what=what)
+        sources.append(rows)
+    mask = meta_info.get(SAMPLING_MASK)
+    if choice.wants(MASK_FIELD) and mask is not None:
+        where_mask = f"{where}.{SAMPLING_MASK}"
+        sources.append(kept_id_rows(MASK_FIELD, mask, prompt, completion, meta, where_mask))
+    return ChoiceRows(choice.index, tuple(sources), missing)
+
+
 def flat_int32_base64(routes: np.ndarray) -> str:
     """Base64 of the flat int32 ids, as SGLang's detokenizer writes them."""
     return array_base64(routes.astype(INT32, copy=False))
 
 
-def _final_chunk(raw: Any, what: str) -> Any:
-    """The chunk of a ``/generate`` stream that carries the routes: the last one (SGLang sends
-    them when the request finishes; its chunks are cumulative)."""
+def _final_chunks(raw: Any, what: str) -> Any:
+    """The chunks of a ``/generate`` stream that carry the routes: each item's last (SGLang
+    sends them when the item finishes; its chunks are cumulative). A batch's items interleave,
+    each chunk tagged with its ``index``: they give a list, as the batch's body does."""
     chunks = [parse_response(event, (ROUTES_FIELD,)) for event in stream_events(raw, what)]
-    for number, chunk in enumerate(chunks[:-1]):
-        meta_info = _meta_info(chunk)
-        if meta_info is not None and meta_info.get(ROUTES_FIELD) is not None:
-            raise WireFormatError(
-                f"{what}: routes on event {number} of {len(chunks)}; SGLang sends them in the "
-                f"final chunk only"
-            )
     if not chunks:
         raise WireFormatError(f"{what}: no events")
-    return chunks[-1]
+    last: dict[int, int] = {}
+    for number, chunk in enumerate(chunks):
+        index = chunk.get("index", 0) if isinstance(chunk, Mapping) else 0
+        last[nonnegative_int(f"{what} event {number} index", index, WireFormatError)] = number
+    for number, chunk in enumerate(chunks):
+        meta_info = _meta_info(chunk)
+        index = chunk.get("index", 0) if isinstance(chunk, Mapping) else 0
+        routed = meta_info is not None and meta_info.get(ROUTES_FIELD) is not None
+        if number != last[index] and routed:
+            raise WireFormatError(
+                f"{what}: routes on event {number} of {len(chunks)}, before item {index}'s "
+                f"last chunk (event {last[index]}); SGLang sends them in an item's final chunk "
+                f"only"
+            )
+    count = check_stream_choices(last, what)
+    batched = any(isinstance(c, Mapping) and "index" in c for c in chunks)
+    finals = [chunks[last[index]] for index in range(count)]
+    return finals if batched else finals[0]
 
 
 def _meta_info(item: object) -> Mapping[str, Any] | None:
@@ -112,12 +168,13 @@ class SglangFormat(ProducerFormat):
     name = "sglang"
     producer = "SGLang"
     versions = "0.5.12-0.5.23 (/generate meta_info; batch lists; streams: the final chunk)"
+    fields = (ROUTES_FIELD, MASK_FIELD)
     options = SglangOptions
     spliced = (ROUTES_FIELD,)
 
     def parse(self, response: Any) -> Any:
         if is_stream(response):
-            return _final_chunk(response, f"{self.name} stream")
+            return _final_chunks(response, f"{self.name} stream")
         return super().parse(response)
 
     def recognise(self, doc: Any) -> bool:
@@ -136,21 +193,12 @@ class SglangFormat(ProducerFormat):
         return [(index, items[index]) for index in picked]
 
     def decode_choice(self, choice: Choice) -> ChoiceRows:
-        what = f"{self.name} [{choice.index}].meta_info.{ROUTES_FIELD}"
         meta_info = _meta_info(choice.entry)
         if meta_info is None:
             raise WireFormatError(
                 f"{self.name} [{choice.index}]: expected an object with 'meta_info'"
             )
-        prompt, completion = choice.placed(what, token_counts(meta_info, f"{what}: "))
-        value = meta_info.get(ROUTES_FIELD)
-        if value is None:
-            return ChoiceRows(choice.index, (), (what,))
-        start = self.start_of(choice.options)
-        meta = self.rows_meta(choice, prompt, completion)
-        rows = flat_int32_rows(value, choice.options, start, meta, what)
-        anchored_pos(rows.rows, prompt, completion, start, what=what)
-        return ChoiceRows(choice.index, (rows,))
+        return meta_info_rows(self, choice, meta_info, f"{self.name} [{choice.index}].meta_info")
 
     def encode(self, request: EngineRequest) -> bytes:
         """A ``/generate`` body for one prompt (``meta_info`` fields in SGLang's order)."""
@@ -176,4 +224,4 @@ def sglang_routes(
     """Routes of an SGLang ``/generate`` response (one object or a batch list), one per item:
     the ``"sglang"`` format's rows. ``start`` is the request's ``routed_experts_start_len``."""
     options = SglangOptions(num_layers=num_layers, topk=topk, start=start or 0)
-    return sources_of(FORMAT.decode(response, options))
+    return sources_of(FORMAT.decode(response, options, fields=frozenset({ROUTES_FIELD})))

@@ -10,10 +10,17 @@ serving_chat.py ``_generate_chat_stream``):
   sequence only**: with ``n > 1`` or several prompts the other choices' routes are not sent.
 - Rows cover ``[start, prompt + completion - 1)``, ``start`` the request's
   ``routed_experts_start_len`` (forwarded from 0.5.12; 0.5.9-0.5.11: see
-  :mod:`~r3data.wire.producers.sglang_openai_v059`). ``usage`` gives the lengths when the
-  response has one choice.
+  :mod:`~r3data.wire.producers.sglang_openai_v059`). The sglext ids (``input_ids``,
+  ``output_ids``, 0.5.23) give the lengths where sent, else ``usage`` when the response has
+  one choice.
 - A chat stream sends no routes with its content chunks, then one extra chunk with
-  ``"choices": []`` and ``sglext.routed_experts``.
+  ``"choices": []`` and ``sglext.routed_experts``; with ``x-sglext-ids-framed: 1`` the
+  sglext ids (``input_ids``, ``output_ids``) follow in a second such chunk (``event:
+  sglext_ids``): the chunks' sglext fields are merged, routes sent once.
+- Chat with ``return_meta_info`` (0.5.23): no ``sglext.routed_experts``; each choice carries
+  its own sequence's ``meta_info`` (``routed_experts``, ``prompt_tokens``,
+  ``completion_tokens``, with ``return_sampling_mask`` its ``output_token_sampling_mask``),
+  so every choice has its routes, ``n > 1`` included.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ from r3data.errors import WireFormatError
 from r3data.validate import nonnegative_int
 from r3data.wire.anchors import anchored_pos
 from r3data.wire.producers.base import (
+    MASK_FIELD,
     ROUTES_FIELD,
     Choice,
     ChoiceRows,
@@ -34,6 +42,7 @@ from r3data.wire.producers.base import (
     ProducerFormat,
 )
 from r3data.wire.producers.common import (
+    any_choice,
     check_stream_choices,
     documents,
     is_stream,
@@ -42,32 +51,81 @@ from r3data.wire.producers.common import (
     stream_events,
     token_counts,
 )
-from r3data.wire.producers.sglang import SglangOptions, flat_int32_base64, flat_int32_rows
+from r3data.wire.producers.sglang import (
+    SglangOptions,
+    flat_int32_base64,
+    flat_int32_rows,
+    meta_info_rows,
+)
 
 __all__ = ["FORMAT", "SglangOpenaiFormat"]
 
 EXT = "sglext"
+_ROUTED_CHOICE = ("r3data", "sglext choice")
+"""Key of an assembled stream (no JSON key can be it): the choice whose routes its
+``sglext`` holds; a response's are choice 0's (SGLang's ``ret[0]``)."""
 
 
-def _assemble(raw: Any, what: str) -> dict[str, Any]:
-    """One response from a chat stream: the choices seen, the one ``sglext`` and the usage."""
-    indices: set[int] = set()
-    merged: dict[str, Any] = {}
+def _assemble(raw: Any, what: str) -> dict[Any, Any]:
+    """One response from a chat stream: the choices seen, the one ``sglext`` and the usage.
+    Its routes are the choice's that streamed first: SGLang keys them by choice in order of
+    first output and sends the first (serving_chat.py ``_generate_chat_stream``)."""
+    indices: dict[int, None] = {}  # in order of first appearance
+    merged: dict[Any, Any] = {}
     for number, event in enumerate(stream_events(raw, what)):
         chunk = parse_response(event, (ROUTES_FIELD,))
         if not isinstance(chunk, Mapping) or not isinstance(chunk.get("choices"), list):
             raise WireFormatError(f"{what} event {number}: expected a chunk with a 'choices' list")
         for part in chunk["choices"]:
             index = part.get("index") if isinstance(part, Mapping) else None
-            indices.add(nonnegative_int(f"{what} event {number} index", index, WireFormatError))
-        if chunk.get(EXT) is not None:
-            if EXT in merged:
-                raise WireFormatError(f"{what} event {number}: a second '{EXT}' chunk")
-            merged[EXT] = chunk[EXT]
+            indices.setdefault(
+                nonnegative_int(f"{what} event {number} index", index, WireFormatError)
+            )
+        ext = chunk.get(EXT)
+        if ext is not None:
+            if not isinstance(ext, Mapping):
+                raise WireFormatError(
+                    f"{what} event {number}: expected '{EXT}' to be an object, found "
+                    f"{type(ext).__name__}"
+                )
+            into = merged.setdefault(EXT, {})
+            if ext.get(ROUTES_FIELD) is not None and into.get(ROUTES_FIELD) is not None:
+                raise WireFormatError(
+                    f"{what} event {number}: a second '{EXT}.{ROUTES_FIELD}' (SGLang sends "
+                    f"the routes once, after the content)"
+                )
+            into.update((k, v) for k, v in ext.items() if v is not None)
         if chunk.get("usage") is not None:
             merged["usage"] = chunk["usage"]
     count = max(1, check_stream_choices(indices, what))
-    return {**merged, "choices": [{"index": i} for i in range(count)]}
+    routed = next(iter(indices), 0)
+    return {**merged, _ROUTED_CHOICE: routed, "choices": [{"index": i} for i in range(count)]}
+
+
+def _choice_meta_info(choice: object) -> Mapping[str, Any] | None:
+    """A choice's own ``meta_info`` (chat with ``return_meta_info``), else None."""
+    meta_info = choice.get("meta_info") if isinstance(choice, Mapping) else None
+    return meta_info if isinstance(meta_info, Mapping) else None
+
+
+def _sends_meta_info_routes(choice: Mapping[str, Any]) -> bool:
+    meta_info = _choice_meta_info(choice)
+    return meta_info is not None and isinstance(meta_info.get(ROUTES_FIELD), str)
+
+
+def _ext_lengths(response: Mapping[str, Any], index: int) -> tuple[int | None, int | None]:
+    """``(prompt_len, completion_len)`` of choice ``index`` from the sglext ids
+    (``return_input_ids_in_sglext``: the prompt's ids; ``return_output_ids_in_sglext``: each
+    choice's output ids), where sent."""
+    ext = response.get(EXT)
+    if not isinstance(ext, Mapping):
+        return None, None
+    prompt, outputs = ext.get("input_ids"), ext.get("output_ids")
+    output = outputs[index] if isinstance(outputs, list) and index < len(outputs) else None
+    return (
+        len(prompt) if isinstance(prompt, list) else None,
+        len(output) if isinstance(output, list) else None,
+    )
 
 
 def _ext_routes(doc: object) -> object:
@@ -80,6 +138,7 @@ class SglangOpenaiFormat(ProducerFormat):
     name = "sglang-openai"
     producer = "SGLang"
     versions = "0.5.12-0.5.23 (OpenAI chat and completions: response-level sglext; chat stream)"
+    fields = (ROUTES_FIELD, MASK_FIELD)
     options = SglangOptions
     spliced = (ROUTES_FIELD,)
 
@@ -89,16 +148,26 @@ class SglangOpenaiFormat(ProducerFormat):
         return super().parse(response)
 
     def recognise(self, doc: Any) -> bool:
-        return any(isinstance(_ext_routes(event), str) for event in documents(doc))
+        return any(
+            isinstance(_ext_routes(event), str) or any_choice(event, _sends_meta_info_routes)
+            for event in documents(doc)
+        )
 
     def decode_choice(self, choice: Choice) -> ChoiceRows:
+        meta_info = _choice_meta_info(choice.entry)
+        if meta_info is not None:
+            where = f"{self.name} choices[{choice.index}].meta_info"
+            return meta_info_rows(self, choice, meta_info, where)
         what = f"{self.name} {EXT}.{ROUTES_FIELD}"
-        if choice.index:
+        if not choice.wants(ROUTES_FIELD):  # sglext holds routes only
+            return ChoiceRows(choice.index, ())
+        if choice.index != choice.response.get(_ROUTED_CHOICE, 0):
             first_only = f"{what} for choice {choice.index} (first sequence only)"
             return ChoiceRows(choice.index, (), (first_only,))
-        found: tuple[int | None, int | None] = (None, None)
+        found = _ext_lengths(choice.response, choice.index)
         usage = choice.response.get("usage")
-        if isinstance(usage, Mapping) and len(choice.response["choices"]) == 1:
+        one_choice = len(choice.response["choices"]) == 1
+        if found == (None, None) and isinstance(usage, Mapping) and one_choice:
             found = token_counts(usage, "usage.")
         value = _ext_routes(choice.response)
         if value is None:

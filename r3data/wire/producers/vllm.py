@@ -17,6 +17,10 @@ entrypoints/scale_out/token_in_token_out/serving.py):
 - The tokens endpoint ``/inference/v1/generate`` has the same per-choice field; its stream
   (0.24.0+) sends a choice's routes only on the chunk that finishes it, holding the whole
   request's rows. The OpenAI streams carry no routes at all.
+- The tokens endpoint's ``choices[i].sampling_mask`` (0.30.0+, ``return_sampling_mask``):
+  per completion token the list of vocabulary ids the sampler kept (top-k > 0 required),
+  row i at ``prompt + i``; a stream sends each delta's rows with its tokens. They become
+  ``sampling_mask`` rows.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from r3data.wire.dtypes import ROUTE_DTYPES, compact_route_dtype
 from r3data.wire.envelope import check_nbytes
 from r3data.wire.npy import NPY_PREFIX_BYTES, npy_header_length, parse_npy_header
 from r3data.wire.producers.base import (
+    MASK_FIELD,
     ROUTES_FIELD,
     Choice,
     ChoiceRows,
@@ -53,6 +58,7 @@ from r3data.wire.producers.common import (
     documents,
     encoded_chars,
     is_stream,
+    kept_id_rows,
     openai_usage,
     parse_response,
     raw_blob,
@@ -152,6 +158,14 @@ def _assemble(raw: Any) -> dict[str, Any]:
                 merged["token_ids"].extend(ids)
             else:
                 merged["token_ids"] = None  # a chunk without ids: the count is unknown
+            mask = part.get(MASK_FIELD)
+            if mask is not None:  # the rows of this delta's tokens
+                if not isinstance(mask, list):
+                    raise WireFormatError(
+                        f"{what}: choice {index} {MASK_FIELD}: expected a list of kept-id "
+                        f"lists, found {type(mask).__name__}"
+                    )
+                merged.setdefault(MASK_FIELD, []).extend(mask)
             routes = part.get(ROUTES_FIELD)
             if routes is None:
                 continue
@@ -177,11 +191,19 @@ def _is_npy(value: object) -> bool:
     return isinstance(value, str) and value.startswith(_NPY_BASE64)
 
 
+def _sends_vllm_rows(choice: Mapping[str, Any]) -> bool:
+    """A ``.npy`` string of routes, or a native mask beside routes that are no envelope."""
+    routes = choice.get(ROUTES_FIELD)
+    return _is_npy(routes) or (
+        isinstance(choice.get(MASK_FIELD), list) and (routes is None or _is_npy(routes))
+    )
+
+
 def _sends_npy(doc: object) -> bool:
     return (
         isinstance(doc, Mapping)
         and "prompt_routed_experts" not in doc
-        and any_choice(doc, lambda c: _is_npy(c.get(ROUTES_FIELD)))
+        and any_choice(doc, _sends_vllm_rows)
     )
 
 
@@ -212,6 +234,7 @@ class VllmFormat(ProducerFormat):
     name = "vllm"
     producer = "vLLM"
     versions = "0.22.0-0.33.0 (OpenAI completions and chat; tokens endpoint and its stream)"
+    fields = (ROUTES_FIELD, MASK_FIELD)
     options = StartOptions
     spliced = (ROUTES_FIELD,)
 
@@ -224,14 +247,22 @@ class VllmFormat(ProducerFormat):
     def decode_choice(self, choice: Choice) -> ChoiceRows:
         what = f"{self.name} choices[{choice.index}].{ROUTES_FIELD}"
         prompt, completion = choice.placed(what)
-        value = choice.entry.get(ROUTES_FIELD)
-        if value is None:
-            return ChoiceRows(choice.index, (), (what,))
-        start = self.start_of(choice.options)
         meta = self.rows_meta(choice, prompt, completion)
-        rows = npy_routes(ROUTES_FIELD, value, pos=start, meta=meta, what=what)
-        anchored_pos(rows.rows, prompt, completion, start, what=what)
-        return ChoiceRows(choice.index, (rows,))
+        sources: list[RowSource] = []
+        missing: tuple[str, ...] = ()
+        value = choice.entry.get(ROUTES_FIELD)
+        if choice.wants(ROUTES_FIELD) and value is None:
+            missing = (what,)
+        elif choice.wants(ROUTES_FIELD):
+            start = self.start_of(choice.options)
+            rows = npy_routes(ROUTES_FIELD, value, pos=start, meta=meta, what=what)
+            anchored_pos(rows.rows, prompt, completion, start, what=what)
+            sources.append(rows)
+        mask = choice.entry.get(MASK_FIELD)
+        if choice.wants(MASK_FIELD) and mask is not None:
+            where = f"{self.name} choices[{choice.index}].{MASK_FIELD}"
+            sources.append(kept_id_rows(MASK_FIELD, mask, prompt, completion, meta, where))
+        return ChoiceRows(choice.index, tuple(sources), missing)
 
     def encode(self, request: EngineRequest) -> bytes:
         """A ``/v1/completions`` body with ``return_token_ids`` (0.33 field order)."""
@@ -250,4 +281,4 @@ def vllm_routes(
     """Routes of each choice (or of ``choice``) of a vLLM response: the ``"vllm"`` format's
     rows. ``prompt_start`` is the request's ``routed_experts_prompt_start`` (default 0)."""
     options = StartOptions(choice=choice, start=0 if prompt_start is None else prompt_start)
-    return sources_of(FORMAT.decode(response, options))
+    return sources_of(FORMAT.decode(response, options, fields=frozenset({ROUTES_FIELD})))
