@@ -1,0 +1,73 @@
+"""Edges of the data-parallel plan a trainer's ranks must survive: a rank with no sample in a
+micro-batch (a short last step, a token budget that one long sample fills alone), whose
+forward still runs and still installs one (empty) route tensor per MoE layer."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from r3data import loader
+from r3data.layout import TokenLayout, expand
+from r3data.nodes import DataParallel
+from r3data.packed_ragged import PackedRagged
+from r3data.payload import PayloadWriter
+
+LAYERS, TOPK, EXPERTS = 3, 2, 16
+FIELDS = ("routed_experts", "sampling_mask")
+
+
+def masked_samples(root, lengths, rng):
+    writer = PayloadWriter(root)
+    samples = []
+    for i, n in enumerate(lengths):
+        prompt = n // 2
+        routes = rng.integers(1, EXPERTS, (n - 1, LAYERS, TOPK)).astype(np.uint8)
+        masks = [rng.choice(50, 3, replace=False).astype(np.int32) for _ in range(n - prompt)]
+        segments = writer.write(
+            0,
+            {"routed_experts": routes, "sampling_mask": masks},
+            pos={"routed_experts": 0, "sampling_mask": prompt},
+        )
+        request = {"prompt_len": prompt, "completion_len": n - prompt, "sources": segments}
+        samples.append({"id": f"s{i}", "token_ids": np.arange(n), "requests": [request]})
+    return samples
+
+
+@pytest.mark.parametrize(
+    ("layout", "micro"),
+    [
+        (None, {"size": 1}),  # a short last step: 3 samples over 2 ranks
+        (TokenLayout(cp_size=2, cp_rank=1), {"size": 1}),
+        (TokenLayout(tp_size=2, tp_rank=0, sequence_parallel=True), {"max_tokens": 16}),
+    ],
+)
+def test_an_empty_micro_batch_keeps_every_field_s_form(tmp_path, layout, micro):
+    samples = masked_samples(tmp_path, [9, 12, 16], np.random.default_rng(0))
+    options = {
+        "batch_size": 4,
+        "micro_batches": micro,
+        "layout": layout,
+        "num_experts": EXPERTS,
+        "payload_root": tmp_path,
+        "collate": {"fields": FIELDS, "workers": 1},
+    }
+    ranks = [
+        list(loader(samples, data_parallel=DataParallel(rank=r, size=2), **options))
+        for r in range(2)
+    ]
+    assert [len(r) for r in ranks] == [2, 2]
+    empty = [b for r in ranks for b in r if not b["sample_id"]]
+    full = [b for r in ranks for b in r if b["sample_id"]]
+    assert len(empty) == 1
+    (batch,) = empty
+    routes, masks = batch["routed_experts"], batch["sampling_mask"]
+    assert routes.row_shape == full[0]["routed_experts"].row_shape == (LAYERS, TOPK)
+    assert routes.dtype == full[0]["routed_experts"].dtype
+    lay = layout or TokenLayout()
+    per_layer = expand(routes) if layout is not None else expand(routes, lay)
+    assert [tuple(t.shape) for t in per_layer] == [(0, TOPK)] * LAYERS
+    assert isinstance(masks, PackedRagged)
+    assert isinstance(full[0]["sampling_mask"], PackedRagged)
+    assert masks.dtype == full[0]["sampling_mask"].dtype
+    assert len(masks) == len(batch["sampling_mask_valid"]) == 0
