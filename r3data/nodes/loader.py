@@ -30,6 +30,7 @@ from r3data.buffers import BufferPool
 from r3data.errors import ConfigError
 from r3data.nodes.collate import CollateRollouts
 from r3data.nodes.options import CollateOptions, TraceOptions
+from r3data.nodes.sample import field_forms
 from r3data.nodes.screen import ScreenOptions
 from r3data.nodes.source import MicroBatch, StepSource
 from r3data.nodes.steps import DataParallel, MicroBatches, Shuffle
@@ -293,9 +294,13 @@ def loader(
         pool=BufferPool() if collate.buffer_pool is None else collate.buffer_pool,
     )
 
-    def stitched(micro: MicroBatch[tuple[int, Any]]) -> MicroBatch[Any]:
-        return micro.with_items([stitch(item, micro.step) for item in micro.items])
+    def prepared(micro: MicroBatch[tuple[int, Any]]) -> TensorBatch:
+        rollouts = micro.with_items([stitch(item, micro.step) for item in micro.items])
+        forms = None
+        if all(r.stitched is None for r in rollouts.items):  # no sample of its own
+            forms = field_forms(micro.step_samples, collate.fields, trace)
+        return fill(rollouts, forms)
 
-    node: BaseNode[Any] = Mapper(_Guarded(source), _Stage(lambda micro: fill(stitched(micro))))
+    node: BaseNode[Any] = Mapper(_Guarded(source), _Stage(prepared))
     node = Prefetcher(node, prefetch_factor=prefetch) if prefetch else _InPlace(node)
     return Loader(Mapper(node, _delivered), restart_on_stop_iteration=False)

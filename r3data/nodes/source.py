@@ -35,12 +35,15 @@ U = TypeVar("U")
 @dataclass(frozen=True, slots=True)
 class MicroBatch(Generic[T]):
     """One micro-batch of optimizer ``step`` on this rank: number ``index`` of ``count`` (the
-    same count on every data-parallel rank), ``items`` in global sample order."""
+    same count on every data-parallel rank), ``items`` in global sample order.
+    ``step_samples``: every rank's ``(index, raw sample)`` of the step, from which a
+    micro-batch without a sample of its own takes the form of its fields."""
 
     step: int
     index: int
     count: int
     items: list[T]
+    step_samples: Sequence[tuple[int, Any]] = ()
 
     def with_items(self, items: list[U]) -> MicroBatch[U]:
         return replace(self, items=items)  # type: ignore[return-value]
@@ -103,6 +106,7 @@ class StepSource(BaseNode[MicroBatch[tuple[int, Any]]]):
         self._step = 0  # steps read so far: the next one to plan
         self._micro = 0  # micro-batches of the current step yielded
         self._plan: list[list[tuple[int, Any]]] | None = None
+        self._batch: list[tuple[int, Any]] = []  # the global batch of the step being yielded
         self._source_state: Any = None  # the nested source's state at the start of _step
         self._plan_state: Any = None  # ... and at the start of the step being yielded
 
@@ -228,12 +232,17 @@ class StepSource(BaseNode[MicroBatch[tuple[int, Any]]]):
             lengths = [sample_length(raw) for _, raw in batch]
             shares = plan_step(lengths, self.dp_size, self.micro_batches)
             self._plan = [[batch[p] for p in micro] for micro in shares[self.dp_rank]]
+            self._batch = batch
             self._step += 1
             self._capture()
             if self._micro >= len(self._plan):  # resumed after this step's last micro-batch
                 self._plan, self._micro = None, 0
         micro = MicroBatch(
-            self.start_step + self._step - 1, self._micro, len(self._plan), self._plan[self._micro]
+            self.start_step + self._step - 1,
+            self._micro,
+            len(self._plan),
+            self._plan[self._micro],
+            self._batch,
         )
         self._micro += 1
         if self._micro == len(self._plan):

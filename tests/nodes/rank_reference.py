@@ -126,12 +126,13 @@ def micro_plan(lengths, dp, micro):
 
 
 def rank_micro_batches(specs, *, batch_size, dp, rank, micro, order, drop_last, start_step):
-    """``(step, micro_batch, micro_batches, [sample index, ...])`` the rank must yield."""
+    """``(step, micro_batch, micro_batches, [sample index, ...], [the step's indices])`` the
+    rank must yield."""
     out = []
     for number, step in enumerate(step_indices(len(specs), batch_size, order, drop_last)):
         plan = micro_plan([specs[i].n for i in step], dp, micro)[rank]
         for k, positions in enumerate(plan):
-            out.append((start_step + number, k, len(plan), [step[p] for p in positions]))
+            out.append((start_step + number, k, len(plan), [step[p] for p in positions], step))
     return out
 
 
