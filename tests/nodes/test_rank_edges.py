@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from torchdata.nodes import IterableWrapper
+from torchdata.stateful_dataloader import StatefulDataLoader
 
 from r3data import loader
 from r3data.layout import TokenLayout, expand
@@ -71,3 +73,45 @@ def test_an_empty_micro_batch_keeps_every_field_s_form(tmp_path, layout, micro):
     assert isinstance(full[0]["sampling_mask"], PackedRagged)
     assert masks.dtype == full[0]["sampling_mask"].dtype
     assert len(masks) == len(batch["sampling_mask_valid"]) == 0
+
+
+class Again:
+    """A re-iterable that is not map-style: fast-forwarded on resume."""
+
+    def __init__(self, samples):
+        self.samples = samples
+
+    def __iter__(self):
+        return iter(self.samples)
+
+
+SOURCES = {
+    "list": lambda samples: samples,
+    "re-iterable": Again,
+    "node": IterableWrapper,
+    "stateful": lambda samples: StatefulDataLoader(
+        samples, batch_size=None, collate_fn=lambda sample: sample
+    ),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(SOURCES))
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_a_state_saved_after_a_short_last_step_resumes_to_nothing(tmp_path, kind, prefetch):
+    """A checkpoint at the end of the data (its last step short) resumes to no micro-batch:
+    not a ConfigError from fast-forwarding past the end, not the data over again."""
+    samples = masked_samples(tmp_path, [9, 12, 16, 7, 5], np.random.default_rng(1))
+    options = {
+        "batch_size": 4,
+        "micro_batches": {"size": 1},
+        "data_parallel": DataParallel(rank=1, size=2),
+        "payload_root": tmp_path,
+        "prefetch": prefetch,
+        "collate": {"workers": 1},
+    }
+    first = loader(SOURCES[kind](samples), **options)
+    got = list(first)
+    assert [b.metadata["step"] for b in got] == [0, 0, 1]  # step 1: one sample, on rank 0
+    resumed = loader(SOURCES[kind](samples), **options)
+    resumed.load_state_dict(first.state_dict())
+    assert list(resumed) == []

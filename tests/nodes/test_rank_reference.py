@@ -21,6 +21,8 @@ from rank_reference import (
     rank_micro_batches,
     route_row,
 )
+from torchdata.nodes import IterableWrapper
+from torchdata.stateful_dataloader import StatefulDataLoader
 
 from r3data import loader
 from r3data.layout import TokenLayout, expand
@@ -29,6 +31,27 @@ from r3data.payload import PayloadWriter
 from r3data.wire import EncodedRows, InlineRows
 
 EXPERTS = 256
+
+
+class Again:
+    """A re-iterable that is not map-style (no len, no indexing): fast-forwarded on resume."""
+
+    def __init__(self, samples):
+        self.samples = samples
+
+    def __iter__(self):
+        return iter(self.samples)
+
+
+SOURCES = {
+    "list": lambda samples: samples,
+    "re-iterable": Again,
+    "node": IterableWrapper,
+    "stateful": lambda samples: StatefulDataLoader(
+        samples, batch_size=None, collate_fn=lambda sample: sample
+    ),
+}
+"""Every kind of source the loader takes, resumable."""
 
 
 def real_runs(positions: list[int]) -> list[tuple[int, int]]:
@@ -117,7 +140,10 @@ def cases(draw):
         )
     )
     kinds = [draw(st.sampled_from(["inline", "base64", "handle"])) for _ in specs]
-    return dp, draw(st.integers(0, dp - 1)), specs, kinds, options, layout
+    source = draw(st.sampled_from(sorted(SOURCES)))
+    if source != "list":  # only a map-style source is shuffled
+        options["shuffle"] = None
+    return dp, draw(st.integers(0, dp - 1)), specs, kinds, options, layout, source
 
 
 def loader_options(dp, rank, options, layout, root):
@@ -196,11 +222,12 @@ def check_batch(batch, want, specs, layout, placeholder) -> None:
             "placeholder": "repeat_previous",
         },
         TokenLayout(cp_size=2, cp_rank=1, tp_size=2, tp_rank=1, sequence_parallel=True),
+        "list",
     ),
     cut=2,
 )
 def test_every_rank_gets_the_reference_rows_and_resumes_to_them(case, cut):
-    dp, rank, specs, kinds, options, layout = case
+    dp, rank, specs, kinds, options, layout, source = case
     shuffle = options["shuffle"]
     order = (
         list(range(len(specs)))
@@ -221,16 +248,17 @@ def test_every_rank_gets_the_reference_rows_and_resumes_to_them(case, cut):
         writer = PayloadWriter(root)
         samples = [make_sample(s, k, writer) for s, k in zip(specs, kinds, strict=True)]
         kwargs = loader_options(dp, rank, options, layout, root)
-        got = list(loader(samples, prefetch=1, **kwargs))
+        make = SOURCES[source]
+        got = list(loader(make(samples), prefetch=1, **kwargs))
         assert len(got) == len(want)
         for batch, expected in zip(got, want, strict=True):
             check_batch(batch, expected, specs, layout, options["placeholder"])
         cut = min(cut, len(got))
-        first = loader(samples, prefetch=2, **kwargs)
+        first = loader(make(samples), prefetch=2, **kwargs)
         it = iter(first)
         for _ in range(cut):
             next(it)
-        resumed = loader(samples, prefetch=0, **kwargs)
+        resumed = loader(make(samples), prefetch=0, **kwargs)
         resumed.load_state_dict(first.state_dict())
         rest = list(resumed)
     assert len(rest) == len(got) - cut
