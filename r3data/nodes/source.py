@@ -8,8 +8,10 @@ one-shot iterator (which cannot resume). Each step reads the next ``batch_size``
 global batch, and plans every rank's share (:func:`~r3data.nodes.steps.plan_step`) from
 their lengths; only this rank's samples go on down the pipeline.
 
-State: the step and micro-batch to yield next, and the nested source's state at the start of
-that step, so a resumed rank reads exactly the micro-batches it has not yielded.
+State: the step and micro-batch to yield next, the nested source's state at the start of
+that step, so a resumed rank reads exactly the micro-batches it has not yielded, and whether
+the data ended (a short step was the last: a stream is not fast-forwarded past its end, nor a
+stateful one started over).
 """
 
 from __future__ import annotations
@@ -72,6 +74,8 @@ class StepSource(BaseNode[MicroBatch[tuple[int, Any]]]):
     """
 
     STEP_KEY, MICRO_KEY, SOURCE_KEY, PLAN_KEY = "step", "micro_batch", "source", "plan"
+    ENDED_KEY = "ended"
+    """True once a step came out short: the data ended (a stream is not read again)."""
     STEP_PLAN = ("batch_size", "start_step", "shuffle")
     """What a saved step means: the samples it starts at and its number."""
     MICRO_PLAN = ("dp_size", "micro_batches")
@@ -107,6 +111,7 @@ class StepSource(BaseNode[MicroBatch[tuple[int, Any]]]):
         self._micro = 0  # micro-batches of the current step yielded
         self._plan: list[list[tuple[int, Any]]] | None = None
         self._batch: list[tuple[int, Any]] = []  # the global batch of the step being yielded
+        self._ended = False  # a step came out short: nothing follows it
         self._source_state: Any = None  # the nested source's state at the start of _step
         self._plan_state: Any = None  # ... and at the start of the step being yielded
 
@@ -121,7 +126,9 @@ class StepSource(BaseNode[MicroBatch[tuple[int, Any]]]):
             self._check_plan(state[self.PLAN_KEY])
         self._plan = None
         self._source_state = state.get(self.SOURCE_KEY)
-        self._open()
+        self._ended = state.get(self.ENDED_KEY, False)
+        if not self._ended or self.kind == "map":  # a stream past its end is not read again
+            self._open()
         if self.kind == "map" and self.retention is not None and self.retention.deletes:
             self._claim_every_file()
 
@@ -138,6 +145,7 @@ class StepSource(BaseNode[MicroBatch[tuple[int, Any]]]):
             self.MICRO_KEY: 0,
             self.SOURCE_KEY: self._source_state,
             self.PLAN_KEY: self._plan_options(),
+            self.ENDED_KEY: self._ended,
         }
 
     def _plan_options(self) -> dict[str, Any]:
@@ -226,9 +234,10 @@ class StepSource(BaseNode[MicroBatch[tuple[int, Any]]]):
 
     def next(self) -> MicroBatch[tuple[int, Any]]:
         while self._plan is None:
-            batch = self._global_batch()
+            batch = [] if self._ended else self._global_batch()
             if not batch:
                 raise StopIteration
+            self._ended = len(batch) < self.batch_size
             lengths = [sample_length(raw) for _, raw in batch]
             shares = plan_step(lengths, self.dp_size, self.micro_batches)
             self._plan = [[batch[p] for p in micro] for micro in shares[self.dp_rank]]
