@@ -33,7 +33,7 @@ from r3data.nodes.options import CollateOptions, TraceOptions
 from r3data.nodes.sample import field_forms
 from r3data.nodes.screen import ScreenOptions
 from r3data.nodes.source import MicroBatch, StepSource
-from r3data.nodes.steps import DataParallel, MicroBatches, Shuffle
+from r3data.nodes.steps import DataParallel, MicroBatches, Shuffle, agree_on_plan
 from r3data.nodes.stitcher import StitchRollout
 from r3data.options import as_options, checked_keywords
 from r3data.parallel import pool_workers
@@ -212,7 +212,8 @@ def loader(
     map-style collection, a re-iterable, a torchdata ``BaseNode`` or a stateful iterable
     (state nested, resumed), the same on every rank. ``batch_size`` samples are one optimizer
     step's global batch over all ``data_parallel`` ranks (``DataParallel(rank, size)`` or
-    ``DataParallel.from_torch()``); each rank gets a disjoint share balanced by tokens, cut
+    ``DataParallel.from_torch()``, whose group the loader checks, once, for ranks that plan
+    differently); each rank gets a disjoint share balanced by tokens, cut
     into ``micro_batches`` (``MicroBatches(size=...)`` or ``MicroBatches(max_tokens=...)``;
     default: one per step), as many on every rank. ``shuffle`` (``True`` or ``Shuffle(seed,
     epoch)``) permutes a map-style source; ``drop_last`` drops a short last step; steps count
@@ -277,6 +278,8 @@ def loader(
         start_step=start_step,
         retention=retention,
     )
+    if ranks.group is not None:  # DataParallel.from_torch: a real group to check the plan on
+        agree_on_plan(source.plan_summary(), ranks.group)
     stitch = StitchRollout(
         collate.fields,
         trace,
