@@ -14,6 +14,7 @@ from r3data.layout import TokenLayout, expand
 from r3data.nodes import DataParallel
 from r3data.packed_ragged import PackedRagged
 from r3data.payload import PayloadWriter
+from r3data.wire import InlineRows
 
 LAYERS, TOPK, EXPERTS = 3, 2, 16
 FIELDS = ("routed_experts", "sampling_mask")
@@ -115,3 +116,60 @@ def test_a_state_saved_after_a_short_last_step_resumes_to_nothing(tmp_path, kind
     resumed = loader(SOURCES[kind](samples), **options)
     resumed.load_state_dict(first.state_dict())
     assert list(resumed) == []
+
+
+def with_gap(samples, index):
+    """Sample ``index`` with an all-zero engine row (a gap the screen finds)."""
+    request = dict(samples[index]["requests"][0])
+    routes = request["sources"][0]
+    rows = np.zeros((routes.rows, LAYERS, TOPK), np.uint8) + 3
+    rows[2] = 0
+    request["sources"] = [InlineRows("routed_experts", rows, routes.pos), *request["sources"][1:]]
+    return [*samples[:index], {**samples[index], "requests": [request]}, *samples[index + 1 :]]
+
+
+OPTION_SETS = {
+    "masks, CP": {
+        "layout": TokenLayout(cp_size=2, cp_rank=1),
+        "collate": {"fields": FIELDS, "workers": 1},
+    },
+    "masks, SP, BSHD": {
+        "layout": TokenLayout(tp_size=2, tp_rank=1, sequence_parallel=True, packed=False),
+        "collate": {"fields": FIELDS, "workers": 2},
+        "micro_batches": {"max_tokens": 20},
+    },
+    "drop_sample": {"trace": {"on_gap": "drop_sample"}, "micro_batches": {"size": 1}},
+    "distinct, zero rows kept": {
+        "trace": {"placeholder": "distinct"},
+        "screen": {"zero_rows": "keep"},
+        "shuffle": True,
+        "drop_last": True,
+    },
+    "start_step, no num_experts": {"start_step": 7, "num_experts": None},
+}
+
+
+@pytest.mark.parametrize("name", sorted(OPTION_SETS))
+def test_a_state_saved_after_any_micro_batch_resumes_under_every_option(tmp_path, name):
+    rng = np.random.default_rng(2)
+    samples = with_gap(masked_samples(tmp_path, [9, 12, 16, 7, 5, 11, 6], rng), 2)
+    options = {
+        "batch_size": 4,
+        "data_parallel": DataParallel(rank=0, size=2),
+        "micro_batches": {"size": 1},
+        "num_experts": EXPERTS,
+        "payload_root": tmp_path,
+        "collate": {"workers": 1},
+        **OPTION_SETS[name],
+    }
+    full = list(loader(samples, prefetch=0, **options))
+    assert full
+    for cut in range(len(full) + 1):
+        first = loader(samples, prefetch=2, **options)
+        it = iter(first)
+        for _ in range(cut):
+            next(it)
+        state = first.state_dict()
+        resumed = loader(samples, prefetch=1, **options)
+        resumed.load_state_dict(state)
+        assert list(resumed) == full[cut:], cut
