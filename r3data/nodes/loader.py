@@ -172,6 +172,19 @@ def _check_ranks(
         )
 
 
+def _agreed(source: StepSource, group: Any) -> None:
+    """Check that every rank of ``group`` plans alike; a rank that cannot read its samples
+    still joins the collective (the others would wait on it forever), then raises."""
+    plan, failure = source.plan_summary(), None
+    try:
+        plan.update(source.samples_summary())
+    except Exception as exc:
+        plan["samples"], failure = f"unreadable ({type(exc).__name__}: {exc})", exc
+    agree_on_plan(plan, group)
+    if failure is not None:
+        raise failure
+
+
 MOVED = {
     "trace_options": "trace=TraceOptions(...), screen=ScreenOptions(...) and num_experts=",
     "fields": "collate=CollateOptions(fields=...)",
@@ -279,7 +292,7 @@ def loader(
         retention=retention,
     )
     if ranks.group is not None:  # DataParallel.from_torch: a real group to check the plan on
-        agree_on_plan(source.plan_summary(), ranks.group)
+        _agreed(source, ranks.group)
     stitch = StitchRollout(
         collate.fields,
         trace,

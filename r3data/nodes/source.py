@@ -159,18 +159,21 @@ class StepSource(BaseNode[MicroBatch[tuple[int, Any]]]):
         }
 
     def plan_summary(self) -> dict[str, Any]:
-        """What every data-parallel rank must agree on: the plan options, ``drop_last`` and the
-        samples (a map-style source: its length and the tokens of its first step, which
-        differ when each rank was given its own shard; a stream: its kind)."""
-        summary = {**self._plan_options(), "drop_last": self.drop_last}
+        """The options every data-parallel rank must agree on (nothing is read)."""
+        return {**self._plan_options(), "drop_last": self.drop_last}
+
+    def samples_summary(self) -> dict[str, Any]:
+        """What every data-parallel rank's samples must agree on: a map-style source's length
+        and the tokens of its first step (which differ when each rank was given its own
+        shard); a stream's kind (it cannot be read twice)."""
         if self.kind != "map":
-            return {**summary, "samples": self.kind}
+            return {"samples": self.kind}
         count = len(self.samples)  # type: ignore[arg-type]
         first = range(min(count, self.batch_size))
         if self.shuffle is not None:
             first = self.shuffle.order(count)[: self.batch_size].tolist()
         tokens = sum(sample_length(self.samples[i]) for i in first)  # type: ignore[index]
-        return {**summary, "samples": count, "first_step_tokens": tokens}
+        return {"samples": count, "first_step_tokens": tokens}
 
     def _check_plan(self, saved: dict[str, Any]) -> None:
         """A saved step resumes only the same steps, a saved micro-batch the same shares:

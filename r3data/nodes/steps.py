@@ -64,14 +64,14 @@ def agree_on_plan(plan: dict[str, Any], group: Any) -> None:
 
     plans: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(plans, plan, group=group)
-    for name in plan:
+    for name in dict.fromkeys(name for p in plans for name in p):  # rank 0's order first
         values = [p.get(name) for p in plans]
         if any(v != values[0] for v in values):
             found = ", ".join(f"rank {r} {name}={v!r}" for r, v in enumerate(values))
             raise ConfigError(
                 f"data-parallel ranks plan differently: expected the same {name} on every rank "
                 f"of the group, found {found}; give every rank the same samples and loader "
-                f"options ({', '.join(plan)})"
+                f"options ({', '.join(plans[0])})"
             )
 
 

@@ -59,6 +59,13 @@ def refusal(samples, **options) -> str:
     return "accepted"
 
 
+class Unreadable(list):
+    """Samples whose every read fails (a dataset whose storage is gone on one rank)."""
+
+    def __getitem__(self, index):
+        raise OSError(f"sample {index} is unreadable here")
+
+
 def run(rank: int, world: int, store: str, lengths: list[int]) -> dict:
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     samples = make_samples(lengths)
@@ -77,6 +84,7 @@ def run(rank: int, world: int, store: str, lengths: list[int]) -> dict:
         "batch_size": refusal(samples, batch_size=4 * (rank + 1)),
         "micro_batches": refusal(samples, micro_batches={"size": 1 + rank}),
         "shard": refusal(samples[rank::world]),  # each rank given its own shard
+        "unreadable": refusal(Unreadable(samples) if rank else samples),  # no hang
     }
     dist.barrier()
     dist.destroy_process_group()
