@@ -118,27 +118,23 @@ def cases(draw):
         "start_step": draw(st.integers(0, 3)),
         "placeholder": draw(st.sampled_from(["repeat_previous", "distinct"])),
     }
-    layout = draw(
-        st.one_of(
-            st.none(),
-            st.builds(
-                lambda cp, cp_rank, tp, tp_rank, sp, packed: TokenLayout(
-                    cp_size=cp,
-                    cp_rank=cp_rank % cp,
-                    tp_size=tp,
-                    tp_rank=tp_rank % tp,
-                    sequence_parallel=sp and tp > 1,
-                    packed=packed,
-                ),
-                st.integers(1, 2),
-                st.integers(0, 1),
-                st.integers(1, 2),
-                st.integers(0, 1),
-                st.booleans(),
-                st.booleans(),
-            ),
+    layout = None
+    if draw(st.booleans()):
+        cp, tp = draw(st.integers(1, 2)), draw(st.integers(1, 2))
+        sp = tp > 1 and draw(st.booleans())
+        packed = draw(st.booleans())
+        need = (2 * cp if cp > 1 else 1) * (tp if sp else 1)
+        layout = TokenLayout(
+            cp_size=cp,
+            cp_rank=draw(st.integers(0, cp - 1)),
+            tp_size=tp,
+            tp_rank=draw(st.integers(0, tp - 1)),
+            sequence_parallel=sp,
+            packed=packed,
+            padding_side="right" if packed else draw(st.sampled_from(["left", "right"])),
+            pad_multiple=draw(st.sampled_from([None, 2 * need])),
+            seq_length=None if packed else draw(st.sampled_from([None, 16])),
         )
-    )
     kinds = [draw(st.sampled_from(["inline", "base64", "handle"])) for _ in specs]
     source = draw(st.sampled_from(sorted(SOURCES)))
     if source != "list":  # only a map-style source is shuffled
