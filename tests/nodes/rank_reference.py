@@ -41,17 +41,22 @@ def route_row(sample: int, position: int) -> list[int]:
 
 @dataclass(frozen=True)
 class SampleSpec:
-    """``n`` token ids; requests covering ``covered`` tokens (rows at ``[0, covered - 1)``),
-    less the positions of ``hole`` (the engine's gap)."""
+    """``n`` token ids; requests covering ``covered`` tokens (more or fewer than ``n``) whose
+    engine rows are ``[0, covered - 1)`` less the positions of ``hole`` (a gap)."""
 
     index: int
     n: int
     covered: int
     hole: tuple[int, int] | None = None
 
-    def real_positions(self) -> list[int]:
+    def engine_positions(self) -> list[int]:
+        """The positions the engine sent rows for."""
         lo, hi = self.hole or (0, 0)
         return [p for p in range(self.covered - 1) if not lo <= p < hi]
+
+    def real_positions(self) -> list[int]:
+        """The engine rows the sample keeps: those of its ``n`` positions (the trace is cut)."""
+        return [p for p in self.engine_positions() if p < self.n]
 
     def dropped(self) -> bool:
         return not self.real_positions()

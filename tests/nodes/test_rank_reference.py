@@ -67,7 +67,7 @@ def real_runs(positions: list[int]) -> list[tuple[int, int]]:
 def make_sample(spec: SampleSpec, kind: str, writer: PayloadWriter | None) -> dict:
     """The sample ``spec`` describes, its rows from ``kind`` sources (one per run of rows)."""
     sources = []
-    for lo, hi in real_runs(spec.real_positions()):
+    for lo, hi in real_runs(spec.engine_positions()):
         rows = np.array([[route_row(spec.index, p)] for p in range(lo, hi)], np.uint8)
         if kind == "inline":
             sources.append(InlineRows("routed_experts", rows, lo))
@@ -94,11 +94,12 @@ def make_sample(spec: SampleSpec, kind: str, writer: PayloadWriter | None) -> di
 @st.composite
 def sample_specs(draw, index: int) -> SampleSpec:
     n = draw(st.integers(1, 14))
-    covered = draw(st.integers(1, n))
+    covered = draw(st.integers(1, n + 2))  # more than n: token_ids cut the trace
     hole = None
-    if covered > 3 and draw(st.integers(0, 5)) == 0:  # a gap the engine left
-        lo = draw(st.integers(1, covered - 3))
-        hole = (lo, draw(st.integers(lo + 1, covered - 2)))
+    window = min(covered - 1, n)  # the rows inside the sample
+    if window > 2 and draw(st.integers(0, 5)) == 0:  # a gap the engine left
+        lo = draw(st.integers(1, window - 2))
+        hole = (lo, draw(st.integers(lo + 1, window - 1)))
     return SampleSpec(index, n, covered, hole)
 
 
