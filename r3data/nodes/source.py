@@ -126,8 +126,9 @@ class StepSource(BaseNode[MicroBatch[tuple[int, Any]]]):
             self._check_plan(state[self.PLAN_KEY])
         self._plan = None
         self._source_state = state.get(self.SOURCE_KEY)
-        self._ended = state.get(self.ENDED_KEY, False)
-        if not self._ended or self.kind == "map":  # a stream past its end is not read again
+        # a stream past its end is not read again (a map-style source is indexed by step)
+        self._ended = self.kind != "map" and state.get(self.ENDED_KEY, False)
+        if not self._ended:
             self._open()
         if self.kind == "map" and self.retention is not None and self.retention.deletes:
             self._claim_every_file()
