@@ -10,6 +10,7 @@ from torchdata.nodes import IterableWrapper
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from r3data import loader
+from r3data.errors import TraceError
 from r3data.layout import TokenLayout, expand
 from r3data.nodes import DataParallel
 from r3data.packed_ragged import PackedRagged
@@ -173,3 +174,22 @@ def test_a_state_saved_after_any_micro_batch_resumes_under_every_option(tmp_path
         resumed = loader(samples, prefetch=1, **options)
         resumed.load_state_dict(state)
         assert list(resumed) == full[cut:], cut
+
+
+def test_an_empty_micro_batch_takes_its_form_past_another_rank_s_bad_sample(tmp_path):
+    """The bad sample is its owner's to report: the rank short of samples still gets its
+    empty micro-batch, in the form of the step's next sample."""
+    samples = masked_samples(tmp_path, [9, 12, 16], np.random.default_rng(3))
+    del samples[0]["requests"][0]["prompt_len"]  # s0 goes to rank 1
+    options = {
+        "batch_size": 4,
+        "micro_batches": {"size": 1},
+        "payload_root": tmp_path,
+        "collate": {"fields": FIELDS, "workers": 1},
+    }
+    shorter = list(loader(samples, data_parallel=DataParallel(rank=0, size=2), **options))
+    assert [b["sample_id"] for b in shorter] == [["s2"], []]
+    assert shorter[1]["routed_experts"].row_shape == (LAYERS, TOPK)
+    owner = iter(loader(samples, data_parallel=DataParallel(rank=1, size=2), **options))
+    with pytest.raises(TraceError, match=r"sample 's0' \(index 0\): request 0: expected a dict"):
+        next(owner)
