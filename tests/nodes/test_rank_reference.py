@@ -199,7 +199,7 @@ def check_batch(batch, want, specs, layout, placeholder) -> None:
 
 
 @settings(
-    max_examples=60,
+    max_examples=100,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
