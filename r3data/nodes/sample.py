@@ -275,7 +275,7 @@ def field_forms(
     samples: Iterable[tuple[int, Any]], fields: Sequence[str], trace: TraceOptions
 ) -> dict[str, FieldInfo] | None:
     """Each field's dtype, row shape and raggedness, from the first of ``(index, raw
-    sample)`` whose trace has rows of every field (None: none has); nothing is read or
+    sample)`` whose trace has rows of every field (None: none has); no row is read or
     decoded. A micro-batch without a sample of its own takes its fields' form from its step:
     its forward still runs, with an empty route tensor per MoE layer. A sample that cannot be
     normalised is skipped here: the rank that owns it reports it."""
