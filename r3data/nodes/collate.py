@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -41,14 +41,16 @@ from r3data.buffers import BufferPool
 from r3data.errors import SegmentError, with_message
 from r3data.layout.rows import RankRows
 from r3data.nodes.fill import fill_field
+from r3data.nodes.fill_common import FilledField
 from r3data.nodes.sample import name_sample
 from r3data.nodes.screen import ScreenOptions
 from r3data.nodes.source import MicroBatch
 from r3data.nodes.stitcher import StitchedRollout
 from r3data.packed import PackedTensor
+from r3data.packed_ragged import PackedRagged
 from r3data.payload.reader import PayloadReader
 from r3data.trace import ROUTES_FIELD, StitchedField, StitchStats
-from r3data.trace.builder import clip_source
+from r3data.trace.builder import FieldInfo, clip_source
 from r3data.trace.stitch import OnGap
 from r3data.wire.dtypes import compact_route_dtype
 
@@ -64,6 +66,13 @@ def _vector_field(values: Sequence[np.ndarray], dtype: torch.dtype) -> PackedTen
     return PackedTensor.from_lengths(
         torch.from_numpy(np.ascontiguousarray(flat)).to(dtype), lengths
     )
+
+
+def _empty(form: FieldInfo, dtype: np.dtype) -> PackedTensor | PackedRagged:
+    """A field of no sample in ``form``."""
+    if form.ragged:
+        return PackedRagged.from_samples([], dtype)
+    return PackedTensor(torch.from_numpy(np.empty((0, *form.row_shape), dtype)), [0])
 
 
 def _localized(field: StitchedField, ranges: list[tuple[int, int]]) -> StitchedField:
@@ -99,9 +108,13 @@ class CollateRollouts:
     """Recycles the buffers of batches the trainer has dropped."""
 
     def __call__(
-        self, rollouts: Sequence[StitchedRollout] | MicroBatch[StitchedRollout]
+        self,
+        rollouts: Sequence[StitchedRollout] | MicroBatch[StitchedRollout],
+        forms: Mapping[str, FieldInfo] | None = None,
     ) -> TensorBatch:
-        """One batch of ``rollouts``; a :class:`MicroBatch` adds its step to the metadata."""
+        """One batch of ``rollouts``; a :class:`MicroBatch` adds its step to the metadata.
+        ``forms`` (:func:`~r3data.nodes.sample.field_forms`) give a batch without a sample its
+        fields' dtype, row shape and raggedness (else: 1-D, uint8)."""
         micro = rollouts if isinstance(rollouts, MicroBatch) else None
         rollouts = micro.items if micro is not None else rollouts
         kept = [r for r in rollouts if r.stitched is not None]
@@ -121,7 +134,11 @@ class CollateRollouts:
                 stitched = [r.stitched[name] for r in kept]
             else:
                 stitched = [_localized(r.stitched[name], ranges[i]) for i, r in enumerate(kept)]
-            filled = self._guarded(kept, name, stitched, ids)
+            form = None if kept or forms is None else forms[name]
+            if form is not None:
+                filled = FilledField(_empty(form, self._dtype(name, [], form)), np.zeros(0, bool))
+            else:
+                filled = self._guarded(kept, name, stitched, ids)
             valid = PackedTensor(torch.from_numpy(filled.valid), filled.values.offsets)
             if self.layout is not None and isinstance(filled.values, PackedTensor):
                 batch_fields[name] = RankRows.of(filled.values, self.layout, full_lengths)
@@ -168,11 +185,13 @@ class CollateRollouts:
             batch.metadata["stats"] = stats + StitchStats(samples_dropped=len(late_drops))
         return batch
 
-    def _dtype(self, name: str, stitched: list[StitchedField]) -> np.dtype:
+    def _dtype(
+        self, name: str, stitched: list[StitchedField], form: FieldInfo | None = None
+    ) -> np.dtype:
         if name == self.routes_field and self.screen.num_experts is not None:
             return compact_route_dtype(self.screen.num_experts - 1)
         if not stitched:
-            return np.dtype(np.uint8)
+            return np.dtype(np.uint8) if form is None else form.dtype
         return np.result_type(*[s.dtype for s in stitched])
 
     def _guarded(self, kept, name, stitched, ids):

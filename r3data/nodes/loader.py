@@ -30,9 +30,10 @@ from r3data.buffers import BufferPool
 from r3data.errors import ConfigError
 from r3data.nodes.collate import CollateRollouts
 from r3data.nodes.options import CollateOptions, TraceOptions
+from r3data.nodes.sample import field_forms
 from r3data.nodes.screen import ScreenOptions
 from r3data.nodes.source import MicroBatch, StepSource
-from r3data.nodes.steps import DataParallel, MicroBatches, Shuffle
+from r3data.nodes.steps import DataParallel, MicroBatches, Shuffle, agree_on_plan
 from r3data.nodes.stitcher import StitchRollout
 from r3data.options import as_options, checked_keywords
 from r3data.parallel import pool_workers
@@ -171,6 +172,19 @@ def _check_ranks(
         )
 
 
+def _agreed(source: StepSource, group: Any) -> None:
+    """Check that every rank of ``group`` plans alike; a rank that cannot read its samples
+    still joins the collective (the others would wait on it forever), then raises."""
+    plan, failure = source.plan_summary(), None
+    try:
+        plan.update(source.samples_summary())
+    except Exception as exc:
+        plan["samples"], failure = f"unreadable ({type(exc).__name__}: {exc})", exc
+    agree_on_plan(plan, group)
+    if failure is not None:
+        raise failure
+
+
 MOVED = {
     "trace_options": "trace=TraceOptions(...), screen=ScreenOptions(...) and num_experts=",
     "fields": "collate=CollateOptions(fields=...)",
@@ -211,7 +225,8 @@ def loader(
     map-style collection, a re-iterable, a torchdata ``BaseNode`` or a stateful iterable
     (state nested, resumed), the same on every rank. ``batch_size`` samples are one optimizer
     step's global batch over all ``data_parallel`` ranks (``DataParallel(rank=..., size=...)``
-    or ``DataParallel.from_torch()``); each rank gets a disjoint share balanced by tokens, cut
+    or ``DataParallel.from_torch()``, whose group the loader checks, once, for ranks that plan
+    differently); each rank gets a disjoint share balanced by tokens, cut
     into ``micro_batches`` (``MicroBatches(size=...)`` or ``MicroBatches(max_tokens=...)``;
     default: one per step), as many on every rank. ``shuffle`` (``True`` or ``Shuffle(seed=...,
     epoch=...)``) permutes a map-style source; ``drop_last`` drops a short last step; steps count
@@ -276,6 +291,8 @@ def loader(
         start_step=start_step,
         retention=retention,
     )
+    if ranks.group is not None:  # DataParallel.from_torch: a real group to check the plan on
+        _agreed(source, ranks.group)
     stitch = StitchRollout(
         collate.fields,
         trace,
@@ -293,9 +310,13 @@ def loader(
         pool=BufferPool() if collate.buffer_pool is None else collate.buffer_pool,
     )
 
-    def stitched(micro: MicroBatch[tuple[int, Any]]) -> MicroBatch[Any]:
-        return micro.with_items([stitch(item, micro.step) for item in micro.items])
+    def prepared(micro: MicroBatch[tuple[int, Any]]) -> TensorBatch:
+        rollouts = micro.with_items([stitch(item, micro.step) for item in micro.items])
+        forms = None
+        if all(r.stitched is None for r in rollouts.items):  # no sample of its own
+            forms = field_forms(micro.step_samples, collate.fields, trace)
+        return fill(rollouts, forms)
 
-    node: BaseNode[Any] = Mapper(_Guarded(source), _Stage(lambda micro: fill(stitched(micro))))
+    node: BaseNode[Any] = Mapper(_Guarded(source), _Stage(prepared))
     node = Prefetcher(node, prefetch_factor=prefetch) if prefetch else _InPlace(node)
     return Loader(Mapper(node, _delivered), restart_on_stop_iteration=False)

@@ -22,7 +22,7 @@ import numpy as np
 from r3data.errors import R3DataError, TraceError, with_message
 from r3data.nodes.options import TraceOptions
 from r3data.trace import Trace, TraceBuilder
-from r3data.trace.builder import Source
+from r3data.trace.builder import FieldInfo, Source
 from r3data.wire.producers import decode_source
 from r3data.wire.rows import EncodedRows, InlineRows
 from r3data.wire.segment import PayloadSegment
@@ -269,3 +269,21 @@ def _rollout(obj: Any, sample_id: str, trace: TraceOptions) -> RolloutSample:
         logprobs = _vector("logprobs", logprobs, n, np.float32)
     built, files = _trace_of(obj, sample_id, trace)
     return RolloutSample(sample_id, token_ids, loss_mask, built, logprobs, files)
+
+
+def field_forms(
+    samples: Iterable[tuple[int, Any]], fields: Sequence[str], trace: TraceOptions
+) -> dict[str, FieldInfo] | None:
+    """Each field's dtype, row shape and raggedness, from the first of ``(index, raw
+    sample)`` whose trace has rows of every field (None: none has); no row is read or
+    decoded. A micro-batch without a sample of its own takes its fields' form from its step:
+    its forward still runs, with an empty route tensor per MoE layer. A sample that cannot be
+    normalised is skipped here: the rank that owns it reports it."""
+    for index, raw in samples:
+        try:
+            info = as_rollout(raw, index, trace).trace.info
+        except R3DataError:
+            continue
+        if all(name in info for name in fields):
+            return {name: info[name] for name in fields}
+    return None

@@ -8,8 +8,10 @@ one-shot iterator (which cannot resume). Each step reads the next ``batch_size``
 global batch, and plans every rank's share (:func:`~r3data.nodes.steps.plan_step`) from
 their lengths; only this rank's samples go on down the pipeline.
 
-State: the step and micro-batch to yield next, and the nested source's state at the start of
-that step, so a resumed rank reads exactly the micro-batches it has not yielded.
+State: the step and micro-batch to yield next, the nested source's state at the start of
+that step, so a resumed rank reads exactly the micro-batches it has not yielded, and whether
+the data ended (a short step was the last: a stream is not fast-forwarded past its end, nor a
+stateful one started over).
 """
 
 from __future__ import annotations
@@ -35,12 +37,15 @@ U = TypeVar("U")
 @dataclass(frozen=True, slots=True)
 class MicroBatch(Generic[T]):
     """One micro-batch of optimizer ``step`` on this rank: number ``index`` of ``count`` (the
-    same count on every data-parallel rank), ``items`` in global sample order."""
+    same count on every data-parallel rank), ``items`` in global sample order.
+    ``step_samples``: every rank's ``(index, raw sample)`` of the step, from which a
+    micro-batch without a sample of its own takes the form of its fields."""
 
     step: int
     index: int
     count: int
     items: list[T]
+    step_samples: Sequence[tuple[int, Any]] = ()
 
     def with_items(self, items: list[U]) -> MicroBatch[U]:
         return replace(self, items=items)  # type: ignore[return-value]
@@ -69,6 +74,8 @@ class StepSource(BaseNode[MicroBatch[tuple[int, Any]]]):
     """
 
     STEP_KEY, MICRO_KEY, SOURCE_KEY, PLAN_KEY = "step", "micro_batch", "source", "plan"
+    ENDED_KEY = "ended"
+    """True once a step came out short: the data ended (a stream is not read again)."""
     STEP_PLAN = ("batch_size", "start_step", "shuffle")
     """What a saved step means: the samples it starts at and its number."""
     MICRO_PLAN = ("dp_size", "micro_batches")
@@ -103,6 +110,8 @@ class StepSource(BaseNode[MicroBatch[tuple[int, Any]]]):
         self._step = 0  # steps read so far: the next one to plan
         self._micro = 0  # micro-batches of the current step yielded
         self._plan: list[list[tuple[int, Any]]] | None = None
+        self._batch: list[tuple[int, Any]] = []  # the global batch of the step being yielded
+        self._ended = False  # a step came out short: nothing follows it
         self._source_state: Any = None  # the nested source's state at the start of _step
         self._plan_state: Any = None  # ... and at the start of the step being yielded
 
@@ -117,7 +126,10 @@ class StepSource(BaseNode[MicroBatch[tuple[int, Any]]]):
             self._check_plan(state[self.PLAN_KEY])
         self._plan = None
         self._source_state = state.get(self.SOURCE_KEY)
-        self._open()
+        # a stream past its end is not read again (a map-style source is indexed by step)
+        self._ended = self.kind != "map" and state.get(self.ENDED_KEY, False)
+        if not self._ended:
+            self._open()
         if self.kind == "map" and self.retention is not None and self.retention.deletes:
             self._claim_every_file()
 
@@ -134,6 +146,7 @@ class StepSource(BaseNode[MicroBatch[tuple[int, Any]]]):
             self.MICRO_KEY: 0,
             self.SOURCE_KEY: self._source_state,
             self.PLAN_KEY: self._plan_options(),
+            self.ENDED_KEY: self._ended,
         }
 
     def _plan_options(self) -> dict[str, Any]:
@@ -145,6 +158,23 @@ class StepSource(BaseNode[MicroBatch[tuple[int, Any]]]):
             "dp_size": self.dp_size,
             "micro_batches": None if micro is None else [micro.size, micro.max_tokens],
         }
+
+    def plan_summary(self) -> dict[str, Any]:
+        """The options every data-parallel rank must agree on (nothing is read)."""
+        return {**self._plan_options(), "drop_last": self.drop_last}
+
+    def samples_summary(self) -> dict[str, Any]:
+        """What every data-parallel rank's samples must agree on: a map-style source's length
+        and the tokens of its first step (which differ when each rank was given its own
+        shard); a stream's kind (it cannot be read twice)."""
+        if self.kind != "map":
+            return {"samples": self.kind}
+        count = len(self.samples)  # type: ignore[arg-type]
+        first = range(min(count, self.batch_size))
+        if self.shuffle is not None:
+            first = self.shuffle.order(count)[: self.batch_size].tolist()
+        tokens = sum(sample_length(self.samples[i]) for i in first)  # type: ignore[index]
+        return {"samples": count, "first_step_tokens": tokens}
 
     def _check_plan(self, saved: dict[str, Any]) -> None:
         """A saved step resumes only the same steps, a saved micro-batch the same shares:
@@ -222,18 +252,24 @@ class StepSource(BaseNode[MicroBatch[tuple[int, Any]]]):
 
     def next(self) -> MicroBatch[tuple[int, Any]]:
         while self._plan is None:
-            batch = self._global_batch()
+            batch = [] if self._ended else self._global_batch()
             if not batch:
                 raise StopIteration
+            self._ended = len(batch) < self.batch_size
             lengths = [sample_length(raw) for _, raw in batch]
             shares = plan_step(lengths, self.dp_size, self.micro_batches)
             self._plan = [[batch[p] for p in micro] for micro in shares[self.dp_rank]]
+            self._batch = batch
             self._step += 1
             self._capture()
             if self._micro >= len(self._plan):  # resumed after this step's last micro-batch
                 self._plan, self._micro = None, 0
         micro = MicroBatch(
-            self.start_step + self._step - 1, self._micro, len(self._plan), self._plan[self._micro]
+            self.start_step + self._step - 1,
+            self._micro,
+            len(self._plan),
+            self._plan[self._micro],
+            self._batch,
         )
         self._micro += 1
         if self._micro == len(self._plan):

@@ -12,6 +12,7 @@ everywhere without a message, deterministic for a seed and epoch, and resumable 
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 from collections.abc import Sequence
 from typing import Any
@@ -22,16 +23,19 @@ from r3data.errors import ConfigError
 from r3data.options import options
 from r3data.validate import checked_int
 
-__all__ = ["DataParallel", "MicroBatches", "Shuffle", "plan_step"]
+__all__ = ["DataParallel", "MicroBatches", "Shuffle", "agree_on_plan", "plan_step"]
 
 
 @options
 class DataParallel:
     """This process's data-parallel rank among ``size`` ranks; ``from_torch()`` reads both from
-    an initialised ``torch.distributed`` process group (the data-parallel group)."""
+    an initialised ``torch.distributed`` process group (the data-parallel group) and keeps it
+    as ``group``: a loader made with it checks, once and on every rank, that all ranks of the
+    group plan alike (:func:`agree_on_plan`)."""
 
     rank: int = 0
     size: int = 1
+    group: Any = dataclasses.field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         checked_int("DataParallel.size", self.size, minimum=1)
@@ -47,7 +51,28 @@ class DataParallel:
                 "DataParallel.from_torch: torch.distributed is not initialised; call "
                 "init_process_group first, or give DataParallel(rank=..., size=...)"
             )
-        return cls(rank=dist.get_rank(group), size=dist.get_world_size(group))
+        group = dist.group.WORLD if group is None else group
+        return cls(rank=dist.get_rank(group), size=dist.get_world_size(group), group=group)
+
+
+def agree_on_plan(plan: dict[str, Any], group: Any) -> None:
+    """Every rank of ``group`` holds the same ``plan`` (a collective, on every rank): ranks that
+    split steps differently would train some samples twice and others never, or run different
+    numbers of micro-batches, without an error. Each rank raises the same ``ConfigError``,
+    naming the first entry that differs and every rank's value of it."""
+    import torch.distributed as dist
+
+    plans: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(plans, plan, group=group)
+    for name in dict.fromkeys(name for p in plans for name in p):  # rank 0's order first
+        values = [p.get(name) for p in plans]
+        if any(v != values[0] for v in values):
+            found = ", ".join(f"rank {r} {name}={v!r}" for r, v in enumerate(values))
+            raise ConfigError(
+                f"data-parallel ranks plan differently: expected the same {name} on every rank "
+                f"of the group, found {found}; give every rank the same samples and loader "
+                f"options ({', '.join(plans[0])})"
+            )
 
 
 @options
