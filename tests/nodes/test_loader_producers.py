@@ -5,6 +5,7 @@ counts, by-handle padded masks, prefill/decode roles, and typed errors for bad s
 from __future__ import annotations
 
 import functools
+import json
 import sys
 from pathlib import Path
 
@@ -251,6 +252,31 @@ def test_kept_tokens_with_zero_counts_are_no_mask_in_the_batch():
     assert padded[4].tolist() == [3, 9]
     assert padded[6].tolist() == [4, -1]
     assert (padded[5] == -1).all()
+
+
+def test_vllm_tokens_endpoint_masks_reach_the_batch_at_their_tokens():
+    """The tokens endpoint's body as vLLM 0.32's own serializer wrote it (routes and the
+    ``sampling_mask`` of every completion token), through the loader: the mask's rows sit at
+    the completion tokens, the prompt's rows are empty and not valid."""
+    bodies = Path(__file__).resolve().parents[1] / "wire" / "producer_bodies" / "vllm_0_32"
+    (want,) = json.loads((bodies / "expected.json").read_text())["tokens"]
+    prompt, completion = want["P"], want["C"]
+    body = (bodies / "tokens.body").read_bytes()
+    batch = one_batch(
+        [request(prompt, completion, {"producer": "vllm", "response": body})],
+        prompt + completion,
+        fields=("routed_experts", "sampling_mask"),
+    )
+    rows = np.asarray(want["rows"], want["dtype"]).reshape(-1, LAYERS, TOPK)
+    check_routes(batch, rows, prompt + completion - 1)
+    masks = batch["sampling_mask"]
+    widths = [len(kept) for kept in want["mask"]]
+    assert masks.row_lengths.tolist() == [0] * prompt + widths
+    assert batch["sampling_mask_valid"][0].tolist() == [False] * prompt + [True] * completion
+    padded = masks.padded()[0].numpy()
+    for row, kept in enumerate(want["mask"], start=prompt):
+        assert padded[row, : len(kept)].tolist() == kept
+        assert (padded[row, len(kept) :] == -1).all()
 
 
 def test_skyrl_sample_support_field():
