@@ -27,11 +27,13 @@ from typing import Any
 
 import fsspec
 from fsspec import AbstractFileSystem
+from fsspec.implementations.cached import CachingFileSystem
 from fsspec.implementations.dirfs import DirFileSystem
 from fsspec.implementations.local import LocalFileSystem
 from fsspec.spec import AbstractBufferedFile
 
 from r3data.errors import (
+    ConfigError,
     PayloadHandleError,
     PayloadNotFoundError,
     PayloadPermissionError,
@@ -54,13 +56,54 @@ _FILE_KINDS = {
 }
 
 
+_PASS_THROUGH: dict[type[AbstractFileSystem], str] = {CachingFileSystem: "fs"}
+"""Wrappers that read through another filesystem with the same paths -> the attribute
+holding it."""
+with contextlib.suppress(ImportError):  # fsspec >= 2024.12
+    from fsspec.implementations.asyn_wrapper import AsyncFileSystemWrapper
+
+    _PASS_THROUGH[AsyncFileSystemWrapper] = "sync_fs"
+
+_UNCONFINABLE = {"http": "HTTP", "https": "HTTP"}
+"""Protocols whose paths no lexical check confines: an HTTP client percent-decodes ``%2e%2e``
+and removes the dot segments it makes, and a query or fragment names another resource."""
+
+
+def _wrapped(fs: AbstractFileSystem) -> AbstractFileSystem | None:
+    """The filesystem that ``fs`` reads through with the same paths (a cache, an async
+    adapter), else None: a wrapper over a local filesystem opens OS paths, following
+    symlinks, so it is confined as that filesystem is."""
+    for wrapper, attribute in _PASS_THROUGH.items():
+        if isinstance(fs, wrapper):
+            return getattr(fs, attribute)
+    return None
+
+
 def _local_path(fs: AbstractFileSystem, path: str) -> str | None:
     """The OS path that ``path`` names in ``fs`` when ``fs`` is local-backed, else None."""
     if isinstance(fs, LocalFileSystem):
         return os.path.normpath(fs._strip_protocol(path))
     if isinstance(fs, DirFileSystem):
         return _local_path(fs.fs, fs._join(path))
-    return None
+    inner = _wrapped(fs)
+    return None if inner is None else _local_path(inner, path)
+
+
+def _check_confinable(fs: AbstractFileSystem, root: str) -> None:
+    """Refuse (:class:`ConfigError`) a root on a filesystem, or a wrapper of one, whose paths
+    no check confines (:data:`_UNCONFINABLE`)."""
+    inner: AbstractFileSystem | None = fs
+    while inner is not None:
+        protocols = (inner.protocol,) if isinstance(inner.protocol, str) else inner.protocol
+        found = next((_UNCONFINABLE[p] for p in protocols if p in _UNCONFINABLE), None)
+        if found is not None:
+            raise ConfigError(
+                f"payload root {root}: {type(fs).__name__} reads {found} URLs, which no "
+                f"check confines to the root (the client percent-decodes '%2e%2e' and removes "
+                f"dot segments; a query or fragment names another resource); expected a local "
+                f"path, a local-backed filesystem or an object store"
+            )
+        inner = inner.fs if isinstance(inner, DirFileSystem) else _wrapped(inner)
 
 
 class PayloadFile:
@@ -234,6 +277,8 @@ def _local_error(exc: OSError, url: str, what: str) -> Exception:
         return PayloadPermissionError(f"payload file {url} may not be read: {exc}")
     if exc.errno == errno.ELOOP:
         return PayloadHandleError(f"{what} loops through symlinks")
+    if exc.errno == errno.ENAMETOOLONG:  # the name, not the filesystem: no retry helps
+        return PayloadHandleError(f"{what} names a path longer than the filesystem allows")
     return PayloadReadError(f"opening payload file {url}: {exc}")
 
 
@@ -287,6 +332,7 @@ class PayloadRoot:
             fs, path = fsspec.core.url_to_fs(os.fspath(root))
         else:
             path = fs._strip_protocol(os.fspath(root))
+        _check_confinable(fs, os.fspath(root))
         self.fs: AbstractFileSystem = fs
         self.path: str = path.rstrip("/") or fs.root_marker or "/"
         self._prefix = "/" + self.path.strip("/") + "/" if self.path.strip("/") else "/"
@@ -330,6 +376,14 @@ class PayloadRoot:
         """
         if not isinstance(handle, str) or not handle or "\x00" in handle:
             raise PayloadHandleError(f"payload handle must be a non-empty path, found {handle!r}")
+        if not handle.isascii():
+            try:
+                handle.encode(_FS_ENCODING, _FS_ERRORS)
+            except UnicodeEncodeError as exc:  # a lone surrogate: JSON carries one
+                raise PayloadHandleError(
+                    f"payload handle must be a path in {_FS_ENCODING}, found {handle!r} "
+                    f"({exc.reason} at {exc.start})"
+                ) from None
         path = handle
         if "://" in path:
             protocol = path.split("://", 1)[0]
