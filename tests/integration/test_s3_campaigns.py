@@ -23,6 +23,7 @@ from payload_campaigns import (
 )
 from s3_fixtures import s3_fixture, s3_fs_fixture, s3_root_fixture  # noqa: F401
 
+from r3data.errors import PayloadHandleError, PayloadNotFoundError, PayloadReadError
 from r3data.payload import PayloadRoot, PayloadWriter
 
 
@@ -84,3 +85,45 @@ def test_retention_schedules_with_restarts_on_s3(s3_root, s3_fs):
         counts = retention_campaign(f"{s3_root}/case{case}", s3_fs, rng, 5, rng.randint(0, 2), 0.4)
         totals = {k: totals[k] + counts[k] for k in totals}
     assert totals["read"] > 3, totals
+
+
+def test_hostile_spellings_on_s3_are_typed_refusals_never_outside_bytes(s3_root, s3_fs):
+    """Percent-encoded and backslashed dots, fullwidth dots and slashes, queries, fragments,
+    other protocols and the bucket or root themselves: the store's own key handling (SeaweedFS
+    refuses a backslash with a Bad Request) never reaches a key outside the root."""
+    root = PayloadRoot(s3_root, fs=s3_fs)
+    bucket = root.path.split("/")[0]
+    inside = b"I" * 64
+    s3_fs.pipe_file(f"{root.path}/v1/x.bin", inside)
+    s3_fs.pipe_file(f"{bucket}/secret.bin", bytes(64))
+    spellings = [
+        "%2e%2e/secret.bin",
+        "v1/%2e%2e/%2e%2e/secret.bin",
+        "..%2fsecret.bin",
+        "..\\secret.bin",
+        "v1\\..\\..\\secret.bin",
+        "\uff0e\uff0e/secret.bin",
+        "..\uff0fsecret.bin",
+        "v1/x.bin?versionId=x/../../../secret.bin",
+        "v1/x.bin#../../../secret.bin",
+        f"s3a://{bucket}/secret.bin",
+        f"simplecache::s3://{bucket}/secret.bin",
+        f"s3://{bucket}",
+        f"s3://{bucket}/run",
+        f"/{bucket}",
+        bucket,
+        "v1",
+        "\ud800",
+        ".../secret.bin",
+        "a" * 2000,
+    ]
+    refusals = (PayloadHandleError, PayloadNotFoundError, PayloadReadError)
+    for handle in [*spellings, "v1/./x.bin", f"s3a://{bucket}/run/v1/x.bin"]:
+        try:
+            with root.open_read(handle) as f:
+                got = bytearray(f.size)
+                f.read_at(0, memoryview(got))
+        except refusals:
+            assert handle in spellings, handle
+            continue
+        assert bytes(got) == inside, handle
