@@ -4,6 +4,8 @@ wrappers over a local filesystem (caches, async adapters), and classes no check 
 from __future__ import annotations
 
 import os
+import random
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -16,6 +18,7 @@ from fsspec.implementations.local import LocalFileSystem
 from fsspec.implementations.memory import MemoryFileSystem
 from payload_campaigns import LOCAL_CLASSES, local_classes, moved
 
+from r3data import loader
 from r3data.errors import (
     ConfigError,
     PayloadHandleError,
@@ -23,7 +26,8 @@ from r3data.errors import (
     R3DataError,
     SegmentError,
 )
-from r3data.payload import PayloadReader, PayloadRetention, PayloadRoot, PayloadWriter
+from r3data.nodes import MicroBatches, Shuffle
+from r3data.payload import PayloadReader, PayloadRetention, PayloadRoot, PayloadWriter, shift
 
 ROUTES = np.arange(16 * 48 * 8, dtype=np.uint32).astype(np.uint8).reshape(16, 48, 8)
 SECRET = b"S" * 4096
@@ -217,3 +221,130 @@ def test_a_name_fsdecode_made_reads_that_file(tmp_path):
     os.rename(root / segment.file, os.fsencode(str(root)) + b"/v1/\xff.bin")
     got = PayloadReader(str(root), retries=0).read([moved(segment, name)])["routes"]
     np.testing.assert_array_equal(got, ROUTES)
+
+
+def swap_forever(payloads: Path, outside: Path, names: list[str], stop: threading.Event) -> None:
+    """Swap ``v0`` between the real folder and a link to ``outside`` (the same names, other
+    bytes), and its files for links to their outside twins, until ``stop``; every state lasts
+    a moment (``sleep`` lets the loader's threads in)."""
+    real, rng, i = payloads / ".v0-real", random.Random(0), 0
+    (payloads / "v0").rename(real)
+    (payloads / "v0").symlink_to(".v0-real")
+    while not stop.is_set():
+        i += 1
+        link = payloads / f".v0-link-{i % 2}"
+        link.symlink_to(".v0-real" if i % 2 else str(outside))
+        os.replace(link, payloads / "v0")
+        name = rng.choice(names)
+        twin = real / f".{name}-twin"
+        twin.symlink_to(outside / name)
+        os.rename(real / name, real / f".{name}-kept")  # the real file, put back below
+        os.replace(twin, real / name)
+        time.sleep(0.0002)
+        os.replace(real / f".{name}-kept", real / name)
+        time.sleep(0.0002)
+    os.replace(real, payloads / "v0-restored")
+
+
+def test_a_loader_running_across_steps_never_reads_a_byte_from_outside(tmp_path):
+    """While another thread swaps the version folder and its files for symlinks to copies
+    outside the root (other bytes, so that a read from outside fails its checksum), every
+    batch of the running loader is exact or the loader stops with a refusal (or a file gone
+    for a moment); a checksum mismatch would mean bytes from outside were read."""
+    payloads, outside = tmp_path / "payloads", tmp_path / "outside"
+    writer = PayloadWriter(str(payloads))
+    rng = np.random.default_rng(5)
+    samples, expected = [], []
+    for i in range(24):
+        rows = rng.integers(0, 16, (5, 2, 2)).astype(np.uint8)
+        (segment,) = writer.write(0, {"routed_experts": rows})
+        request = {"prompt_len": 3, "completion_len": 3, "sources": [segment.to_dict()]}
+        samples.append({"id": f"s{i}", "token_ids": np.arange(6), "requests": [request]})
+        expected.append(rows)
+    names = sorted(p.name for p in (payloads / "v0").iterdir())
+    outside.mkdir()
+    for name in names:
+        (outside / name).write_bytes(bytes(b ^ 0x5A for b in (payloads / "v0" / name).read_bytes()))
+    stop = threading.Event()
+    swapper = threading.Thread(target=swap_forever, args=(payloads, outside, names, stop))
+    swapper.start()
+    outcomes = {"batch": 0, "refused": 0, "gone": 0}
+    try:
+        for attempt in range(12):
+            batches = loader(
+                samples,
+                batch_size=4,
+                payload_root=payloads,
+                collate={"workers": 1 + attempt % 2},
+                prefetch=attempt % 3,
+            )
+            try:
+                for batch in batches:
+                    for b, i in enumerate(batch.metadata["index"]):
+                        got = batch["routed_experts"][b][:5].numpy()
+                        np.testing.assert_array_equal(got, expected[i])
+                    outcomes["batch"] += 1
+            except PayloadHandleError:
+                outcomes["refused"] += 1
+            except PayloadNotFoundError:
+                outcomes["gone"] += 1
+    finally:
+        stop.set()
+        swapper.join()
+    assert outcomes["batch"] > 0, outcomes
+    assert outcomes["refused"] > 0, outcomes
+    assert sorted(p.name for p in outside.iterdir()) == names  # nothing outside was touched
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_shuffled_loader_resumed_mid_step_reads_every_file_before_it_is_deleted(tmp_path, seed):
+    """Files shared by samples of far apart steps (a shuffled map-style source), micro-batches,
+    a crash at a random micro-batch (the trainer restarts from the loader's state with a new
+    retention on the same root, as a resumed run does), an update after every step: every
+    batch reads (a file deleted early raises), and once the backstop passed nothing is left."""
+    rng = random.Random(seed)
+    payloads = tmp_path / "payloads"
+    writer = PayloadWriter(str(payloads))
+    files = []
+    for _ in range(10):
+        rows = np.random.default_rng(rng.randrange(2**31)).integers(0, 16, (40, 2, 2))
+        files.append((writer.write(0, {"routed_experts": rows.astype(np.uint8)})[0], rows))
+    samples, expected = [], []
+    for i in range(rng.randint(12, 20)):
+        segment, rows = rng.choice(files)  # a file named by several samples, any steps
+        lo = rng.randrange(0, 35)
+        source = shift([segment.clipped(lo, lo + 5)], -lo)[0].to_dict()
+        request = {"prompt_len": 3, "completion_len": 3, "sources": [source]}
+        samples.append({"id": f"s{i}", "token_ids": np.arange(6), "requests": [request]})
+        expected.append(rows[lo : lo + 5])
+    options = {
+        "batch_size": rng.choice([2, 3, 4]),
+        "micro_batches": MicroBatches(size=rng.choice([1, 2])),
+        "shuffle": Shuffle(seed=seed),
+        "payload_root": payloads,
+        "prefetch": rng.choice([0, 2]),
+    }
+    max_off = rng.choice([0, 1, 3])
+    retention = PayloadRetention(str(payloads), max_off, fresh=False)
+    batches = loader(samples, retention=retention, **options)
+    it, read, crash_at, last_step = iter(batches), 0, rng.randrange(1, len(samples)), 0
+    while (batch := next(it, None)) is not None:
+        for b, i in enumerate(batch.metadata["index"]):
+            np.testing.assert_array_equal(batch["routed_experts"][b][:5].numpy(), expected[i])
+            read += 1
+        last_step = batch.metadata["step"]
+        if batch.metadata["micro_batch"] + 1 == batch.metadata["micro_batches"]:
+            retention.on_policy_update(last_step)
+            retention.wait()
+        if read >= crash_at:  # the trainer dies here and resumes from its checkpoint
+            crash_at = len(samples) + 1
+            state = batches.state_dict()
+            retention.close()
+            retention = PayloadRetention(str(payloads), max_off, fresh=False)
+            batches = loader(samples, retention=retention, **options)
+            batches.load_state_dict(state)
+            it = iter(batches)
+    assert read == len(samples)
+    retention.on_policy_update(last_step + max_off + 1)
+    retention.close()
+    assert not list(payloads.rglob("*.bin"))
