@@ -509,7 +509,10 @@ class PayloadRoot:
 
     def remove(self, name: str) -> None:
         """Delete the root-relative file ``name`` (a symlink itself, never its target); raises
-        ``FileNotFoundError`` when it is gone, ``OSError`` when it cannot be deleted.
+        ``FileNotFoundError`` when it is gone, ``OSError`` when it cannot be deleted, and
+        :class:`PayloadHandleError` when a folder on its way is a symlink: a deletion follows
+        none, not even one that stays inside the root (it would make a second name of a file,
+        whose release would delete what a later batch still reads under the first).
 
         ``name`` is what :meth:`relative` or a listing made of a handle, never normalised again:
         on a bucket root ``b/run`` the name ``b/run/x.bin`` is the file ``b/run/b/run/x.bin``,
@@ -519,8 +522,25 @@ class PayloadRoot:
             self.fs.rm_file(posixpath.join(self.path, rel))
             return
         folder, base = posixpath.split(rel)
-        with self.open_directory(folder or ".") as fd:
+        fd = os.open(self._os_path, _ROOT)
+        try:
+            for part in folder.split("/") if folder else ():
+                try:
+                    inner = os.open(part, _ROOT | os.O_NOFOLLOW, dir_fd=fd)
+                except OSError as exc:  # ENOTDIR for a link (ELOOP on some kernels), or a file
+                    if exc.errno not in (errno.ENOTDIR, errno.ELOOP) or not stat.S_ISLNK(
+                        os.lstat(part, dir_fd=fd).st_mode
+                    ):
+                        raise
+                    raise PayloadHandleError(
+                        f"payload file {self.url_of(rel)}: {part!r} on its way is a symlink; "
+                        "expected folders only (a deletion follows no symlink)"
+                    ) from None
+                os.close(fd)
+                fd = inner
             os.unlink(base, dir_fd=fd)
+        finally:
+            os.close(fd)
 
     def _checked_name(self, name: str) -> str:
         """``name`` unchanged, refused unless it is a normalised path inside the root."""

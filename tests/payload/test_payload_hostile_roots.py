@@ -4,6 +4,7 @@ wrappers over a local filesystem (caches, async adapters), and classes no check 
 from __future__ import annotations
 
 import os
+import posixpath
 import random
 import threading
 import time
@@ -27,7 +28,7 @@ from r3data.errors import (
     SegmentError,
 )
 from r3data.nodes import MicroBatches, Shuffle
-from r3data.payload import PayloadReader, PayloadRetention, PayloadRoot, PayloadWriter, shift
+from r3data.payload import PayloadReader, PayloadRetention, PayloadRoot, PayloadWriter, gc, shift
 
 ROUTES = np.arange(16 * 48 * 8, dtype=np.uint32).astype(np.uint8).reshape(16, 48, 8)
 SECRET = b"S" * 4096
@@ -348,3 +349,67 @@ def test_a_shuffled_loader_resumed_mid_step_reads_every_file_before_it_is_delete
     retention.on_policy_update(last_step + max_off + 1)
     retention.close()
     assert not list(payloads.rglob("*.bin"))
+
+
+@pytest.mark.parametrize("kind", LOCAL_CLASSES)
+def test_retention_never_deletes_through_a_symlink_even_one_inside_the_root(tmp_path, kind):
+    """A link inside the root makes a second name of a file (``v1/up -> ..``, ``v2 -> v1``):
+    released under that name, the file would go while a later batch still needs it under its
+    own. A deletion follows no symlink, inside or out."""
+    base, root, fs = planted(tmp_path, kind)
+    segment = PayloadWriter(root, fs=fs).write(1, {"routes": ROUTES})[0]
+    payloads, name = base / "payloads", posixpath.basename(segment.file)
+    (payloads / "v1" / "up").symlink_to("..")
+    (payloads / "v2").symlink_to("v1")
+    retention = PayloadRetention(root, 8, fs=fs, fresh=False)
+    retention.claim(5, [segment.file])
+    retention.claim(2, [f"v1/up/{segment.file}", f"v2/{name}"])
+    retention.on_policy_update(2)
+    retention.wait()
+    assert (payloads / segment.file).exists(), "deleted through a link before step 5 read it"
+    assert retention.metrics().delete_errors == 2
+    np.testing.assert_array_equal(PayloadReader(root, fs=fs).read([segment])["routes"], ROUTES)
+    retention.on_policy_update(5)
+    retention.close()
+    assert not (payloads / segment.file).exists()
+    assert (payloads / "v2").is_symlink()
+    assert (payloads / "v1" / "up").is_symlink()
+
+
+class SwapsAfterListing(LocalFileSystem):
+    """Lists a version folder, then swaps it for a link to ``target`` before anyone deletes
+    what was listed (the race between a listing and a deletion, made certain)."""
+
+    cachable = False
+
+    def __init__(self, target: Path) -> None:
+        super().__init__()
+        self.target = target
+
+    def ls(self, path, detail=False, **kwargs):
+        listed = super().ls(path, detail=detail, **kwargs)
+        if posixpath.basename(path.rstrip("/")) == "v1" and not os.path.islink(path):
+            os.rename(path, path + "-moved")
+            os.symlink(self.target, path)
+        return listed
+
+
+@pytest.mark.parametrize("target", ["inside", "outside"])
+def test_gc_reports_a_folder_swapped_for_a_link_and_goes_on(tmp_path, target):
+    """gc lists ``v1``, which becomes a link (to a copy inside the root, or outside) before its
+    files are deleted: nothing is deleted through the link, the file is an error of the report,
+    and the other versions are still swept."""
+    payloads = tmp_path / "payloads"
+    writer = PayloadWriter(str(payloads))
+    first = writer.write(1, {"routes": ROUTES})[0]
+    second = writer.write(2, {"routes": ROUTES})[0]
+    copy = payloads / "copy" if target == "inside" else tmp_path / "copy"
+    copy.mkdir()
+    (copy / posixpath.basename(first.file)).write_bytes((payloads / first.file).read_bytes())
+    report = gc(str(payloads), 50, 0, fs=SwapsAfterListing(copy))
+    assert list(report.files) == [second.file]
+    (error,) = report.errors
+    assert error.startswith(f"{first.file}: ")
+    assert "symlink" in error
+    assert (copy / posixpath.basename(first.file)).exists()
+    assert not (payloads / second.file).exists()
