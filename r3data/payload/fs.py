@@ -64,9 +64,17 @@ with contextlib.suppress(ImportError):  # fsspec >= 2024.12
 
     _PASS_THROUGH[AsyncFileSystemWrapper] = "sync_fs"
 
-_UNCONFINABLE = {"http": "HTTP", "https": "HTTP"}
-"""Protocols whose paths no lexical check confines: an HTTP client percent-decodes ``%2e%2e``
-and removes the dot segments it makes, and a query or fragment names another resource."""
+_HTTP = (
+    "HTTP URLs, which no check confines to the root (the client percent-decodes '%2e%2e' and "
+    "removes dot segments; a query or fragment names another resource)"
+)
+_UNCONFINABLE = {
+    "http": _HTTP,
+    "https": _HTTP,
+    "generic": "URLs of any filesystem a path names, opened by that one (a local one follows "
+    "symlinks out of the root)",
+}
+"""Protocols whose paths no lexical check confines -> why."""
 
 
 def _wrapped(fs: AbstractFileSystem) -> AbstractFileSystem | None:
@@ -95,13 +103,11 @@ def _check_confinable(fs: AbstractFileSystem, root: str) -> None:
     inner: AbstractFileSystem | None = fs
     while inner is not None:
         protocols = (inner.protocol,) if isinstance(inner.protocol, str) else inner.protocol
-        found = next((_UNCONFINABLE[p] for p in protocols if p in _UNCONFINABLE), None)
-        if found is not None:
+        why = next((_UNCONFINABLE[p] for p in protocols if p in _UNCONFINABLE), None)
+        if why is not None:
             raise ConfigError(
-                f"payload root {root}: {type(fs).__name__} reads {found} URLs, which no "
-                f"check confines to the root (the client percent-decodes '%2e%2e' and removes "
-                f"dot segments; a query or fragment names another resource); expected a local "
-                f"path, a local-backed filesystem or an object store"
+                f"payload root {root}: {type(fs).__name__} reads {why}; expected a local path, "
+                "a local-backed filesystem or an object store"
             )
         inner = inner.fs if isinstance(inner, DirFileSystem) else _wrapped(inner)
 

@@ -14,6 +14,7 @@ from pathlib import Path
 import fsspec
 import numpy as np
 import pytest
+from fsspec.generic import GenericFileSystem
 from fsspec.implementations.dirfs import DirFileSystem
 from fsspec.implementations.local import LocalFileSystem
 from fsspec.implementations.memory import MemoryFileSystem
@@ -197,7 +198,7 @@ def test_a_cache_or_async_wrapper_over_a_local_root_is_confined_as_the_root(tmp_
     ],
     ids=["http", "https", "simplecache(http)", "DirFileSystem(http)"],
 )
-def test_roots_no_check_can_confine_are_refused(make):
+def test_http_roots_are_refused(make):
     """An HTTP client percent-decodes ``%2e%2e`` and removes the dot segments (a handle
     ``v1/%2e%2e/%2e%2e/secret`` reads ``/secret`` of the server), so no root there is safe."""
     pytest.importorskip("aiohttp")
@@ -205,6 +206,13 @@ def test_roots_no_check_can_confine_are_refused(make):
     for build in (PayloadRoot, lambda r, f: PayloadReader(r, fs=f)):
         with pytest.raises(ConfigError, match=r"reads HTTP URLs.*expected a local path"):
             build(root, fs)
+
+
+def test_a_generic_filesystem_root_is_refused(tmp_path):
+    """``GenericFileSystem`` opens whatever filesystem a path's URL names: over a local one it
+    followed a symlink out of the root."""
+    with pytest.raises(ConfigError, match=r"reads URLs of any filesystem.*expected a local"):
+        PayloadRoot(tmp_path, fs=GenericFileSystem())
 
 
 def test_object_store_like_roots_stay_accepted():
