@@ -6,6 +6,8 @@ from __future__ import annotations
 import os
 import posixpath
 import random
+import socket
+import tempfile
 import threading
 import time
 import uuid
@@ -29,7 +31,15 @@ from r3data.errors import (
     SegmentError,
 )
 from r3data.nodes import MicroBatches, Shuffle
-from r3data.payload import PayloadReader, PayloadRetention, PayloadRoot, PayloadWriter, gc, shift
+from r3data.payload import (
+    PayloadReader,
+    PayloadRetention,
+    PayloadRoot,
+    PayloadWriter,
+    gc,
+    shift,
+    verify,
+)
 
 ROUTES = np.arange(16 * 48 * 8, dtype=np.uint32).astype(np.uint8).reshape(16, 48, 8)
 SECRET = b"S" * 4096
@@ -421,3 +431,24 @@ def test_gc_reports_a_folder_swapped_for_a_link_and_goes_on(tmp_path, target):
     assert "symlink" in error
     assert (copy / posixpath.basename(first.file)).exists()
     assert not (payloads / second.file).exists()
+
+
+@pytest.mark.parametrize("kind", ["LocalFileSystem", "DirFileSystem", "simplecache"])
+def test_a_socket_in_the_tree_is_refused_and_listed_unreadable(tmp_path, kind):
+    """A socket (bound where its path is short, then moved in) is neither opened nor read."""
+    if kind == "simplecache":
+        base = tmp_path / "base"
+        root, fs = WRAPPERS[kind](base)
+    else:
+        base, root, fs = planted(tmp_path, kind)
+    segment = PayloadWriter(root, fs=fs).write(1, {"routes": ROUTES})[0]
+    short = Path(tempfile.mkdtemp(dir="/tmp"))
+    with socket.socket(socket.AF_UNIX) as listener:
+        listener.bind(str(short / "s"))
+        os.rename(short / "s", base / "payloads" / "v1" / "sock.bin")
+        short.rmdir()
+        with pytest.raises(PayloadHandleError, match="is a socket, not a regular file"):
+            PayloadReader(root, fs=fs, retries=0).read([moved(segment, "v1/sock.bin")])
+        report = verify(root, fs=fs)
+    assert list(report.unreadable) == ["v1/sock.bin"]
+    assert report.files_checked == 1
