@@ -97,6 +97,25 @@ def _local_path(fs: AbstractFileSystem, path: str) -> str | None:
     return None if inner is None else _local_path(inner, path)
 
 
+def _object_key(fs: AbstractFileSystem, path: str) -> str | None:
+    """The object an object store's client (one with ``split_path``: s3fs, gcsfs, adlfs) reads
+    for ``path`` when that is not ``path`` itself (s3fs drops ``?versionId=...`` or reads that
+    version), else None."""
+    while isinstance(fs, DirFileSystem) or _wrapped(fs) is not None:
+        if isinstance(fs, DirFileSystem):
+            path, fs = fs._join(path), fs.fs
+        else:
+            fs = _wrapped(fs)  # type: ignore[assignment]
+    split = getattr(fs, "split_path", None)
+    if split is None:
+        return None
+    bucket, key, *version = split(path)
+    whole = f"{bucket}/{key}" if key else bucket
+    if whole == fs._strip_protocol(path).lstrip("/") and not any(version):
+        return None
+    return repr(whole) + "".join(f" version {v!r}" for v in version if v)
+
+
 def _check_confinable(fs: AbstractFileSystem, root: str) -> None:
     """Refuse (:class:`ConfigError`) a root on a filesystem, or a wrapper of one, whose paths
     no check confines (:data:`_UNCONFINABLE`)."""
@@ -378,8 +397,28 @@ class PayloadRoot:
         """``handle`` as a normalised path relative to the root; refuses one that escapes it.
 
         A handle may be relative to the root, or name the root's own path: ``/data/run/v1/x.bin``
-        and, on an object store, ``bucket/run/v1/x.bin`` or ``s3://bucket/run/v1/x.bin``.
+        and, on an object store, ``bucket/run/v1/x.bin`` or ``s3://bucket/run/v1/x.bin``. On an
+        object store it must name a plain key: s3fs reads ``key?versionId=...`` as ``key``, a
+        second name whose release would delete a file a later batch reads under the first.
         """
+        rel = self._lexically_relative(handle)
+        if self._os_path is None:
+            self._check_plain_key(rel, f"payload handle {handle!r}")
+        return rel
+
+    def _check_plain_key(self, name: str, what: str) -> None:
+        """Refuse a root-relative ``name`` that an object store's client would read as another
+        key (or a version of one); ``what`` names it."""
+        path = posixpath.join(self.path, name)
+        found = _object_key(self.fs, path)
+        if found is not None:
+            raise PayloadHandleError(
+                f"{what} names object {found} of {self.url}, not {path!r}: expected a plain key "
+                "(no version or query)"
+            )
+
+    def _lexically_relative(self, handle: str) -> str:
+        """:meth:`relative` by the path's text alone."""
         if not isinstance(handle, str) or not handle or "\x00" in handle:
             raise PayloadHandleError(f"payload handle must be a non-empty path, found {handle!r}")
         if not handle.isascii():
@@ -562,6 +601,8 @@ class PayloadRoot:
                 f"payload file: expected a normalised name inside the root {self.url}, "
                 f"found {name!r}"
             )
+        if self._os_path is None:  # a listed key such a client reads as another one
+            self._check_plain_key(name, f"payload file {name!r}")
         return name
 
     def _open_beneath(self, rel: str, flags: int, what: Callable[[], str]) -> int:

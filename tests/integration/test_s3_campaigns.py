@@ -12,6 +12,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "payload"))  # payl
 
 import fsspec
 import numpy as np
+import pytest
 from payload_campaigns import (
     Spellings,
     escape_campaign,
@@ -24,7 +25,7 @@ from payload_campaigns import (
 from s3_fixtures import s3_fixture, s3_fs_fixture, s3_root_fixture  # noqa: F401
 
 from r3data.errors import PayloadHandleError, PayloadNotFoundError, PayloadReadError
-from r3data.payload import PayloadRoot, PayloadWriter
+from r3data.payload import PayloadRetention, PayloadRoot, PayloadWriter
 
 
 def test_handles_never_escape_the_prefix_or_the_bucket(s3_root, s3_fs):
@@ -127,3 +128,26 @@ def test_hostile_spellings_on_s3_are_typed_refusals_never_outside_bytes(s3_root,
             assert handle in spellings, handle
             continue
         assert bytes(got) == inside, handle
+
+
+def test_a_second_name_of_an_object_cannot_delete_it_early(s3_root, s3_fs):
+    """s3fs reads ``key?versionId=...`` as ``key`` (the version dropped unless version-aware):
+    released under that name, the object would go while a later batch still needs it under
+    its own. Such a handle names no plain key: refused, on claim and on read."""
+    data = routes(np.random.default_rng(9), 8)
+    (segment,) = PayloadWriter(s3_root, fs=s3_fs).write(1, {"routes": data})
+    root = PayloadRoot(s3_root, fs=s3_fs)
+    for alias in (f"{segment.file}?versionId=null", f"{segment.file}?versionId=x/y"):
+        with pytest.raises(PayloadHandleError, match="expected a plain key"):
+            root.open_read(alias)
+    retention = PayloadRetention(s3_root, 8, fs=s3_fs, fresh=False)
+    retention.claim(5, [segment.file])
+    with pytest.raises(PayloadHandleError, match="expected a plain key"):
+        retention.claim(2, [f"{segment.file}?versionId=null"])
+    retention.on_policy_update(2)
+    retention.wait()
+    assert s3_fs.exists(f"{root.path}/{segment.file}")
+    retention.on_policy_update(5)
+    retention.close()
+    s3_fs.invalidate_cache()
+    assert not s3_fs.exists(f"{root.path}/{segment.file}")

@@ -452,3 +452,20 @@ def test_a_socket_in_the_tree_is_refused_and_listed_unreadable(tmp_path, kind):
         report = verify(root, fs=fs)
     assert list(report.unreadable) == ["v1/sock.bin"]
     assert report.files_checked == 1
+
+
+def test_an_object_version_is_no_payload_name_on_any_s3_root():
+    """``key?versionId=...`` is read (and deleted) by s3fs as ``key``: a second name of a file.
+    Refused before any request, on the store itself and through a DirFileSystem over it."""
+    s3fs = pytest.importorskip("s3fs")
+    store = s3fs.S3FileSystem(anon=True, skip_instance_cache=True)
+    for root in (
+        PayloadRoot("s3://bucket/run", fs=store),
+        PayloadRoot("run", fs=DirFileSystem("bucket", store)),
+    ):
+        for name in ("v1/x.bin?versionId=null", "v1/x.bin?versionId=a/b"):
+            with pytest.raises(PayloadHandleError, match=r"names object 'bucket/run/v1/x.bin'"):
+                root.relative(name)
+            with pytest.raises(PayloadHandleError, match="expected a plain key"):
+                root.remove(name)
+        assert root.relative("v1/x.bin?v=1") == "v1/x.bin?v=1"  # a plain key with a '?'
