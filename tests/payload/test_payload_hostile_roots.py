@@ -27,6 +27,7 @@ from r3data.errors import (
     ConfigError,
     PayloadHandleError,
     PayloadNotFoundError,
+    PayloadReadError,
     R3DataError,
     SegmentError,
 )
@@ -35,6 +36,7 @@ from r3data.payload import (
     PayloadReader,
     PayloadRetention,
     PayloadRoot,
+    PayloadSegment,
     PayloadWriter,
     gc,
     shift,
@@ -469,3 +471,54 @@ def test_an_object_version_is_no_payload_name_on_any_s3_root():
             with pytest.raises(PayloadHandleError, match="expected a plain key"):
                 root.remove(name)
         assert root.relative("v1/x.bin?v=1") == "v1/x.bin?v=1"  # a plain key with a '?'
+
+
+def test_a_file_cut_and_regrown_under_a_reader_gives_its_bytes_or_a_typed_error(tmp_path):
+    """Another thread truncates a file in place (halfway, or to nothing) and writes it back,
+    again and again, while a reader without checksums to hide behind reads it through every
+    entry point: each read is the file's bytes exactly, or a short read or a claim past the
+    end, never a zero-filled tail."""
+    root = tmp_path / "payloads"
+    data = np.random.default_rng(4).integers(1, 256, (4000, 48, 8)).astype(np.uint8)
+    (segment,) = PayloadWriter(str(root)).write(1, {"routes": data})
+    unchecked = PayloadSegment(**{**segment.to_dict(), "crc32c": None})
+    path, whole = root / segment.file, (root / segment.file).read_bytes()
+    stop = threading.Event()
+
+    def cut_and_regrow() -> None:
+        sizes = [len(whole) // 2, 0, segment.offset + 100]
+        i = 0
+        while not stop.is_set():
+            with open(path, "r+b") as f:
+                f.truncate(sizes[i % len(sizes)])
+                time.sleep(0.0005)
+                f.seek(0)
+                f.write(whole)
+            time.sleep(0.0005)
+            i += 1
+
+    cutter = threading.Thread(target=cut_and_regrow)
+    cutter.start()
+    reader = PayloadReader(str(root), retries=1, backoff=0.0, max_backoff=0.0)
+    outcomes = {"read": 0, "short": 0}
+    try:
+        for i in range(150):
+            out = np.zeros_like(data)
+            try:
+                if i % 2:
+                    reader.read_into([unchecked], out)
+                else:
+                    out = reader.read([unchecked])["routes"]
+            except (PayloadReadError, SegmentError) as exc:
+                message = str(exc)
+                outcomes["short"] += 1
+                if "short read" in message or "claims bytes up to" in message:
+                    continue
+                raise
+            np.testing.assert_array_equal(out, data)
+            outcomes["read"] += 1
+    finally:
+        stop.set()
+        cutter.join()
+    assert outcomes["read"] > 0, outcomes
+    assert outcomes["short"] > 0, outcomes
