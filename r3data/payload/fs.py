@@ -1,16 +1,19 @@
 """A payload root on any fsspec filesystem, and the rule that no handle resolves outside it.
 
 Handles come from inference servers over the network. Each one is first resolved lexically (no
-``..`` above the root, no absolute path or URL elsewhere). On a *local-backed* root (any
-filesystem whose paths are OS paths: ``LocalFileSystem``, its subclasses, a ``DirFileSystem``
-over one) every open, directory and deletion then goes through the kernel: the path is opened
+``..`` above the root, no absolute path or URL elsewhere; on an object store, a plain key).
+Roots on filesystems whose paths no such check confines (HTTP, fsspec's generic filesystem)
+are refused. On a *local-backed* root (any filesystem whose paths are OS paths:
+``LocalFileSystem``, its subclasses, a ``DirFileSystem``, a cache or an async adapter over
+one) every open, directory and deletion then goes through the kernel: the path is opened
 relative to a fresh descriptor of the root with ``openat2(RESOLVE_BENEATH)``, which refuses
 any resolution that leaves it; what it refuses (an absolute symlink, which may still lead
 inside) and everything on kernels without ``openat2`` is opened plainly, and the descriptor's
 own path, symlinks resolved as the kernel holds it, must then lie inside the root's,
 so nothing is remembered that a rename or a swapped symlink could invalidate. A file is opened
 ``O_PATH`` first and must be a regular file before it is opened to read, so a FIFO cannot
-block a read and a device is never opened. This needs Linux's ``/proc/self/fd``.
+block a read and a device is never opened. A deletion follows no symlink at all, so that no
+file has a second name whose release deletes it. This needs Linux's ``/proc/self/fd``.
 """
 
 from __future__ import annotations
@@ -87,31 +90,37 @@ def _wrapped(fs: AbstractFileSystem) -> AbstractFileSystem | None:
     return None
 
 
+def _layers(fs: AbstractFileSystem, path: str) -> Iterator[tuple[AbstractFileSystem, str]]:
+    """``(fs, path)``, then each filesystem it reads through (a ``DirFileSystem``'s target, a
+    wrapper's) with the path as that one names it; the last is the one that opens files."""
+    layer: AbstractFileSystem | None = fs
+    while layer is not None:
+        yield layer, path
+        if isinstance(layer, DirFileSystem):
+            layer, path = layer.fs, layer._join(path)
+        else:
+            layer = _wrapped(layer)
+
+
 def _local_path(fs: AbstractFileSystem, path: str) -> str | None:
     """The OS path that ``path`` names in ``fs`` when ``fs`` is local-backed, else None."""
-    if isinstance(fs, LocalFileSystem):
-        return os.path.normpath(fs._strip_protocol(path))
-    if isinstance(fs, DirFileSystem):
-        return _local_path(fs.fs, fs._join(path))
-    inner = _wrapped(fs)
-    return None if inner is None else _local_path(inner, path)
+    *_, (inner, inner_path) = _layers(fs, path)
+    if isinstance(inner, LocalFileSystem):
+        return os.path.normpath(inner._strip_protocol(inner_path))
+    return None
 
 
 def _object_key(fs: AbstractFileSystem, path: str) -> str | None:
     """The object an object store's client (one with ``split_path``: s3fs, gcsfs, adlfs) reads
     for ``path`` when that is not ``path`` itself (s3fs drops ``?versionId=...`` or reads that
     version), else None."""
-    while isinstance(fs, DirFileSystem) or _wrapped(fs) is not None:
-        if isinstance(fs, DirFileSystem):
-            path, fs = fs._join(path), fs.fs
-        else:
-            fs = _wrapped(fs)  # type: ignore[assignment]
-    split = getattr(fs, "split_path", None)
+    *_, (inner, inner_path) = _layers(fs, path)
+    split = getattr(inner, "split_path", None)
     if split is None:
         return None
-    bucket, key, *version = split(path)
+    bucket, key, *version = split(inner_path)
     whole = f"{bucket}/{key}" if key else bucket
-    if whole == fs._strip_protocol(path).lstrip("/") and not any(version):
+    if whole == inner._strip_protocol(inner_path).lstrip("/") and not any(version):
         return None
     return repr(whole) + "".join(f" version {v!r}" for v in version if v)
 
@@ -119,16 +128,14 @@ def _object_key(fs: AbstractFileSystem, path: str) -> str | None:
 def _check_confinable(fs: AbstractFileSystem, root: str) -> None:
     """Refuse (:class:`ConfigError`) a root on a filesystem, or a wrapper of one, whose paths
     no check confines (:data:`_UNCONFINABLE`)."""
-    inner: AbstractFileSystem | None = fs
-    while inner is not None:
-        protocols = (inner.protocol,) if isinstance(inner.protocol, str) else inner.protocol
+    for layer, _ in _layers(fs, ""):
+        protocols = (layer.protocol,) if isinstance(layer.protocol, str) else layer.protocol
         why = next((_UNCONFINABLE[p] for p in protocols if p in _UNCONFINABLE), None)
         if why is not None:
             raise ConfigError(
                 f"payload root {root}: {type(fs).__name__} reads {why}; expected a local path, "
                 "a local-backed filesystem or an object store"
             )
-        inner = inner.fs if isinstance(inner, DirFileSystem) else _wrapped(inner)
 
 
 class PayloadFile:
