@@ -20,8 +20,16 @@ from fsspec.generic import GenericFileSystem
 from fsspec.implementations.dirfs import DirFileSystem
 from fsspec.implementations.local import LocalFileSystem
 from fsspec.implementations.memory import MemoryFileSystem
-from payload_campaigns import LOCAL_CLASSES, local_classes, moved
+from payload_campaigns import (
+    LOCAL_CLASSES,
+    local_classes,
+    moved,
+    plant_hostile_tree,
+    swapping_tree_campaign,
+    symlink_campaign,
+)
 
+import r3data.payload.fs as payload_fs
 from r3data import loader
 from r3data.errors import (
     ConfigError,
@@ -522,3 +530,28 @@ def test_a_file_cut_and_regrown_under_a_reader_gives_its_bytes_or_a_typed_error(
         cutter.join()
     assert outcomes["read"] > 0, outcomes
     assert outcomes["short"] > 0, outcomes
+
+
+@pytest.mark.parametrize("kind", ["LocalFileSystem", "DirFileSystem(DirFileSystem)"])
+def test_without_openat2_the_symlink_and_swapping_campaigns_hold(tmp_path, kind, monkeypatch):
+    """Kernels before 5.6, and containers whose seccomp profile refuses ``openat2``, open
+    plainly and judge the descriptor's own path: the same outcomes, link for link."""
+    monkeypatch.setattr(payload_fs, "_openat2_missing", True)
+    base, root, fs = planted(tmp_path, kind)
+    data = np.random.default_rng(8).integers(0, 256, (40, 48, 8)).astype(np.uint8)
+    (segment,) = PayloadWriter(root, fs=fs).write(1, {"routes": data})
+    (base / "payloads" / segment.file).rename(base / "payloads" / "v1" / "a.bin")
+    inside = moved(segment, "v1/a.bin")
+    plant_hostile_tree(base, bytes(inside.offset + inside.nbytes))
+    counts = symlink_campaign(root, fs, str(base / "payloads"), inside, random.Random(kind), 300)
+    assert min(counts.values()) > 10, counts
+    (swapped,) = PayloadWriter(root, fs=fs).write(2, {"routes": data})
+    counts = swapping_tree_campaign(root, fs, base, swapped, data, 300)
+    assert counts["read"] > 0, counts
+    assert counts["refused"] > 0, counts
+    with PayloadRetention(root, 0, fs=fs, fresh=False) as retention:  # deletions too
+        retention.claim(0, ["v9/a.bin", "v1/etc/passwd", "v1/abs_out.bin", "v1/up/v1/a.bin"])
+        retention.on_policy_update(3)
+    assert (base / "outside" / "v1" / "a.bin").exists()
+    assert (base / "outside" / "passwd").exists()
+    assert payload_fs._openat2_missing
