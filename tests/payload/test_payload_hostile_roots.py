@@ -555,3 +555,32 @@ def test_without_openat2_the_symlink_and_swapping_campaigns_hold(tmp_path, kind,
     assert (base / "outside" / "v1" / "a.bin").exists()
     assert (base / "outside" / "passwd").exists()
     assert payload_fs._openat2_missing
+
+
+@pytest.mark.parametrize("openat2", [True, False])
+def test_links_to_proc_magic_links_are_refused(tmp_path, openat2, monkeypatch):
+    """A link to ``/proc/self/fd/N`` (a file this process holds open outside the root, a pipe)
+    or ``/proc/self/cwd`` is judged by where the kernel resolves it: outside, refused."""
+    monkeypatch.setattr(payload_fs, "_openat2_missing", not openat2)
+    root = tmp_path / "payloads"
+    segment = PayloadWriter(str(root)).write(1, {"routes": ROUTES})[0]
+    secret = tmp_path / "secret.bin"
+    secret.write_bytes((root / segment.file).read_bytes())
+    held = os.open(secret, os.O_RDONLY)
+    pipe_read, pipe_write = os.pipe()
+    try:
+        links = {
+            "held.bin": f"/proc/self/fd/{held}",
+            "pipe.bin": f"/proc/self/fd/{pipe_read}",
+            "cwd.bin": f"/proc/self/cwd/{os.path.relpath(secret)}",
+            "again.bin": "held.bin",
+        }
+        for name, target in links.items():
+            (root / "v1" / name).symlink_to(target)
+        reader = PayloadReader(str(root), retries=0)
+        for name in links:
+            with pytest.raises(PayloadHandleError, match="outside the root"):
+                reader.read([moved(segment, f"v1/{name}")])
+    finally:
+        for fd in (held, pipe_read, pipe_write):
+            os.close(fd)
