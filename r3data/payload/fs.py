@@ -125,6 +125,11 @@ def _object_key(fs: AbstractFileSystem, path: str) -> str | None:
     return repr(whole) + "".join(f" version {v!r}" for v in version if v)
 
 
+def _whole(path: str) -> str:
+    """``path`` with one leading slash and none trailing: how a root and a listing compare."""
+    return "/" + path.strip("/")
+
+
 def _check_confinable(fs: AbstractFileSystem, root: str) -> None:
     """Refuse (:class:`ConfigError`) a root on a filesystem, or a wrapper of one, whose paths
     no check confines (:data:`_UNCONFINABLE`)."""
@@ -367,7 +372,7 @@ class PayloadRoot:
         _check_confinable(fs, os.fspath(root))
         self.fs: AbstractFileSystem = fs
         self.path: str = path.rstrip("/") or fs.root_marker or "/"
-        self._prefix = "/" + self.path.strip("/") + "/" if self.path.strip("/") else "/"
+        self._prefix = _whole(self.path).rstrip("/") + "/"
         self._os_path = _local_path(fs, self.path)
         self._os_dir = None if self._os_path is None else posixpath.join(self._os_path, "")
         self.local_backed: bool = self._os_path is not None
@@ -469,11 +474,10 @@ class PayloadRoot:
 
     def name_of(self, listed: str) -> str:
         """The root-relative name of ``listed``, a path as the filesystem lists it."""
-        path = self.fs._strip_protocol(listed).rstrip("/")
-        prefix = self.path.rstrip("/") + "/"
-        if not path.startswith(prefix):
+        path = _whole(self.fs._strip_protocol(listed))  # a DirFileSystem lists `v1/x.bin`
+        if not path.startswith(self._prefix):
             raise PayloadHandleError(f"listed path {listed!r} is outside the root {self.url}")
-        return path[len(prefix) :]
+        return path[len(self._prefix) :]
 
     def files(self, entries: Iterable[dict[str, Any]]) -> list[tuple[str, int]]:
         """``(root-relative name, size)`` of the files among fsspec listing ``entries``.
@@ -482,12 +486,12 @@ class PayloadRoot:
         so for a while, as SeaweedFS does) and the root itself are not files.
         """
         found = []
-        root = self.path.rstrip("/")
+        root = _whole(self.path)
         for entry in entries:
             listed = entry["name"]
             if entry.get("type") == "directory" or listed.endswith("/"):
                 continue
-            if self.fs._strip_protocol(listed).rstrip("/") == root:
+            if _whole(self.fs._strip_protocol(listed)) == root:
                 continue
             found.append((self.name_of(listed), int(entry.get("size") or 0)))
         return found

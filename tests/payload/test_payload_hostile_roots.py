@@ -584,3 +584,21 @@ def test_links_to_proc_magic_links_are_refused(tmp_path, openat2, monkeypatch):
     finally:
         for fd in (held, pipe_read, pipe_write):
             os.close(fd)
+
+
+@pytest.mark.parametrize("root", ["", "/"])
+def test_a_whole_dirfilesystem_as_the_root_is_listed_verified_and_retained(tmp_path, root):
+    """A ``DirFileSystem`` lists its top's files without a leading slash: they are inside the
+    root all the same (else verify fails and retention never deletes anything)."""
+    fs = DirFileSystem(str(tmp_path), LocalFileSystem())
+    segment = PayloadWriter(root, fs=fs).write(1, {"routes": ROUTES})[0]
+    report = verify(root, fs=fs)
+    assert (report.files_checked, report.ok) == (1, True)
+    with PayloadRetention(root, 0, fs=fs, fresh=False) as retention:
+        retention.claim(0, [segment.file])
+        retention.on_policy_update(0)
+    assert retention.metrics().files_deleted == 1
+    assert not (tmp_path / segment.file).exists()
+    PayloadWriter(root, fs=fs).write(1, {"routes": ROUTES})
+    assert gc(root, 5, 0, fs=fs).files
+    assert not list(tmp_path.rglob("*.bin"))
