@@ -3,6 +3,7 @@ wrappers over a local filesystem (caches, async adapters), and classes no check 
 
 from __future__ import annotations
 
+import gc as python_gc
 import os
 import posixpath
 import random
@@ -317,6 +318,8 @@ def test_a_loader_running_across_steps_never_reads_a_byte_from_outside(tmp_path)
                 outcomes["refused"] += 1
             except PayloadNotFoundError:
                 outcomes["gone"] += 1
+            del batches  # a stopped loader's threads are joined here, not by a collection
+            python_gc.collect()  # that happens to run on one of them
     finally:
         stop.set()
         swapper.join()
