@@ -37,6 +37,7 @@ from r3data.errors import (
     PayloadHandleError,
     PayloadNotFoundError,
     PayloadReadError,
+    PayloadWriteError,
     R3DataError,
     SegmentError,
 )
@@ -605,3 +606,44 @@ def test_a_whole_dirfilesystem_as_the_root_is_listed_verified_and_retained(tmp_p
     PayloadWriter(root, fs=fs).write(1, {"routes": ROUTES})
     assert gc(root, 5, 0, fs=fs).files
     assert not list(tmp_path.rglob("*.bin"))
+
+
+def test_a_writer_racing_a_version_folder_swapped_for_a_link_never_writes_outside(tmp_path):
+    """While another thread swaps ``v3`` between the real folder and a link out of the root,
+    each write lands in the real folder or fails with a typed error; nothing appears outside."""
+    payloads, outside = tmp_path / "payloads", tmp_path / "outside"
+    writer = PayloadWriter(str(payloads))
+    writer.write(3, {"routes": ROUTES})
+    outside.mkdir()
+    (payloads / "v3").rename(payloads / ".v3-real")
+    (payloads / "v3").symlink_to(".v3-real")
+    stop = threading.Event()
+
+    def swap() -> None:
+        i = 0
+        while not stop.is_set():
+            i += 1
+            link = payloads / f".v3-link-{i % 2}"
+            link.symlink_to(".v3-real" if i % 2 else str(outside))
+            os.replace(link, payloads / "v3")
+            time.sleep(0.0002)
+
+    swapper = threading.Thread(target=swap)
+    swapper.start()
+    written, refused = [], 0
+    try:
+        for _ in range(200):
+            try:
+                written.append(writer.write(3, {"routes": ROUTES[:2]})[0].file)
+            except PayloadWriteError as exc:
+                if "outside the root" not in str(exc):
+                    raise
+                refused += 1
+    finally:
+        stop.set()
+        swapper.join()
+    assert list(outside.iterdir()) == []
+    real = payloads / ".v3-real"
+    assert all((real / posixpath.basename(f)).is_file() for f in written)
+    assert written, refused
+    assert refused, len(written)
