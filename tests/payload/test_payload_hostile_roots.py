@@ -1,5 +1,7 @@
-"""Hostile handles and filesystem classes beyond the campaigns: every spelling of a way out,
-wrappers over a local filesystem (caches, async adapters), and classes no check can confine."""
+"""Attacks beyond the campaigns: every spelling of a way out; wrappers over a local filesystem
+(caches, async adapters) and classes no check can confine; a tree changing under a running
+loader, a writer and a reader; sockets and /proc magic links; kernels without openat2;
+deletions through links inside the root; retention under a shuffled, resumed loader."""
 
 from __future__ import annotations
 
