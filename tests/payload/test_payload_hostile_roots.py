@@ -9,6 +9,7 @@ import gc as python_gc
 import os
 import posixpath
 import random
+import shutil
 import socket
 import tempfile
 import threading
@@ -25,8 +26,10 @@ from fsspec.implementations.local import LocalFileSystem
 from fsspec.implementations.memory import MemoryFileSystem
 from payload_campaigns import (
     LOCAL_CLASSES,
+    forkserver,
     local_classes,
     moved,
+    permission_checks_as_nobody,
     plant_hostile_tree,
     swapping_tree_campaign,
     symlink_campaign,
@@ -649,3 +652,31 @@ def test_a_writer_racing_a_version_folder_swapped_for_a_link_never_writes_outsid
     assert all((real / posixpath.basename(f)).is_file() for f in written)
     assert written, refused
     assert refused, len(written)
+
+
+def test_permission_changes_as_an_unprivileged_user(tmp_path):
+    """As ``nobody``: a file made unreadable is a permission error at once (not retried); one
+    made unreadable after its size check still reads through the descriptor kept from it; a
+    file in a folder it may not write stays, counted as a failed deletion."""
+    if os.geteuid() != 0:
+        pytest.skip("switching to nobody needs root")
+    root = tempfile.mkdtemp(dir="/tmp")
+    try:
+        os.chmod(root, 0o777)
+        os.mkdir(os.path.join(root, "v2"), 0o755)
+        Path(root, "v2", "root.bin").write_bytes(b"root's")
+        context = forkserver()  # a fork of this process would inherit the pool's dead threads
+        parent, child = context.Pipe(duplex=False)
+        process = context.Process(target=permission_checks_as_nobody, args=(root, child))
+        process.start()
+        process.join(60)
+        assert process.exitcode == 0, "the child failed (its traceback is above)"
+        found = parent.recv()
+        message, seconds = found["denied"]
+        assert "may not be read" in message
+        assert seconds < 0.5
+        assert found["kept"]
+        assert found["delete_errors"] == 1
+        assert Path(root, "v2", "root.bin").exists()
+    finally:
+        shutil.rmtree(root)
