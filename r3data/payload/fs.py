@@ -1,16 +1,19 @@
 """A payload root on any fsspec filesystem, and the rule that no handle resolves outside it.
 
 Handles come from inference servers over the network. Each one is first resolved lexically (no
-``..`` above the root, no absolute path or URL elsewhere). On a *local-backed* root (any
-filesystem whose paths are OS paths: ``LocalFileSystem``, its subclasses, a ``DirFileSystem``
-over one) every open, directory and deletion then goes through the kernel: the path is opened
+``..`` above the root, no absolute path or URL elsewhere; on an object store, a plain key).
+Roots on filesystems whose paths no such check confines (HTTP, fsspec's generic filesystem)
+are refused. On a *local-backed* root (any filesystem whose paths are OS paths:
+``LocalFileSystem``, its subclasses, a ``DirFileSystem``, a cache or an async adapter over
+one) every open, directory and deletion then goes through the kernel: the path is opened
 relative to a fresh descriptor of the root with ``openat2(RESOLVE_BENEATH)``, which refuses
 any resolution that leaves it; what it refuses (an absolute symlink, which may still lead
 inside) and everything on kernels without ``openat2`` is opened plainly, and the descriptor's
 own path, symlinks resolved as the kernel holds it, must then lie inside the root's,
 so nothing is remembered that a rename or a swapped symlink could invalidate. A file is opened
 ``O_PATH`` first and must be a regular file before it is opened to read, so a FIFO cannot
-block a read and a device is never opened. This needs Linux's ``/proc/self/fd``.
+block a read and a device is never opened. A deletion follows no symlink at all, so that no
+file has a second name whose release deletes it. This needs Linux's ``/proc/self/fd``.
 """
 
 from __future__ import annotations
@@ -27,11 +30,13 @@ from typing import Any
 
 import fsspec
 from fsspec import AbstractFileSystem
+from fsspec.implementations.cached import CachingFileSystem
 from fsspec.implementations.dirfs import DirFileSystem
 from fsspec.implementations.local import LocalFileSystem
 from fsspec.spec import AbstractBufferedFile
 
 from r3data.errors import (
+    ConfigError,
     PayloadHandleError,
     PayloadNotFoundError,
     PayloadPermissionError,
@@ -54,13 +59,88 @@ _FILE_KINDS = {
 }
 
 
+_PASS_THROUGH: dict[type[AbstractFileSystem], str] = {CachingFileSystem: "fs"}
+"""Wrappers that read through another filesystem with the same paths -> the attribute
+holding it."""
+with contextlib.suppress(ImportError):  # fsspec >= 2024.12
+    from fsspec.implementations.asyn_wrapper import AsyncFileSystemWrapper
+
+    _PASS_THROUGH[AsyncFileSystemWrapper] = "sync_fs"
+
+_HTTP = (
+    "HTTP URLs, which no check confines to the root (the client percent-decodes '%2e%2e' and "
+    "removes dot segments; a query or fragment names another resource)"
+)
+_UNCONFINABLE = {
+    "http": _HTTP,
+    "https": _HTTP,
+    "generic": "URLs of any filesystem a path names, opened by that one (a local one follows "
+    "symlinks out of the root)",
+}
+"""Protocols whose paths no lexical check confines -> why."""
+
+
+def _wrapped(fs: AbstractFileSystem) -> AbstractFileSystem | None:
+    """The filesystem that ``fs`` reads through with the same paths (a cache, an async
+    adapter), else None: a wrapper over a local filesystem opens OS paths, following
+    symlinks, so it is confined as that filesystem is."""
+    for wrapper, attribute in _PASS_THROUGH.items():
+        if isinstance(fs, wrapper):
+            return getattr(fs, attribute)
+    return None
+
+
+def _layers(fs: AbstractFileSystem, path: str) -> Iterator[tuple[AbstractFileSystem, str]]:
+    """``(fs, path)``, then each filesystem it reads through (a ``DirFileSystem``'s target, a
+    wrapper's) with the path as that one names it; the last is the one that opens files."""
+    layer: AbstractFileSystem | None = fs
+    while layer is not None:
+        yield layer, path
+        if isinstance(layer, DirFileSystem):
+            layer, path = layer.fs, layer._join(path)
+        else:
+            layer = _wrapped(layer)
+
+
 def _local_path(fs: AbstractFileSystem, path: str) -> str | None:
     """The OS path that ``path`` names in ``fs`` when ``fs`` is local-backed, else None."""
-    if isinstance(fs, LocalFileSystem):
-        return os.path.normpath(fs._strip_protocol(path))
-    if isinstance(fs, DirFileSystem):
-        return _local_path(fs.fs, fs._join(path))
+    *_, (inner, inner_path) = _layers(fs, path)
+    if isinstance(inner, LocalFileSystem):
+        return os.path.normpath(inner._strip_protocol(inner_path))
     return None
+
+
+def _object_key(fs: AbstractFileSystem, path: str) -> str | None:
+    """The object an object store's client (one with ``split_path``: s3fs, gcsfs, adlfs) reads
+    for ``path`` when that is not ``path`` itself (s3fs drops ``?versionId=...`` or reads that
+    version), else None."""
+    *_, (inner, inner_path) = _layers(fs, path)
+    split = getattr(inner, "split_path", None)
+    if split is None:
+        return None
+    bucket, key, *version = split(inner_path)
+    whole = f"{bucket}/{key}" if key else bucket
+    if whole == inner._strip_protocol(inner_path).lstrip("/") and not any(version):
+        return None
+    return repr(whole) + "".join(f" version {v!r}" for v in version if v)
+
+
+def _whole(path: str) -> str:
+    """``path`` with one leading slash and none trailing: how a root and a listing compare."""
+    return "/" + path.strip("/")
+
+
+def _check_confinable(fs: AbstractFileSystem, root: str) -> None:
+    """Refuse (:class:`ConfigError`) a root on a filesystem, or a wrapper of one, whose paths
+    no check confines (:data:`_UNCONFINABLE`)."""
+    for layer, _ in _layers(fs, ""):
+        protocols = (layer.protocol,) if isinstance(layer.protocol, str) else layer.protocol
+        why = next((_UNCONFINABLE[p] for p in protocols if p in _UNCONFINABLE), None)
+        if why is not None:
+            raise ConfigError(
+                f"payload root {root}: {type(fs).__name__} reads {why}; expected a local path, "
+                "a local-backed filesystem or an object store"
+            )
 
 
 class PayloadFile:
@@ -234,6 +314,8 @@ def _local_error(exc: OSError, url: str, what: str) -> Exception:
         return PayloadPermissionError(f"payload file {url} may not be read: {exc}")
     if exc.errno == errno.ELOOP:
         return PayloadHandleError(f"{what} loops through symlinks")
+    if exc.errno == errno.ENAMETOOLONG:  # the name, not the filesystem: no retry helps
+        return PayloadHandleError(f"{what} names a path longer than the filesystem allows")
     return PayloadReadError(f"opening payload file {url}: {exc}")
 
 
@@ -287,9 +369,10 @@ class PayloadRoot:
             fs, path = fsspec.core.url_to_fs(os.fspath(root))
         else:
             path = fs._strip_protocol(os.fspath(root))
+        _check_confinable(fs, os.fspath(root))
         self.fs: AbstractFileSystem = fs
         self.path: str = path.rstrip("/") or fs.root_marker or "/"
-        self._prefix = "/" + self.path.strip("/") + "/" if self.path.strip("/") else "/"
+        self._prefix = _whole(self.path).rstrip("/") + "/"
         self._os_path = _local_path(fs, self.path)
         self._os_dir = None if self._os_path is None else posixpath.join(self._os_path, "")
         self.local_backed: bool = self._os_path is not None
@@ -326,10 +409,38 @@ class PayloadRoot:
         """``handle`` as a normalised path relative to the root; refuses one that escapes it.
 
         A handle may be relative to the root, or name the root's own path: ``/data/run/v1/x.bin``
-        and, on an object store, ``bucket/run/v1/x.bin`` or ``s3://bucket/run/v1/x.bin``.
+        and, on an object store, ``bucket/run/v1/x.bin`` or ``s3://bucket/run/v1/x.bin``. On an
+        object store it must name a plain key: s3fs reads ``key?versionId=...`` as ``key``, a
+        second name whose release would delete a file a later batch reads under the first.
         """
+        rel = self._lexically_relative(handle)
+        if self._os_path is None:
+            self._check_plain_key(rel, f"payload handle {handle!r}")
+        return rel
+
+    def _check_plain_key(self, name: str, what: str) -> None:
+        """Refuse a root-relative ``name`` that an object store's client would read as another
+        key (or a version of one); ``what`` names it."""
+        path = posixpath.join(self.path, name)
+        found = _object_key(self.fs, path)
+        if found is not None:
+            raise PayloadHandleError(
+                f"{what} names object {found} of {self.url}, not {path!r}: expected a plain key "
+                "(no version or query)"
+            )
+
+    def _lexically_relative(self, handle: str) -> str:
+        """:meth:`relative` by the path's text alone."""
         if not isinstance(handle, str) or not handle or "\x00" in handle:
             raise PayloadHandleError(f"payload handle must be a non-empty path, found {handle!r}")
+        if not handle.isascii():
+            try:
+                handle.encode(_FS_ENCODING, _FS_ERRORS)
+            except UnicodeEncodeError as exc:  # a lone surrogate: JSON carries one
+                raise PayloadHandleError(
+                    f"payload handle must be a path in {_FS_ENCODING}, found {handle!r} "
+                    f"({exc.reason} at {exc.start})"
+                ) from None
         path = handle
         if "://" in path:
             protocol = path.split("://", 1)[0]
@@ -363,11 +474,10 @@ class PayloadRoot:
 
     def name_of(self, listed: str) -> str:
         """The root-relative name of ``listed``, a path as the filesystem lists it."""
-        path = self.fs._strip_protocol(listed).rstrip("/")
-        prefix = self.path.rstrip("/") + "/"
-        if not path.startswith(prefix):
+        path = _whole(self.fs._strip_protocol(listed))  # a DirFileSystem lists `v1/x.bin`
+        if not path.startswith(self._prefix):
             raise PayloadHandleError(f"listed path {listed!r} is outside the root {self.url}")
-        return path[len(prefix) :]
+        return path[len(self._prefix) :]
 
     def files(self, entries: Iterable[dict[str, Any]]) -> list[tuple[str, int]]:
         """``(root-relative name, size)`` of the files among fsspec listing ``entries``.
@@ -376,12 +486,12 @@ class PayloadRoot:
         so for a while, as SeaweedFS does) and the root itself are not files.
         """
         found = []
-        root = self.path.rstrip("/")
+        root = _whole(self.path)
         for entry in entries:
             listed = entry["name"]
             if entry.get("type") == "directory" or listed.endswith("/"):
                 continue
-            if self.fs._strip_protocol(listed).rstrip("/") == root:
+            if _whole(self.fs._strip_protocol(listed)) == root:
                 continue
             found.append((self.name_of(listed), int(entry.get("size") or 0)))
         return found
@@ -455,7 +565,10 @@ class PayloadRoot:
 
     def remove(self, name: str) -> None:
         """Delete the root-relative file ``name`` (a symlink itself, never its target); raises
-        ``FileNotFoundError`` when it is gone, ``OSError`` when it cannot be deleted.
+        ``FileNotFoundError`` when it is gone, ``OSError`` when it cannot be deleted, and
+        :class:`PayloadHandleError` when a folder on its way is a symlink: a deletion follows
+        none, not even one that stays inside the root (it would make a second name of a file,
+        whose release would delete what a later batch still reads under the first).
 
         ``name`` is what :meth:`relative` or a listing made of a handle, never normalised again:
         on a bucket root ``b/run`` the name ``b/run/x.bin`` is the file ``b/run/b/run/x.bin``,
@@ -465,8 +578,25 @@ class PayloadRoot:
             self.fs.rm_file(posixpath.join(self.path, rel))
             return
         folder, base = posixpath.split(rel)
-        with self.open_directory(folder or ".") as fd:
+        fd = os.open(self._os_path, _ROOT)
+        try:
+            for part in folder.split("/") if folder else ():
+                try:
+                    inner = os.open(part, _ROOT | os.O_NOFOLLOW, dir_fd=fd)
+                except OSError as exc:  # ENOTDIR for a link (ELOOP on some kernels), or a file
+                    if exc.errno not in (errno.ENOTDIR, errno.ELOOP) or not stat.S_ISLNK(
+                        os.lstat(part, dir_fd=fd).st_mode
+                    ):
+                        raise
+                    raise PayloadHandleError(
+                        f"payload file {self.url_of(rel)}: {part!r} on its way is a symlink; "
+                        "expected folders only (a deletion follows no symlink)"
+                    ) from None
+                os.close(fd)
+                fd = inner
             os.unlink(base, dir_fd=fd)
+        finally:
+            os.close(fd)
 
     def _checked_name(self, name: str) -> str:
         """``name`` unchanged, refused unless it is a normalised path inside the root."""
@@ -482,6 +612,8 @@ class PayloadRoot:
                 f"payload file: expected a normalised name inside the root {self.url}, "
                 f"found {name!r}"
             )
+        if self._os_path is None:  # a listed key such a client reads as another one
+            self._check_plain_key(name, f"payload file {name!r}")
         return name
 
     def _open_beneath(self, rel: str, flags: int, what: Callable[[], str]) -> int:

@@ -115,7 +115,7 @@ def _wipe_before(root: PayloadRoot, started: float) -> None:
                 continue
             except PermissionError as exc:
                 denied.append(f"{name} ({exc})")
-            except OSError as exc:
+            except (OSError, PayloadHandleError) as exc:  # a folder swapped for a link
                 failed.append(f"{name} ({exc})")
         _remove_dir(root, version)
     if denied:
@@ -490,7 +490,7 @@ def gc(
                     payload_root.remove(name)
                 except FileNotFoundError:
                     continue
-                except OSError as exc:
+                except (OSError, PayloadHandleError) as exc:  # a folder swapped for a link
                     errors.append(f"{name}: {exc}")
                     continue
             files.append(name)

@@ -12,6 +12,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "payload"))  # payl
 
 import fsspec
 import numpy as np
+import pytest
 from payload_campaigns import (
     Spellings,
     escape_campaign,
@@ -23,7 +24,8 @@ from payload_campaigns import (
 )
 from s3_fixtures import s3_fixture, s3_fs_fixture, s3_root_fixture  # noqa: F401
 
-from r3data.payload import PayloadRoot, PayloadWriter
+from r3data.errors import PayloadHandleError, PayloadNotFoundError, PayloadReadError
+from r3data.payload import PayloadRetention, PayloadRoot, PayloadWriter
 
 
 def test_handles_never_escape_the_prefix_or_the_bucket(s3_root, s3_fs):
@@ -84,3 +86,68 @@ def test_retention_schedules_with_restarts_on_s3(s3_root, s3_fs):
         counts = retention_campaign(f"{s3_root}/case{case}", s3_fs, rng, 5, rng.randint(0, 2), 0.4)
         totals = {k: totals[k] + counts[k] for k in totals}
     assert totals["read"] > 3, totals
+
+
+def test_hostile_spellings_on_s3_are_typed_refusals_never_outside_bytes(s3_root, s3_fs):
+    """Percent-encoded and backslashed dots, fullwidth dots and slashes, queries, fragments,
+    other protocols and the bucket or root themselves: the store's own key handling (SeaweedFS
+    refuses a backslash with a Bad Request) never reaches a key outside the root."""
+    root = PayloadRoot(s3_root, fs=s3_fs)
+    bucket = root.path.split("/")[0]
+    inside = b"I" * 64
+    s3_fs.pipe_file(f"{root.path}/v1/x.bin", inside)
+    s3_fs.pipe_file(f"{bucket}/secret.bin", bytes(64))
+    spellings = [
+        "%2e%2e/secret.bin",
+        "v1/%2e%2e/%2e%2e/secret.bin",
+        "..%2fsecret.bin",
+        "..\\secret.bin",
+        "v1\\..\\..\\secret.bin",
+        "\uff0e\uff0e/secret.bin",
+        "..\uff0fsecret.bin",
+        "v1/x.bin?versionId=x/../../../secret.bin",
+        "v1/x.bin#../../../secret.bin",
+        f"s3a://{bucket}/secret.bin",
+        f"simplecache::s3://{bucket}/secret.bin",
+        f"s3://{bucket}",
+        f"s3://{bucket}/run",
+        f"/{bucket}",
+        bucket,
+        "v1",
+        "\ud800",
+        ".../secret.bin",
+        "a" * 2000,
+    ]
+    refusals = (PayloadHandleError, PayloadNotFoundError, PayloadReadError)
+    for handle in [*spellings, "v1/./x.bin", f"s3a://{bucket}/run/v1/x.bin"]:
+        try:
+            with root.open_read(handle) as f:
+                got = bytearray(f.size)
+                f.read_at(0, memoryview(got))
+        except refusals:
+            assert handle in spellings, handle
+            continue
+        assert bytes(got) == inside, handle
+
+
+def test_a_second_name_of_an_object_cannot_delete_it_early(s3_root, s3_fs):
+    """s3fs reads ``key?versionId=...`` as ``key`` (the version dropped unless version-aware):
+    released under that name, the object would go while a later batch still needs it under
+    its own. Such a handle names no plain key: refused, on claim and on read."""
+    data = routes(np.random.default_rng(9), 8)
+    (segment,) = PayloadWriter(s3_root, fs=s3_fs).write(1, {"routes": data})
+    root = PayloadRoot(s3_root, fs=s3_fs)
+    for alias in (f"{segment.file}?versionId=null", f"{segment.file}?versionId=x/y"):
+        with pytest.raises(PayloadHandleError, match="expected a plain key"):
+            root.open_read(alias)
+    retention = PayloadRetention(s3_root, 8, fs=s3_fs, fresh=False)
+    retention.claim(5, [segment.file])
+    with pytest.raises(PayloadHandleError, match="expected a plain key"):
+        retention.claim(2, [f"{segment.file}?versionId=null"])
+    retention.on_policy_update(2)
+    retention.wait()
+    assert s3_fs.exists(f"{root.path}/{segment.file}")
+    retention.on_policy_update(5)
+    retention.close()
+    s3_fs.invalidate_cache()
+    assert not s3_fs.exists(f"{root.path}/{segment.file}")

@@ -31,6 +31,7 @@ from fsspec.implementations.local import LocalFileSystem
 from r3data.errors import (
     PayloadHandleError,
     PayloadNotFoundError,
+    PayloadPermissionError,
     PayloadWriteError,
     R3DataError,
     SegmentError,
@@ -46,6 +47,7 @@ from r3data.payload import (
     min_fresh_version,
     verify,
 )
+from r3data.payload.reader import OpenFiles, RangeRead
 
 SHAPE = (48, 8)
 
@@ -693,3 +695,40 @@ def retention_campaign(
     left = sorted(f for f in stored(payload_root) if f.split("/")[0].startswith("v"))
     assert not left, f"left after the backstop: {left}"
     return counts
+
+
+# --- permissions -----------------------------------------------------------------------------
+
+PERMISSION_ROUTES = np.arange(16 * 48 * 8, dtype=np.uint32).astype(np.uint8).reshape(16, 48, 8)
+
+
+def permission_checks_as_nobody(root: str, out: Any) -> None:
+    """As ``nobody`` under ``root`` (writable by all; ``v2/root.bin`` root's): a file made
+    unreadable, one made unreadable after its size check (read through the descriptor the
+    check kept), and a deletion in a folder it may not write; sends what it found."""
+    os.setgid(65534)
+    os.setuid(65534)
+    found = {}
+    writer, reader = PayloadWriter(root), PayloadReader(root, retries=4, backoff=0.5)
+    own = writer.write(1, {"routes": PERMISSION_ROUTES})[0]
+    os.chmod(os.path.join(root, own.file), 0)
+    started = time.monotonic()
+    try:
+        reader.read([own])
+    except PayloadPermissionError as exc:
+        found["denied"] = (str(exc), time.monotonic() - started)
+    kept = writer.write(1, {"routes": PERMISSION_ROUTES})[0]
+    opened = OpenFiles()
+    reader.check_sizes([kept], opened)
+    os.chmod(os.path.join(root, kept.file), 0)  # after the check: the open file still reads
+    out_rows = np.zeros_like(PERMISSION_ROUTES)
+    ranges = [RangeRead(kept, kept.offset, kept.nbytes, memoryview(out_rows.reshape(-1)))]
+    for job in reader.file_jobs(ranges, opened):  # as the loader's fill reads a checked plan
+        job()
+    found["kept"] = bool((out_rows == PERMISSION_ROUTES).all())
+    opened.close()
+    with PayloadRetention(root, 8, fresh=False) as retention:
+        retention.claim(0, ["v2/root.bin"])
+        retention.on_policy_update(0)
+    found["delete_errors"] = retention.metrics().delete_errors
+    out.send(found)
