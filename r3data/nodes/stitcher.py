@@ -66,7 +66,8 @@ class StitchRollout:
         if self.retention is not None and sample.files:
             if step is None:
                 raise ConfigError("StitchRollout with a retention needs the step of each sample")
-            self.retention.claim(step, sample.files)
+            # a later sample of the stream may name a file too: its release leaves it to the sweep
+            self.retention.claim(step, sample.files, delete_on_release=False)
         warnings = self._length_warnings(sample, index)
         empty = [f for f in self.fields if f not in sample.trace.info]
         if empty and self.trace.on_gap != "raise":

@@ -180,6 +180,8 @@ class PayloadRetention:
     - ``on_policy_update(step)`` after the optimizer step releases every claim ``<= step``,
       deletes those files and the due discarded ones, and sweeps versions older than
       ``min_fresh_version(step + 1, max_off_policy_steps)`` of unclaimed files.
+    - ``claim(step, files, delete_on_release=False)`` (a stream's files: a sample not read
+      yet may still name them) keeps them as long, then leaves them to the version sweep.
     - A claim of a released or discarded file not yet deleted keeps it. A claim of a file whose
       deletion is under way waits for it to finish, so a file that exists when ``claim``
       returns stays until its step is released; one deleted before cannot come back (a read
@@ -223,6 +225,7 @@ class PayloadRetention:
         self._lock = threading.Lock()
         self._deletion_done = threading.Condition(self._lock)
         self._claims: dict[str, int] = {}  # file -> latest step that claimed it
+        self._swept: set[str] = set()  # claimed files their release leaves to the sweep
         self._discarded: set[str] = set()  # due at the next update unless claimed beyond it
         self._doomed: dict[str, float] = {}  # file -> when it was released, awaiting deletion
         self._deleting: set[str] = set()  # files whose deletion is under way
@@ -236,6 +239,7 @@ class PayloadRetention:
         self.group = group
         self._ranks = _Ranks(group) if group is not None else None
         self._outbox: dict[str, int] = {}  # a rank that does not delete: claims to send
+        self._outbox_swept: set[str] = set()  # ... and which of them the sweep removes
         try:
             self.root.fs.makedirs(self.root.path, exist_ok=True)
         except PermissionError as exc:
@@ -264,22 +268,28 @@ class PayloadRetention:
             raise PayloadHandleError(f"files must be a collection of handles, found str {files!r}")
         return [self.root.relative(f) for f in files]
 
-    def claim(self, step: int, files: Iterable[str]) -> None:
-        """Keep ``files`` until ``on_policy_update(s)`` with ``s >= step`` (and any later claim)."""
+    def claim(self, step: int, files: Iterable[str], *, delete_on_release: bool = True) -> None:
+        """Keep ``files`` until ``on_policy_update(s)`` with ``s >= step`` (and any later claim),
+        then delete them, or with ``delete_on_release=False`` leave them to the version sweep."""
         step = checked_int("step", step)
+        if not isinstance(delete_on_release, bool):
+            raise ConfigError(f"delete_on_release must be a bool, found {delete_on_release!r}")
         names = self._names(files)
         with self._lock:
             if not self.deletes:
                 for name in names:
                     self._outbox[name] = max(step, self._outbox.get(name, step))
+                if not delete_on_release:
+                    self._outbox_swept.update(names)
                 return
             self._deletion_done.wait_for(lambda: self._deleting.isdisjoint(names))
-            self._claim(step, names)
+            self._claim(step, names, swept=() if delete_on_release else names)
 
-    def _claim(self, step: int, names: Iterable[str]) -> None:
+    def _claim(self, step: int, names: Iterable[str], swept: Iterable[str]) -> None:
         for name in names:
             self._claims[name] = max(step, self._claims.get(name, step))
             self._doomed.pop(name, None)
+        self._swept.update(swept)
 
     def discard(self, files: Iterable[str]) -> None:
         """Delete ``files`` of dropped samples at the next ``on_policy_update``, unless a batch for
@@ -295,13 +305,13 @@ class PayloadRetention:
         bound = min_fresh_version(step + 1, self.max_off_policy_steps)
         if self._ranks is not None:
             with self._lock:
-                sent = (step, self._outbox, sorted(self._discarded))
-                self._outbox, self._discarded = {}, set()
+                sent = (step, self._outbox, sorted(self._discarded), sorted(self._outbox_swept))
+                self._outbox, self._discarded, self._outbox_swept = {}, set(), set()
             received = self._ranks.gather(sent)
             if not self.deletes:
                 return
             with self._lock:
-                for rank, (their_step, claims, discarded) in enumerate(received):
+                for rank, (their_step, claims, discarded, swept) in enumerate(received):
                     if their_step != step:
                         raise ConfigError(
                             f"payload retention on {self.root.url}: rank {rank} finished step "
@@ -312,14 +322,18 @@ class PayloadRetention:
                     for name, claimed in claims.items():
                         by_step.setdefault(claimed, []).append(name)
                     for claimed, names in by_step.items():
-                        self._claim(claimed, names)
+                        self._claim(claimed, names, swept=())
+                    self._swept.update(swept)
                     self._discarded.update(discarded)
         now = time.monotonic()
         with self._lock:
             released = [name for name, claimed in self._claims.items() if claimed <= step]
             for name in released:
                 del self._claims[name]
-                self._doomed.setdefault(name, now)
+                if name in self._swept:
+                    self._swept.discard(name)  # unclaimed now: the version sweep's
+                else:
+                    self._doomed.setdefault(name, now)
             for name in self._discarded:
                 if name not in self._claims:  # claims left are for steps > step
                     self._doomed.setdefault(name, now)

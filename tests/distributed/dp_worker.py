@@ -43,19 +43,24 @@ def digest(batch: TensorBatch) -> str:
     return h.hexdigest()
 
 
-def _check_files(root: str, last_step: dict[str, int], step: int) -> None:
+def _check_files(root: str, last_step: dict[str, int], step: int, *, consumed: bool) -> None:
+    """No file is gone before its last step; with ``consumed``, every file is gone after it."""
     for name, last in last_step.items():
         exists = os.path.exists(os.path.join(root, name))
-        if exists != (last > step):
+        if exists != (last > step) and (consumed or not exists):
             raise AssertionError(
                 f"after step {step}: {name} (last read at step {last}) "
                 f"{'still exists' if exists else 'was deleted early'}"
             )
 
 
-def _train(root, samples, last_step, layout, dp, state=None, stop_after=None):
-    """Micro-batch records of one (part of a) run; the loader's state after ``stop_after``."""
-    retention = PayloadRetention(root, max_off_policy_steps=4, fresh=False, group=dist.group.WORLD)
+def _train(root, samples, last_step, layout, dp, state=None, stop_after=None, off_policy=4):
+    """Micro-batch records of one (part of a) run; the loader's state after ``stop_after``.
+    A list's files go at the update of their last step; a stream's (a later sample may name
+    them) by the backstop, ``off_policy`` steps after their version."""
+    retention = PayloadRetention(
+        root, max_off_policy_steps=off_policy, fresh=False, group=dist.group.WORLD
+    )
     pipeline = loader(
         samples,
         batch_size=BATCH_SIZE,
@@ -86,7 +91,7 @@ def _train(root, samples, last_step, layout, dp, state=None, stop_after=None):
         retention.wait()
         dist.barrier()
         if dist.get_rank() == 0:
-            _check_files(root, last_step, meta["step"])
+            _check_files(root, last_step, meta["step"], consumed=not isinstance(samples, Stream))
         dist.barrier()
         if meta["step"] == stop_after:
             return records, pipeline.state_dict(), retention.metrics().files_deleted
@@ -115,7 +120,9 @@ def run(rank: int, world: int, store: str, job: str) -> dict:
     whole, _, deleted = _train(roots[0], samples, last_step, layout, dp)
     first, state, deleted_before = _train(roots[1], samples, last_step, layout, dp, stop_after=0)
     rest, _, deleted_after = _train(roots[1], samples, last_step, layout, dp, state=state)
-    streamed, _, deleted_streamed = _train(roots[2], Stream(stream), stream_last, layout, dp)
+    streamed, _, deleted_streamed = _train(
+        roots[2], Stream(stream), stream_last, layout, dp, off_policy=1
+    )
     report = {
         "coords": (rank // CP, rank % CP),
         "whole": whole,

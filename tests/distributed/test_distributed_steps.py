@@ -24,15 +24,14 @@ SAMPLES, GROUPS = 16, 4
 LAYERS, TOPK, EXPERTS = 3, 2, 32
 
 
-def write_samples(root, across_steps=True):
+def write_samples(root):
     """GRPO-like groups: the first turn of samples g, g+4, g+8, g+12 sits in one file (read by
-    both steps and both DP ranks; ``across_steps=False``: of samples 2g and 2g+1, one step);
-    each second turn in a file of its own."""
+    both steps and both DP ranks); each second turn in a file of its own."""
     rng = np.random.default_rng(0)
     writer = PayloadWriter(root)
     lengths = rng.integers(12, 40, SAMPLES)
     prompts = [int(n) // 2 for n in lengths]
-    group_of = [i % GROUPS if across_steps else i // 2 for i in range(SAMPLES)]
+    group_of = [i % GROUPS for i in range(SAMPLES)]
     groups = []
     for g in sorted(set(group_of)):
         members = [i for i in range(SAMPLES) if group_of[i] == g]
@@ -67,7 +66,7 @@ def run_ranks(tmp_path) -> tuple[dict[int, dict], tuple[int, int]]:
     roots = [str(tmp_path / name) for name in ("uninterrupted", "resumed", "stream")]
     samples, last_step = write_samples(roots[0])
     shutil.copytree(roots[0], roots[1])
-    stream = write_samples(roots[2], across_steps=False)
+    stream = write_samples(roots[2])  # files shared across steps: the backstop's to delete
     job = tmp_path / "job.pkl"
     job.write_bytes(pickle.dumps((roots, samples, last_step, stream)))
     args = (WORLD, str(tmp_path / "store"), str(job))
@@ -103,8 +102,8 @@ def test_dp2_cp2_ranks_resume_to_the_same_bytes_and_share_one_root_safely(tmp_pa
         first = step * dp_worker.BATCH_SIZE
         assert every == sorted(f"s{i}" for i in range(first, first + dp_worker.BATCH_SIZE))
     deleter = reports[0]
-    # every file deleted once in each run: up front claims (a list) and a stream's, whose
-    # claims the other ranks send to rank 0 at each update
+    # every file deleted once in each run: up front claims (a list), and a stream's by the
+    # backstop after its last step, protected till then by the claims the other ranks send
     assert deleter["deleted"] == (files, files, stream_files)
     assert all(r["deleted"] == (0, 0, 0) for rank, r in reports.items() if rank)
     assert deleter["left"] == [0, 0, 0]

@@ -115,3 +115,35 @@ def test_requests_that_cannot_be_read_twice_are_refused_under_retention(tmp_path
     samples[1] = {**samples[1], "requests": [{**request(None), "sources": iter([])}]}
     with pytest.raises(TraceError, match=r"a request's sources: expected a list or tuple"):
         next(iter(loader(samples, batch_size=1, retention=retention, prefetch=0)))
+
+
+class Stream:
+    """A re-iterable source: the loader cannot look ahead in it."""
+
+    def __init__(self, samples):
+        self.samples = samples
+
+    def __iter__(self):
+        return iter(self.samples)
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_a_file_a_stream_shares_across_steps_stays_for_the_later_step(tmp_path, prefetch):
+    """Sample a (step 0) and sample b (step 1) read one file: released at step 0's update, it
+    must stay for b, which the loader has not seen then; the backstop removes it (version 0,
+    one step off policy) at step 1's update, with b's own file."""
+    samples, expected, shared, own = shared_file_samples(tmp_path)
+    retention = PayloadRetention(str(tmp_path), max_off_policy_steps=1, fresh=False)
+    batches = loader(Stream(samples), batch_size=1, retention=retention, prefetch=prefetch)
+    for batch in batches:
+        (sample_id,) = batch["sample_id"]
+        np.testing.assert_array_equal(
+            batch["routed_experts"][0].numpy()[:ROWS], expected[sample_id]
+        )
+        step = batch.metadata["step"]
+        retention.on_policy_update(step)
+        retention.wait()
+        assert (tmp_path / shared).exists() == (step < 1)
+        assert (tmp_path / own).exists() == (step < 1)
+    assert retention.metrics().files_deleted == 2
+    retention.close()

@@ -173,6 +173,26 @@ def test_discarded_files_go_at_the_next_update_unless_a_later_batch_claims_them(
         retention.discard(shared)
 
 
+def test_a_claim_that_does_not_delete_on_release_leaves_the_file_to_the_sweep(payload_root):
+    writer = PayloadWriter(payload_root)
+    streamed, consumed, later = write(writer, 0), write(writer, 0), write(writer, 1)
+    retention = PayloadRetention(payload_root, 1, fresh=False)
+    retention.claim(0, [streamed, later], delete_on_release=False)
+    retention.claim(0, [consumed])
+    retention.on_policy_update(0)  # sweeps versions < 0: nothing
+    retention.wait()
+    assert stored(payload_root) == {streamed, later}
+    retention.claim(2, [later], delete_on_release=False)  # a later sample names it again
+    retention.on_policy_update(1)  # sweeps versions < 1, unclaimed
+    retention.wait()
+    assert stored(payload_root) == {later}
+    retention.on_policy_update(2)
+    retention.close()
+    assert stored(payload_root) == set()
+    with pytest.raises(ConfigError, match="delete_on_release must be a bool, found 'no'"):
+        retention.claim(3, [later], delete_on_release="no")
+
+
 def test_a_file_stays_until_its_latest_claim_is_released(payload_root):
     writer = PayloadWriter(payload_root)
     twice, once = write(writer, 0), write(writer, 0)
