@@ -68,6 +68,7 @@ class _Family:
         self.titan = name == "torchtitan"
         if self.titan:
             import test_torchtitan_moe_layer as titan
+
             from r3data.replay import torchtitan as replays
 
             self.build = lambda: titan.Decoder()
@@ -101,12 +102,12 @@ class _Family:
         return True
 
     def router_weights(self, model: torch.nn.Module) -> list[torch.nn.Parameter]:
-        """The parameter making each router's logits."""
+        """The weight making each router's logits."""
         if self.titan:
             return [block.moe.router.gate.weight for block in model.layers]
         from hf_helpers import routers_of
 
-        return [router.weight for router in routers_of(model)]
+        return [next(p for p in r.parameters() if p.dim() == 2) for r in routers_of(model)]
 
 
 def _shard(family: _Family, model: torch.nn.Module, spec: dict) -> None:
@@ -139,7 +140,9 @@ def _case(rank: int, spec: dict) -> dict:
         if TITAN.is_dir() and str(TITAN) not in sys.path:
             sys.path.append(str(TITAN))
         if importlib.util.find_spec("torchtitan") is None:
-            return {"unavailable": f"torchtitan is not installed (make titan-env puts it in {TITAN})"}
+            return {
+                "unavailable": f"torchtitan is not installed (make titan-env puts it in {TITAN})"
+            }
     from r3data.replay import hf_inputs
 
     family = _Family(spec["family"])
@@ -154,9 +157,7 @@ def _case(rank: int, spec: dict) -> dict:
     trainer.train()
     checkpointed = family.checkpointing(trainer)
     report["checkpointed"] = checkpointed
-    report["sharded"] = all(
-        type(w).__name__ == "DTensor" for w in family.router_weights(trainer)
-    )
+    report["sharded"] = all(type(w).__name__ == "DTensor" for w in family.router_weights(trainer))
     mask = inputs.token_mask().reshape(inputs.input_ids.shape)
 
     with family.replays.replay(trainer, batch, inputs) as session:
@@ -177,7 +178,10 @@ def _case(rank: int, spec: dict) -> dict:
 
     report.update(_drifted(family, trainer, batch, inputs, recorded))
     report["errors"] = _errors(family, trainer, batch, inputs, recorded)
-    with family.replays.replay(trainer, batch, inputs), family.replays.record(trainer, inputs) as again:
+    with (
+        family.replays.replay(trainer, batch, inputs),
+        family.replays.record(trainer, inputs) as again,
+    ):
         family.forward(trainer, inputs)[mask].float().sum().backward()
     report["replays_after_errors"] = torch.equal(again.routes.values, recorded.values)
     report["seconds"] = time.perf_counter() - started
@@ -222,9 +226,7 @@ def _against_unsharded(family, engine, trainer, batch, inputs, out, mask) -> dic
         expected = family.forward(reference, inputs)
         expected[mask].float().sum().backward()
     worst = 0.0
-    for (name, mine), theirs in zip(
-        trainer.named_parameters(), reference.parameters(), strict=True
-    ):
+    for mine, theirs in zip(trainer.parameters(), reference.parameters(), strict=True):
         if theirs.grad is None:
             continue
         averaged = theirs.grad.clone()
