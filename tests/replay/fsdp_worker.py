@@ -271,6 +271,8 @@ def _drifted(family, trainer, batch, inputs, recorded) -> dict:
 
 def _errors(family, trainer, batch, inputs, recorded) -> dict[str, list]:
     """Each wrong call: the exception's type, message, and whether the model ran first."""
+    from hf_helpers import EXPERTS, VOCAB
+
     from r3data import PackedTensor
 
     ran = []
@@ -287,12 +289,12 @@ def _errors(family, trainer, batch, inputs, recorded) -> dict[str, list]:
             found[name] = [type(error).__name__, str(error), bool(ran)]
 
     big = recorded.values.clone()
-    big[0, -1, 0] = 8
+    big[0, -1, 0] = EXPERTS
     attempt("expert_id_out_of_range", PackedTensor(big, recorded.cu_seqlens))
     top1 = PackedTensor(recorded.values[:, :, :1].contiguous(), recorded.cu_seqlens)
     attempt("other_topk", top1)
     other = inputs.input_ids.clone()
-    other[0, 0] = (other[0, 0] + 1) % 96
+    other[0, 0] = (other[0, 0] + 1) % VOCAB
     attempt("other_input_ids", batch, {"input_ids": other})
     if not family.titan:  # hidden states of another token count reach the routers
         shape = (*inputs.input_ids.shape[:-1], inputs.input_ids.shape[-1] + 2)
