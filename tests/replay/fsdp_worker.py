@@ -41,6 +41,8 @@ CASES: dict[str, dict[str, Any]] = {
     "qwen3_moe_bf16": {"family": "qwen3_moe", "reshard": False, "shard": "layers", "bf16": True},
     "deepseek_v3": {"family": "deepseek_v3", "reshard": False, "shard": "routers", "bf16": False},
     "dbrx": {"family": "dbrx", "reshard": True, "shard": "layers", "bf16": False},
+    "llama4": {"family": "llama4", "reshard": False, "shard": "layers", "bf16": False},
+    "gpt_oss": {"family": "gpt_oss", "reshard": True, "shard": "layers", "bf16": False},
     "torchtitan": {"family": "torchtitan", "reshard": True, "shard": "layers", "bf16": False},
 }
 
@@ -73,13 +75,16 @@ class _Family:
 
             self.build = lambda: titan.Decoder()
             self.replays = replays
+            self.find_routers = replays.find_routers
         else:
             from hf_helpers import tiny_model
 
             from r3data.replay import hf as replays
+            from r3data.replay.hf_routers import find_routers
 
             self.build = lambda: tiny_model(name)[0]
             self.replays = replays
+            self.find_routers = find_routers
 
     def forward(self, model: torch.nn.Module, inputs, **overrides) -> torch.Tensor:
         if self.titan:
@@ -165,6 +170,8 @@ def _case(rank: int, spec: dict) -> dict:
             out = family.forward(trainer, inputs)
         out[mask].float().sum().backward()
     report["probed"] = [site.probed for site in session.routers.sites]
+    report["contract"] = _contracts(session.routers)
+    report["unsharded_contract"] = _contracts(family.find_routers(engine))
     report["replayed_exact"] = torch.equal(used.routes.values, recorded.values)
     report["agreement"] = session.agreement.mean_exact
     report["batch_agreement"] = batch.metadata["agreement"].mean_exact
@@ -186,6 +193,12 @@ def _case(rank: int, spec: dict) -> dict:
     report["replays_after_errors"] = torch.equal(again.routes.values, recorded.values)
     report["seconds"] = time.perf_counter() - started
     return report
+
+
+def _contracts(routers) -> list[list]:
+    """What the probe learnt of each router: the method holding the top-k, how the output
+    carries the pick, whether it selects on raw logits."""
+    return [[site.method, site.carries, site.selects_on_logits] for site in routers.sites]
 
 
 def _rank_batch(family: _Family, engine: torch.nn.Module, rank: int):

@@ -1,9 +1,10 @@
 """Replay under a real FSDP2 (``torch.distributed.fsdp.fully_shard``) on two gloo ranks: tiny
 Qwen3-MoE (fp32, and bf16 mixed precision), DeepSeek-V3 (sigmoid, selection bias,
 group-limited; the router and its MoE block sharded on their own), DBRX (the pick in the
-block's ``route_tokens_to_experts``) and torchtitan's MoE, each rank replaying its own share
-of a batch through ``r3data.loader``. What each rank does is in ``fsdp_worker``; here the
-parent checks what the ranks report.
+block's ``route_tokens_to_experts``), Llama4 (dense scores out), GPT-OSS (selects on raw
+logits) and torchtitan's MoE, each rank replaying its own share of a batch through
+``r3data.loader``. What each rank does is in ``fsdp_worker``; here the parent checks what
+the ranks report.
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ def test_each_rank_replays_exactly_the_recorded_routes_of_its_own_samples(case):
         assert report["sharded"]  # the routers' weights are DTensors before the forward
         assert report["probed"]
         assert all(report["probed"])  # before the forward, on stand-ins of the sharded weights
+        assert report["contract"] == report["unsharded_contract"]  # learnt the same
         assert report["loader_routes_exact"]
         assert report["replayed_exact"]
         assert report["router_grads_nonzero"]
