@@ -44,7 +44,11 @@ CASES: dict[str, dict[str, Any]] = {
     "llama4": {"family": "llama4", "reshard": False, "shard": "layers", "bf16": False},
     "gpt_oss": {"family": "gpt_oss", "reshard": True, "shard": "layers", "bf16": False},
     "torchtitan": {"family": "torchtitan", "reshard": True, "shard": "layers", "bf16": False},
+    # HSDP: replicated over the two ranks, sharded over one (DTensors all the same)
+    "qwen2_moe_hsdp": {"family": "qwen2_moe", "reshard": True, "shard": "layers", "bf16": False},
 }
+#: Cases on a 2-D (replicate, shard) device mesh instead of the default 1-D one.
+MESHES = {"qwen2_moe_hsdp": (WORLD, 1)}
 
 
 def run(rank: int, world: int, port: int) -> dict[str, dict]:
@@ -54,7 +58,7 @@ def run(rank: int, world: int, port: int) -> dict[str, dict]:
     torch.set_num_threads(1)
     warnings.simplefilter("ignore")  # transformers' and torchtitan's deprecations
     try:
-        return {name: _case(rank, spec) for name, spec in CASES.items()}
+        return {name: _case(rank, name, spec) for name, spec in CASES.items()}
     finally:
         torch.distributed.destroy_process_group()
 
@@ -115,10 +119,14 @@ class _Family:
         return [next(p for p in r.parameters() if p.dim() == 2) for r in routers_of(model)]
 
 
-def _shard(family: _Family, model: torch.nn.Module, spec: dict) -> None:
+def _shard(family: _Family, model: torch.nn.Module, name: str, spec: dict) -> None:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     options: dict[str, Any] = {"reshard_after_forward": spec["reshard"]}
+    if name in MESHES:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        options["mesh"] = init_device_mesh("cpu", MESHES[name], mesh_dim_names=("dp", "fsdp"))
     if spec["bf16"]:
         options["mp_policy"] = MixedPrecisionPolicy(
             param_dtype=torch.bfloat16, reduce_dtype=torch.float32
@@ -139,7 +147,7 @@ def _shard(family: _Family, model: torch.nn.Module, spec: dict) -> None:
 # --- one case ---------------------------------------------------------------------------------
 
 
-def _case(rank: int, spec: dict) -> dict:
+def _case(rank: int, name: str, spec: dict) -> dict:
     started = time.perf_counter()
     if spec["family"] == "torchtitan":
         if TITAN.is_dir() and str(TITAN) not in sys.path:
@@ -158,7 +166,7 @@ def _case(rank: int, spec: dict) -> dict:
     report["loader_routes_exact"] = torch.equal(batch["routed_experts"].values, recorded.values)
 
     trainer = copy.deepcopy(engine)
-    _shard(family, trainer, spec)
+    _shard(family, trainer, name, spec)
     trainer.train()
     checkpointed = family.checkpointing(trainer)
     report["checkpointed"] = checkpointed

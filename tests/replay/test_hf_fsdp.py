@@ -25,6 +25,13 @@ from realparts import free_port, unavailable
 
 DEADLINE_S = 240
 CASES = list(fsdp_worker.CASES)
+#: What the probe learns of each family's routers (method with the top-k, how the output
+#: carries the pick, selects on raw logits), where it is not ``forward``, indices, no.
+CONTRACTS = {
+    "dbrx": ["route_tokens_to_experts", "indices", False],
+    "llama4": ["forward", "scores", True],
+    "gpt_oss": ["forward", "indices", True],
+}
 
 
 @pytest.fixture(scope="module")
@@ -55,6 +62,8 @@ def test_each_rank_replays_exactly_the_recorded_routes_of_its_own_samples(case):
         assert report["probed"]
         assert all(report["probed"])  # before the forward, on stand-ins of the sharded weights
         assert report["contract"] == report["unsharded_contract"]  # learnt the same
+        contract = CONTRACTS.get(spec["family"], ["forward", "indices", False])
+        assert report["contract"] == [contract] * len(report["contract"])
         assert report["loader_routes_exact"]
         assert report["replayed_exact"]
         assert report["router_grads_nonzero"]
