@@ -6,11 +6,11 @@ Per case (a model family and an FSDP2 configuration), every rank:
    batch, unsharded; the routes travel as inline rows through ``r3data.loader`` with
    ``DataParallel(rank, 2)``, so each rank gets its own share of the samples;
 2. shards a copy ("the trainer") with ``fully_shard`` per decoder layer (in one case also
-   per MoE block and per router) and the whole model, as FSDP trainers do, and replays its
-   share in a forward and a backward (with activation checkpointing where the family has
-   it): the experts used must be the recorded ones, the agreement 1.0, the outputs those of
-   the unsharded engine replaying the same routes, the gradients its gradients averaged
-   over the ranks;
+   per MoE block and per router; in another on an HSDP mesh) and the whole model, as FSDP
+   trainers do, and replays its share in a forward and a backward (with activation
+   checkpointing where the family has it): the experts used must be the recorded ones, the
+   agreement 1.0 in fp32, the outputs those of the unsharded engine replaying the same
+   routes, the gradients its gradients averaged over the ranks;
 3. drifts the trainer's sharded router weights: its own routing now differs, the replay
    still routes as recorded, and the score threshold replaces some slots;
 4. gets every way to call it wrong, each a ``ReplayError``, and replays fine afterwards.
@@ -34,8 +34,8 @@ GLOBAL_LENGTHS = (5, 9, 3, 7, 4, 6)
 WORLD = 2
 TITAN = Path(__file__).resolve().parents[2] / ".cache" / "torchtitan"
 
-#: name -> family, fully_shard's reshard_after_forward, what is sharded, mixed precision,
-#: activation checkpointing.
+#: name -> family, fully_shard's reshard_after_forward, what is sharded (decoder layers, or
+#: routers and MoE blocks too), bf16 mixed precision.
 CASES: dict[str, dict[str, Any]] = {
     "qwen3_moe": {"family": "qwen3_moe", "reshard": True, "shard": "layers", "bf16": False},
     "qwen3_moe_bf16": {"family": "qwen3_moe", "reshard": False, "shard": "layers", "bf16": True},
