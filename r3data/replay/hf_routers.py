@@ -288,10 +288,9 @@ def _stand_in(tensor: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     as an initialiser would, so that scores neither vanish nor saturate)."""
     if not _sharded(tensor):
         return tensor
-    local = tensor.to_local()
     scale = tensor.shape[-1] ** -0.5 if tensor.dim() else 1.0
     values = torch.randn(tuple(tensor.shape), generator=generator) * scale
-    return values.to(local.device, local.dtype)
+    return values.to(tensor.device, tensor.dtype)
 
 
 def _probe_block(
