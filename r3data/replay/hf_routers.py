@@ -12,17 +12,19 @@ top-k in ``route_tokens_to_experts`` from the router's logits; 5.2x routers retu
 name, each router is probed once on a few random hidden states under a
 :class:`~r3data.replay.tap.TopkTap`: it must run exactly one top-k over its experts and
 return the picked experts (or, Llama4, scores non-zero exactly there); a router that
-returns only logits hands the probe to its block's ``route_tokens_to_experts``. A router
-the probe cannot run standalone (sharded parameters, inputs it alone cannot supply) is
-checked the same way at its first real call instead.
+returns only logits hands the probe to its block's ``route_tokens_to_experts``. Sharded
+(FSDP2 ``DTensor``) weights are replaced by random stand-ins of their full shape while the
+probe runs. A router the probe cannot run standalone (inputs it alone cannot supply, meta
+weights) is checked the same way at its first real call instead.
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import re
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -232,29 +234,63 @@ def _probe(
 ) -> RouterSite | None:
     """Run the router on random hidden states and learn its contract (None: cannot run it)."""
     weight = next((p for p in site.module.parameters() if p.is_floating_point()), None)
-    if weight is None or hidden is None or weight.device.type == "meta" or _sharded(weight):
+    if weight is None or hidden is None or weight.device.type == "meta":
         return None
     generator = torch.Generator().manual_seed(0)
     extra = _extra_inputs(site.module.forward, parent, vocab, generator)
     if extra is None:
         return None
-    extra = tuple(tensor.to(weight.device) for tensor in extra)
+    extra = tuple(_stand_in(tensor, generator).to(weight.device) for tensor in extra)
     states = torch.randn(_PROBE_TOKENS, hidden, generator=generator)
     states = states.to(weight.device, weight.dtype)
     tap, output = None, None
-    for shaped in (states, states.unsqueeze(0)):
-        try:
-            tap, output = _run(site.module.forward, (shaped, *extra), site, weight.device)
-            break
-        except ReplayError:
-            raise
-        except Exception:  # the router cannot run standalone on this shape
-            continue
+    with _unsharded_stand_ins(site.module, generator):
+        for shaped in (states, states.unsqueeze(0)):
+            try:
+                tap, output = _run(site.module.forward, (shaped, *extra), site, weight.device)
+                break
+            except ReplayError:
+                raise
+            except Exception:  # the router cannot run standalone on this shape
+                continue
     if tap is None:
         return None
     if tap.calls == 0:
         return _probe_block(site, parent, output, weight.device)
     return _contract(site, tap, output)
+
+
+@contextlib.contextmanager
+def _unsharded_stand_ins(module: torch.nn.Module, generator: torch.Generator) -> Iterator[None]:
+    """While the probe runs, random tensors of the full shape stand in for the module's
+    sharded (FSDP2 ``DTensor``) parameters and buffers: a router's contract does not depend
+    on its weights' values, and gathering them would be a collective on one rank's call.
+    The module's own tensors are back on exit."""
+    swapped = []
+    try:
+        for owner in module.modules():
+            for store in (owner._parameters, owner._buffers):
+                for name, tensor in list(store.items()):
+                    if tensor is not None and _sharded(tensor):
+                        stand_in = _stand_in(tensor, generator)
+                        if store is owner._parameters:
+                            stand_in = torch.nn.Parameter(stand_in, requires_grad=False)
+                        swapped.append((store, name, tensor))
+                        store[name] = stand_in
+        yield
+    finally:
+        for store, name, tensor in reversed(swapped):
+            store[name] = tensor
+
+
+def _stand_in(tensor: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """``tensor`` itself, or for a sharded one a local random tensor of its full shape (scaled
+    as an initialiser would, so that scores neither vanish nor saturate)."""
+    if not _sharded(tensor):
+        return tensor
+    scale = tensor.shape[-1] ** -0.5 if tensor.dim() else 1.0
+    values = torch.randn(tuple(tensor.shape), generator=generator) * scale
+    return values.to(tensor.device, tensor.dtype)
 
 
 def _probe_block(
