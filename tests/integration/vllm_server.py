@@ -18,6 +18,7 @@ from typing import Any
 
 from realparts import free_port
 from server_helpers import ServerError, ServerProcess, not_installed
+from tiny_moe import VOCAB_SIZE
 
 REPO = Path(__file__).resolve().parents[2]
 VENV_ENV = "R3DATA_VLLM_VENV"
@@ -142,6 +143,16 @@ def start(checkpoint: Path, log_path: Path) -> VllmServer:
         "--seed",
         "0",
         "--enable-return-routed-experts",
+        # The tokens endpoint (`/inference/v1/generate`) and its native sampling masks. With
+        # masks on, vLLM refuses a request with top_k <= 0 (v1/engine/input_processor.py): the
+        # OpenAI endpoints default top_k to the whole vocabulary, which samples exactly as
+        # top_k 0 does (v1/worker/gpu/sample/states.py), so their responses do not change.
+        "--enable-scale-out",
+        "--return-sampling-mask",
+        "--logprobs-mode",  # masks require it (config/vllm.py); no test here asks logprobs
+        "processed_logprobs",
+        "--override-generation-config",
+        json.dumps({"top_k": VOCAB_SIZE}),
     ]
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     env.update(SERVER_ENV)
