@@ -478,3 +478,49 @@ def test_sglang_sglext_ids_give_the_routed_choice_its_lengths():
     short = body.replace(b'"output_ids":[[4,5]', b'"output_ids":[[4]')
     with pytest.raises(EngineRoutesError, match=r"expected 3 route rows .* found 4"):
         decode("sglang-openai", short, num_layers=LAYERS, topk=TOPK)
+
+
+def _framed_stream(*ids_events: dict) -> bytes:
+    """A chat stream of one choice (prompt 3, completion 2), its routes in a ``"choices": []``
+    chunk, then each of ``ids_events`` as an ``event: sglext_ids`` chunk."""
+    content = _chunk([{"index": 0, "delta": {"content": "x"}, "finish_reason": None}])
+    routed = _chunk([], sglext={"routed_experts": flat_int32(engine_rows(5))})
+    framed = b"".join(
+        b"event: sglext_ids\ndata: " + _chunk([], sglext=e) + b"\n\n" for e in ids_events
+    )
+    return b"data: " + content + b"\n\ndata: " + routed + b"\n\n" + framed + b"data: [DONE]\n\n"
+
+
+def test_sglang_chat_stream_refuses_an_sglext_field_sent_twice():
+    """SGLang sends each sglext field once (``SglExt.split_ids``: the ids in one chunk, the
+    rest in the other): a repeated ids event, the same or another, is not merged silently
+    (the later one gave other lengths that fit the same rows: prompt 2, completion 3)."""
+    ids = {"input_ids": [1, 2, 3], "output_ids": [[4, 5]]}
+    (choice,) = decode("sglang-openai", _framed_stream(ids), num_layers=LAYERS, topk=TOPK)
+    assert (choice.sources[0].meta["prompt_len"], choice.sources[0].meta["completion_len"]) == (
+        3,
+        2,
+    )
+    other = {"input_ids": [1, 2], "output_ids": [[4, 5, 6]]}
+    for repeated in ([ids, ids], [ids, other]):
+        with pytest.raises(WireFormatError, match=r"event 3: a second 'sglext.input_ids'"):
+            decode("sglang-openai", _framed_stream(*repeated), num_layers=LAYERS, topk=TOPK)
+
+
+@pytest.mark.parametrize(
+    ("ids", "match"),
+    [
+        ({"input_ids": "abc"}, r"sglext.input_ids: expected a list of token ids, found str"),
+        (
+            {"output_ids": [4, 5]},
+            r"sglext.output_ids\[0\]: expected a list of token ids, found int",
+        ),
+        ({"output_ids": {"0": [4, 5]}}, r"sglext.output_ids: expected a list .* found dict"),
+        ({"output_ids": []}, r"sglext.output_ids: expected the ids of choice 0 .* found 0 lists"),
+    ],
+)
+def test_sglang_sglext_ids_of_another_form_are_refused(ids, match):
+    """``input_ids`` is a list of ids, ``output_ids`` one such list per choice (SglExt
+    0.5.23): another form is an error, not lengths quietly left unchecked."""
+    with pytest.raises(WireFormatError, match=match):
+        decode("sglang-openai", _framed_stream(ids), num_layers=LAYERS, topk=TOPK)
