@@ -55,6 +55,10 @@ class DataParallel:
         return cls(rank=dist.get_rank(group), size=dist.get_world_size(group), group=group)
 
 
+FAILED = "error"
+"""The plan entry of a rank whose loader failed before it could plan (its error)."""
+
+
 def agree_on_plan(plan: dict[str, Any], group: Any) -> None:
     """Every rank of ``group`` holds the same ``plan`` (a collective, on every rank): ranks that
     split steps differently would train some samples twice and others never, or run different
@@ -64,7 +68,8 @@ def agree_on_plan(plan: dict[str, Any], group: Any) -> None:
 
     plans: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(plans, plan, group=group)
-    for name in dict.fromkeys(name for p in plans for name in p):  # rank 0's order first
+    # a failed rank's error first, then rank 0's order
+    for name in dict.fromkeys([FAILED, *(name for p in plans for name in p)]):
         values = [p.get(name) for p in plans]
         if any(v != values[0] for v in values):
             found = ", ".join(f"rank {r} {name}={v!r}" for r, v in enumerate(values))

@@ -85,6 +85,7 @@ def run(rank: int, world: int, store: str, lengths: list[int]) -> dict:
         "micro_batches": refusal(samples, micro_batches={"size": 1 + rank}),
         "shard": refusal(samples[rank::world]),  # each rank given its own shard
         "unreadable": refusal(Unreadable(samples) if rank else samples),  # no hang
+        "failed": refusal(iter(samples) if rank else samples),  # shuffled: refused before the plan
     }
     dist.barrier()
     dist.destroy_process_group()

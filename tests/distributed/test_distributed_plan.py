@@ -61,6 +61,7 @@ def test_ranks_of_a_real_group_plan_alike_and_refuse_differing_plans(tmp_path):
         ("micro_batches", "rank 0 micro_batches=[1, None], rank 1 micro_batches=[2, None]"),
         ("shard", "rank 0 samples=5, rank 1 samples=4"),
         ("unreadable", "rank 1 samples='unreadable (OSError: sample 5 is unreadable here)'"),
+        ("failed", "rank 0 error=None, rank 1 error='ConfigError: shuffle needs a map-style"),
     ):
         refusals = {report[name] for report in reports.values()}
         assert len(refusals) == 1, name  # the same error on every rank: none waits for another
