@@ -273,17 +273,19 @@ def _rollout(obj: Any, sample_id: str, trace: TraceOptions) -> RolloutSample:
 
 def field_forms(
     samples: Iterable[tuple[int, Any]], fields: Sequence[str], trace: TraceOptions
-) -> dict[str, FieldInfo] | None:
+) -> dict[str, FieldInfo]:
     """Each field's dtype, row shape and raggedness, from the first of ``(index, raw
-    sample)`` whose trace has rows of every field (None: none has); no row is read or
+    sample)`` whose trace has rows of it (a field none has is left out); no row is read or
     decoded. A micro-batch without a sample of its own takes its fields' form from its step:
     its forward still runs, with an empty route tensor per MoE layer. A sample that cannot be
     normalised is skipped here: the rank that owns it reports it."""
+    forms: dict[str, FieldInfo] = {}
     for index, raw in samples:
         try:
             info = as_rollout(raw, index, trace).trace.info
         except R3DataError:
             continue
-        if all(name in info for name in fields):
-            return {name: info[name] for name in fields}
-    return None
+        forms.update((name, info[name]) for name in fields if name in info and name not in forms)
+        if len(forms) == len(fields):
+            break
+    return forms
