@@ -192,11 +192,9 @@ def _is_npy(value: object) -> bool:
 
 
 def _sends_vllm_rows(choice: Mapping[str, Any]) -> bool:
-    """A ``.npy`` string of routes, or a native mask beside routes that are no envelope."""
+    """A ``.npy`` string of routes, or a native mask beside null routes (not an envelope)."""
     routes = choice.get(ROUTES_FIELD)
-    return _is_npy(routes) or (
-        isinstance(choice.get(MASK_FIELD), list) and (routes is None or _is_npy(routes))
-    )
+    return _is_npy(routes) or (routes is None and isinstance(choice.get(MASK_FIELD), list))
 
 
 def _sends_npy(doc: object) -> bool:
