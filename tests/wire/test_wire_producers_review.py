@@ -303,6 +303,34 @@ def test_vllm_tokens_stream_sampling_mask_deltas_join_per_choice():
     np.testing.assert_array_equal(first.sources[0].array, routes[0])
 
 
+def test_vllm_tokens_stream_mask_rows_stay_with_their_delta_s_tokens():
+    """Each chunk's mask rows are its delta's tokens' kept sets: a delta with more or fewer
+    rows than tokens would shift every later kept set onto another token, though the total
+    still matches the completion."""
+    routes = engine_rows(7)  # prompt 4 + completion 3
+    deltas = [([10, 11], [[1]]), ([12], [[2], [3]])]  # 2 tokens + 1 row, 1 token + 2 rows
+    events = []
+    for number, (ids, mask) in enumerate(deltas):
+        done = number == len(deltas) - 1
+        choice = {
+            "index": 0,
+            "finish_reason": "length" if done else None,
+            "token_ids": ids,
+            "routed_experts": common.npy_b64(routes.astype(np.uint8)) if done else None,
+            "sampling_mask": mask,
+        }
+        chunk = {"request_id": "r", "choices": [choice]}
+        if number == 0:
+            chunk["prompt_token_ids"] = [0, 1, 2, 3]
+        events.append(common.starlette_body(chunk))
+    with pytest.raises(
+        WireFormatError,
+        match=r"event 0: choice 0 sampling_mask: expected one kept set per token of the delta "
+        r"\(2\), found 1",
+    ):
+        decode("vllm", common.sse(events))
+
+
 def test_primerl_tokens_endpoint_passes_vllm_sampling_mask_through():
     """renderers 0.1.12 (client.py ``generate``) reads prime-rl's ``choices[0].sampling_mask``
     as vLLM's native kept-id lists next to prime-rl's route envelope."""

@@ -165,6 +165,11 @@ def _assemble(raw: Any) -> dict[str, Any]:
                         f"{what}: choice {index} {MASK_FIELD}: expected a list of kept-id "
                         f"lists, found {type(mask).__name__}"
                     )
+                if isinstance(ids, list) and len(mask) != len(ids):
+                    raise WireFormatError(
+                        f"{what}: choice {index} {MASK_FIELD}: expected one kept set per token "
+                        f"of the delta ({len(ids)}), found {len(mask)}"
+                    )
                 merged.setdefault(MASK_FIELD, []).extend(mask)
             routes = part.get(ROUTES_FIELD)
             if routes is None:
