@@ -52,7 +52,13 @@ class DataParallel:
                 "init_process_group first, or give DataParallel(rank=..., size=...)"
             )
         group = dist.group.WORLD if group is None else group
-        return cls(rank=dist.get_rank(group), size=dist.get_world_size(group), group=group)
+        rank = dist.get_rank(group)
+        if rank < 0:  # torch's answer for a process outside the group
+            raise ConfigError(
+                f"DataParallel.from_torch: expected a group this process belongs to (its "
+                f"data-parallel group), found one without it (rank {rank})"
+            )
+        return cls(rank=rank, size=dist.get_world_size(group), group=group)
 
 
 FAILED = "error"
