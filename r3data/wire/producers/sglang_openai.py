@@ -16,7 +16,7 @@ serving_chat.py ``_generate_chat_stream``):
 - A chat stream sends no routes with its content chunks, then one extra chunk with
   ``"choices": []`` and ``sglext.routed_experts``; with ``x-sglext-ids-framed: 1`` the
   sglext ids (``input_ids``, ``output_ids``) follow in a second such chunk (``event:
-  sglext_ids``): the chunks' sglext fields are merged, routes sent once.
+  sglext_ids``): the chunks' sglext fields are merged, each sent once.
 - Chat with ``return_meta_info`` (0.5.23): no ``sglext.routed_experts``; each choice carries
   its own sequence's ``meta_info`` (``routed_experts``, ``prompt_tokens``,
   ``completion_tokens``, with ``return_sampling_mask`` its ``output_token_sampling_mask``),
