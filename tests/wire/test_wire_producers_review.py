@@ -257,6 +257,10 @@ def test_vllm_routes_alone_never_need_the_mask_placed():
         ([[1, 5], [2], [True]], r"expected lists of token ids"),
         ([[1, 5], 2, [3]], r"expected lists of token ids"),
         ({"ids": [1]}, r"expected a list of kept-id lists"),
+        (
+            [[1, 5], [2], [2**63]],
+            r"\[2\]: expected token ids in \[0, 2147483647\], found 9223372036854775808",
+        ),
     ],
 )
 def test_vllm_sampling_mask_that_is_not_one_list_of_ids_per_token_is_refused(mask, match):
