@@ -74,15 +74,15 @@ def agree_on_plan(plan: dict[str, Any], group: Any) -> None:
 
     plans: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(plans, plan, group=group)
-    # a failed rank's error first, then rank 0's order
-    for name in dict.fromkeys([FAILED, *(name for p in plans for name in p)]):
+    names = [*dict.fromkeys(name for p in plans for name in p if name != FAILED)]
+    for name in [FAILED, *names]:  # a failed rank's error first, then rank 0's order
         values = [p.get(name) for p in plans]
         if any(v != values[0] for v in values):
             found = ", ".join(f"rank {r} {name}={v!r}" for r, v in enumerate(values))
             raise ConfigError(
                 f"data-parallel ranks plan differently: expected the same {name} on every rank "
                 f"of the group, found {found}; give every rank the same samples and loader "
-                f"options ({', '.join(plans[0])})"
+                f"options ({', '.join(names)})"
             )
 
 
