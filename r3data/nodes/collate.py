@@ -114,7 +114,7 @@ class CollateRollouts:
     ) -> TensorBatch:
         """One batch of ``rollouts``; a :class:`MicroBatch` adds its step to the metadata.
         ``forms`` (:func:`~r3data.nodes.sample.field_forms`) give a batch without a sample its
-        fields' dtype, row shape and raggedness (else: 1-D, uint8)."""
+        fields' dtype, row shape and raggedness (a field without one: 1-D, uint8)."""
         micro = rollouts if isinstance(rollouts, MicroBatch) else None
         rollouts = micro.items if micro is not None else rollouts
         kept = [r for r in rollouts if r.stitched is not None]
@@ -134,7 +134,7 @@ class CollateRollouts:
                 stitched = [r.stitched[name] for r in kept]
             else:
                 stitched = [_localized(r.stitched[name], ranges[i]) for i, r in enumerate(kept)]
-            form = None if kept or forms is None else forms[name]
+            form = None if kept or forms is None else forms.get(name)
             if form is not None:
                 filled = FilledField(_empty(form, self._dtype(name, [], form)), np.zeros(0, bool))
             else:

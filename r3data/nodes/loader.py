@@ -18,9 +18,10 @@ pipeline then waits on forever.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from torchdata.nodes import BaseNode, Loader, Mapper, Prefetcher
@@ -33,7 +34,7 @@ from r3data.nodes.options import CollateOptions, TraceOptions
 from r3data.nodes.sample import field_forms
 from r3data.nodes.screen import ScreenOptions
 from r3data.nodes.source import MicroBatch, StepSource
-from r3data.nodes.steps import DataParallel, MicroBatches, Shuffle, agree_on_plan
+from r3data.nodes.steps import FAILED, DataParallel, MicroBatches, Shuffle, agree_on_plan
 from r3data.nodes.stitcher import StitchRollout
 from r3data.options import as_options, checked_keywords
 from r3data.parallel import pool_workers
@@ -172,6 +173,18 @@ def _check_ranks(
         )
 
 
+@contextlib.contextmanager
+def _failing_together(group: Any) -> Iterator[None]:
+    """A rank of ``group`` whose loader fails before the plan check still joins it, naming
+    the failure (the others would wait on it forever): every rank raises the same error."""
+    try:
+        yield
+    except Exception as exc:
+        if group is not None:
+            agree_on_plan({FAILED: f"{type(exc).__name__}: {exc}"}, group)
+        raise
+
+
 def _agreed(source: StepSource, group: Any) -> None:
     """Check that every rank of ``group`` plans alike; a rank that cannot read its samples
     still joins the collective (the others would wait on it forever), then raises."""
@@ -247,50 +260,53 @@ def loader(
 
     A misspelt keyword or option is a :class:`~r3data.errors.ConfigError` naming it.
     """
-    checked_int("batch_size", batch_size, minimum=1)
-    checked_int("prefetch", prefetch)
-    checked_int("start_step", start_step)
     ranks = as_options(DataParallel, data_parallel, "data_parallel")
-    if batch_size % ranks.size:
-        raise ConfigError(
-            f"batch_size: expected a multiple of the {ranks.size} data-parallel ranks (each "
-            f"takes an equal share of a step), found {batch_size}"
+    with _failing_together(ranks.group):  # before the plan check: every rank must reach it
+        checked_int("batch_size", batch_size, minimum=1)
+        checked_int("prefetch", prefetch)
+        checked_int("start_step", start_step)
+        if batch_size % ranks.size:
+            raise ConfigError(
+                f"batch_size: expected a multiple of the {ranks.size} data-parallel ranks (each "
+                f"takes an equal share of a step), found {batch_size}"
+            )
+        if not isinstance(drop_last, bool):
+            raise ConfigError(f"drop_last: expected a bool, found {drop_last!r}")
+        micro = (
+            None
+            if micro_batches is None
+            else as_options(MicroBatches, micro_batches, "micro_batches")
         )
-    if not isinstance(drop_last, bool):
-        raise ConfigError(f"drop_last: expected a bool, found {drop_last!r}")
-    micro = (
-        None if micro_batches is None else as_options(MicroBatches, micro_batches, "micro_batches")
-    )
-    trace = as_options(TraceOptions, trace, "trace")
-    collate = as_options(CollateOptions, collate, "collate")
-    screen = _screen(screen, num_experts)
-    if retention is not None and not isinstance(retention, PayloadRetention):
-        raise ConfigError(
-            f"retention: expected a PayloadRetention, found {type(retention).__name__}"
+        trace = as_options(TraceOptions, trace, "trace")
+        collate = as_options(CollateOptions, collate, "collate")
+        screen = _screen(screen, num_experts)
+        if retention is not None and not isinstance(retention, PayloadRetention):
+            raise ConfigError(
+                f"retention: expected a PayloadRetention, found {type(retention).__name__}"
+            )
+        _check_ranks(retention, ranks, layout)
+        if (
+            trace.on_gap == "drop_sample"
+            and layout is not None
+            and not (layout.cp_size == 1 and layout.sp_size == 1)
+        ):
+            raise ConfigError(
+                f"trace.on_gap='drop_sample' with a rank-local {layout}: each rank reads only its "
+                "rows of a sample, so the ranks of one micro-batch could drop different samples; "
+                "use 'drop_routes' (the default) or 'raise'"
+            )
+        threads = pool_workers() if collate.workers is None else collate.workers
+        source = StepSource(
+            samples,
+            batch_size=batch_size,
+            dp_rank=ranks.rank,
+            dp_size=ranks.size,
+            micro_batches=micro,
+            shuffle=_shuffle(shuffle),
+            drop_last=drop_last,
+            start_step=start_step,
+            retention=retention,
         )
-    _check_ranks(retention, ranks, layout)
-    if (
-        trace.on_gap == "drop_sample"
-        and layout is not None
-        and not (layout.cp_size == 1 and layout.sp_size == 1)
-    ):
-        raise ConfigError(
-            f"trace.on_gap='drop_sample' with a rank-local {layout}: each rank reads only its "
-            "rows of a sample, so the ranks of one micro-batch could drop different samples; "
-            "use 'drop_routes' (the default) or 'raise'"
-        )
-    threads = pool_workers() if collate.workers is None else collate.workers
-    source = StepSource(
-        samples,
-        batch_size=batch_size,
-        dp_rank=ranks.rank,
-        dp_size=ranks.size,
-        micro_batches=micro,
-        shuffle=_shuffle(shuffle),
-        drop_last=drop_last,
-        start_step=start_step,
-        retention=retention,
-    )
     if ranks.group is not None:  # DataParallel.from_torch: a real group to check the plan on
         _agreed(source, ranks.group)
     stitch = StitchRollout(

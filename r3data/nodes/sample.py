@@ -121,7 +121,7 @@ def _trace_of(
         raise TraceError("expected a 'trace' or 'requests', found neither")
     builder = TraceBuilder(sample_id, **trace_options.builder_options)
     files: set[str] = set()
-    for number, request in enumerate(requests):
+    for number, request in enumerate(_iterable("'requests'", "requests", requests)):
         if not (
             (type(request) is dict or isinstance(request, Mapping))
             and "prompt_len" in request
@@ -133,13 +133,22 @@ def _trace_of(
             )
         prompt_len, completion_len = request["prompt_len"], request["completion_len"]
         sources: list[Source] = []
-        for source in request.get("sources", ()):
+        for source in _iterable(
+            f"request {number} 'sources'", "sources", request.get("sources", ())
+        ):
             sources += source_rows(source, prompt_len=prompt_len, completion_len=completion_len)
         builder.add_request(prompt_len, completion_len, sources)
         for row in sources:
             if isinstance(row, PayloadSegment):
                 files.add(row.file)
     return builder.build(), tuple(sorted(files)) if files else ()
+
+
+def _iterable(what: str, items_name: str, items: object) -> Iterable[Any]:
+    """``items``, which a sample lists: anything iterable but a string, bytes or a number."""
+    if not isinstance(items, Iterable) or isinstance(items, str | bytes):
+        raise TraceError(f"{what}: expected a list of {items_name}, found {type(items).__name__}")
+    return items
 
 
 def sample_id_of(obj: Any, index: int) -> str:
@@ -273,17 +282,19 @@ def _rollout(obj: Any, sample_id: str, trace: TraceOptions) -> RolloutSample:
 
 def field_forms(
     samples: Iterable[tuple[int, Any]], fields: Sequence[str], trace: TraceOptions
-) -> dict[str, FieldInfo] | None:
+) -> dict[str, FieldInfo]:
     """Each field's dtype, row shape and raggedness, from the first of ``(index, raw
-    sample)`` whose trace has rows of every field (None: none has); no row is read or
+    sample)`` whose trace has rows of it (a field none has is left out); no row is read or
     decoded. A micro-batch without a sample of its own takes its fields' form from its step:
     its forward still runs, with an empty route tensor per MoE layer. A sample that cannot be
     normalised is skipped here: the rank that owns it reports it."""
+    forms: dict[str, FieldInfo] = {}
     for index, raw in samples:
         try:
             info = as_rollout(raw, index, trace).trace.info
         except R3DataError:
             continue
-        if all(name in info for name in fields):
-            return {name: info[name] for name in fields}
-    return None
+        forms.update((name, info[name]) for name in fields if name in info and name not in forms)
+        if len(forms) == len(fields):
+            break
+    return forms

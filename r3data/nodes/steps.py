@@ -52,7 +52,17 @@ class DataParallel:
                 "init_process_group first, or give DataParallel(rank=..., size=...)"
             )
         group = dist.group.WORLD if group is None else group
-        return cls(rank=dist.get_rank(group), size=dist.get_world_size(group), group=group)
+        rank = dist.get_rank(group)
+        if rank < 0:  # torch's answer for a process outside the group
+            raise ConfigError(
+                f"DataParallel.from_torch: expected a group this process belongs to (its "
+                f"data-parallel group), found one without it (rank {rank})"
+            )
+        return cls(rank=rank, size=dist.get_world_size(group), group=group)
+
+
+FAILED = "error"
+"""The plan entry of a rank whose loader failed before it could plan (its error)."""
 
 
 def agree_on_plan(plan: dict[str, Any], group: Any) -> None:
@@ -64,14 +74,15 @@ def agree_on_plan(plan: dict[str, Any], group: Any) -> None:
 
     plans: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(plans, plan, group=group)
-    for name in dict.fromkeys(name for p in plans for name in p):  # rank 0's order first
+    names = [*dict.fromkeys(name for p in plans for name in p if name != FAILED)]
+    for name in [FAILED, *names]:  # a failed rank's error first, then rank 0's order
         values = [p.get(name) for p in plans]
         if any(v != values[0] for v in values):
             found = ", ".join(f"rank {r} {name}={v!r}" for r, v in enumerate(values))
             raise ConfigError(
                 f"data-parallel ranks plan differently: expected the same {name} on every rank "
                 f"of the group, found {found}; give every rank the same samples and loader "
-                f"options ({', '.join(plans[0])})"
+                f"options ({', '.join(names)})"
             )
 
 

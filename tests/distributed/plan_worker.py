@@ -78,13 +78,20 @@ def run(rank: int, world: int, store: str, lengths: list[int]) -> dict:
     resumed = loader(samples, data_parallel=DataParallel.from_torch(), **OPTIONS)
     resumed.load_state_dict(first.state_dict())
     rest = [record(b) for b in resumed]
+    solo = dist.new_group([0])  # rank 1 is no member of it
+    try:
+        member = str(DataParallel.from_torch(solo))
+    except ConfigError as exc:
+        member = str(exc)
     report = {
+        "member": member,
         "whole": whole,
         "rest": rest,
         "batch_size": refusal(samples, batch_size=4 * (rank + 1)),
         "micro_batches": refusal(samples, micro_batches={"size": 1 + rank}),
         "shard": refusal(samples[rank::world]),  # each rank given its own shard
         "unreadable": refusal(Unreadable(samples) if rank else samples),  # no hang
+        "failed": refusal(iter(samples) if rank else samples),  # shuffled: refused before the plan
     }
     dist.barrier()
     dist.destroy_process_group()

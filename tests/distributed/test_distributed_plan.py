@@ -55,12 +55,17 @@ def test_ranks_of_a_real_group_plan_alike_and_refuse_differing_plans(tmp_path):
             seen += indices
         assert report["rest"] == got[plan_worker.CUT :]
     assert sorted(seen) == list(range(len(LENGTHS)))
+    assert reports[0]["member"] == "DataParallel(rank=0, size=1)"
+    assert reports[1]["member"].startswith(
+        "DataParallel.from_torch: expected a group this process belongs to"
+    )
     assert any(not g[3] for r in reports.values() for g in r["whole"])  # an empty micro-batch
     for name, message in (
         ("batch_size", "rank 0 batch_size=4, rank 1 batch_size=8"),
         ("micro_batches", "rank 0 micro_batches=[1, None], rank 1 micro_batches=[2, None]"),
         ("shard", "rank 0 samples=5, rank 1 samples=4"),
         ("unreadable", "rank 1 samples='unreadable (OSError: sample 5 is unreadable here)'"),
+        ("failed", "rank 0 error=None, rank 1 error='ConfigError: shuffle needs a map-style"),
     ):
         refusals = {report[name] for report in reports.values()}
         assert len(refusals) == 1, name  # the same error on every rank: none waits for another

@@ -193,3 +193,28 @@ def test_an_empty_micro_batch_takes_its_form_past_another_rank_s_bad_sample(tmp_
     owner = iter(loader(samples, data_parallel=DataParallel(rank=1, size=2), **options))
     with pytest.raises(TraceError, match=r"sample 's0' \(index 0\): request 0: expected a dict"):
         next(owner)
+
+
+def test_a_field_no_sample_has_leaves_the_other_fields_their_form(tmp_path):
+    """A step whose samples all lack their masks (greedy: no kept sets) drops them; every
+    rank's micro-batch is empty, and its routes keep ``[layers, topk]`` rows from the samples
+    that have them: the forward still runs."""
+    samples = masked_samples(tmp_path, [9, 12, 16], np.random.default_rng(4))
+    for sample in samples:
+        request = sample["requests"][0]
+        request["sources"] = [s for s in request["sources"] if s.field == "routed_experts"]
+    options = {
+        "batch_size": 4,
+        "micro_batches": {"size": 1},
+        "num_experts": EXPERTS,
+        "payload_root": tmp_path,
+        "collate": {"fields": FIELDS, "workers": 1},
+    }
+    for rank in range(2):
+        batches = list(loader(samples, data_parallel=DataParallel(rank=rank, size=2), **options))
+        assert [b["sample_id"] for b in batches] == [[], []]
+        for batch in batches:
+            assert batch["routed_experts"].row_shape == (LAYERS, TOPK)
+            assert [tuple(t.shape) for t in expand(batch["routed_experts"], TokenLayout())] == [
+                (0, TOPK)
+            ] * LAYERS

@@ -14,12 +14,14 @@ import torch
 
 from r3data import loader
 from r3data.errors import TraceError
-from r3data.nodes.sample import as_rollout, sample_files
+from r3data.nodes.options import TraceOptions
+from r3data.nodes.sample import as_rollout, field_forms, sample_files
 from r3data.payload import PayloadWriter
 from r3data.trace import TraceBuilder
 from r3data.wire.rows import InlineRows
 
 LAYERS, TOPK = 2, 2
+ROUTES = "routed_experts"
 TURNS = ((3, 2), (6, 3))  # (prompt_len, completion_len): the second extends the first
 TOKENS = 9
 
@@ -186,3 +188,34 @@ def test_lengths_that_are_not_counts_are_refused(lengths, message):
     }
     with pytest.raises(TraceError, match=rf"sample 'l' \(index 0\): {message}"):
         as_rollout(sample, 0)
+
+
+@pytest.mark.parametrize(
+    ("sample", "match"),
+    [
+        ({"requests": 5}, r"'requests': expected a list of requests, found int"),
+        (
+            {"requests": [{"prompt_len": 3, "completion_len": 2, "sources": 5}]},
+            r"request 0 'sources': expected a list of sources, found int",
+        ),
+    ],
+)
+def test_requests_or_sources_that_are_no_list_are_a_trace_error(sample, match):
+    """A TypeError from iterating them was untyped, and broke another rank's empty
+    micro-batch, which skips a sample it cannot read (its owner reports it)."""
+    bad = {"id": "bad", "token_ids": np.arange(TOKENS), **sample}
+    with pytest.raises(TraceError, match=match):
+        as_rollout(bad, 0, TraceOptions())
+    good = {
+        "id": "good",
+        "token_ids": np.arange(TOKENS),
+        "requests": [
+            {
+                "prompt_len": 3,
+                "completion_len": 2,
+                "sources": [InlineRows(ROUTES, rows(0, 4, 1), 0)],
+            }
+        ],
+    }
+    forms = field_forms([(0, bad), (1, good)], (ROUTES,), TraceOptions())
+    assert forms[ROUTES].row_shape == (LAYERS, TOPK)

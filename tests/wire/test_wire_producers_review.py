@@ -257,6 +257,10 @@ def test_vllm_routes_alone_never_need_the_mask_placed():
         ([[1, 5], [2], [True]], r"expected lists of token ids"),
         ([[1, 5], 2, [3]], r"expected lists of token ids"),
         ({"ids": [1]}, r"expected a list of kept-id lists"),
+        (
+            [[1, 5], [2], [2**63]],
+            r"\[2\]: expected token ids in \[0, 2147483647\], found 9223372036854775808",
+        ),
     ],
 )
 def test_vllm_sampling_mask_that_is_not_one_list_of_ids_per_token_is_refused(mask, match):
@@ -301,6 +305,34 @@ def test_vllm_tokens_stream_sampling_mask_deltas_join_per_choice():
     assert _mask_rows(first) == [(4, [[0, 10], [1, 11], [2, 12]])]
     assert _mask_rows(second) == [(4, [[0, 10], [1, 11]])]
     np.testing.assert_array_equal(first.sources[0].array, routes[0])
+
+
+def test_vllm_tokens_stream_mask_rows_stay_with_their_delta_s_tokens():
+    """Each chunk's mask rows are its delta's tokens' kept sets: a delta with more or fewer
+    rows than tokens would shift every later kept set onto another token, though the total
+    still matches the completion."""
+    routes = engine_rows(7)  # prompt 4 + completion 3
+    deltas = [([10, 11], [[1]]), ([12], [[2], [3]])]  # 2 tokens + 1 row, 1 token + 2 rows
+    events = []
+    for number, (ids, mask) in enumerate(deltas):
+        done = number == len(deltas) - 1
+        choice = {
+            "index": 0,
+            "finish_reason": "length" if done else None,
+            "token_ids": ids,
+            "routed_experts": common.npy_b64(routes.astype(np.uint8)) if done else None,
+            "sampling_mask": mask,
+        }
+        chunk = {"request_id": "r", "choices": [choice]}
+        if number == 0:
+            chunk["prompt_token_ids"] = [0, 1, 2, 3]
+        events.append(common.starlette_body(chunk))
+    with pytest.raises(
+        WireFormatError,
+        match=r"event 0: choice 0 sampling_mask: expected one kept set per token of the delta "
+        r"\(2\), found 1",
+    ):
+        decode("vllm", common.sse(events))
 
 
 def test_primerl_tokens_endpoint_passes_vllm_sampling_mask_through():
@@ -478,3 +510,49 @@ def test_sglang_sglext_ids_give_the_routed_choice_its_lengths():
     short = body.replace(b'"output_ids":[[4,5]', b'"output_ids":[[4]')
     with pytest.raises(EngineRoutesError, match=r"expected 3 route rows .* found 4"):
         decode("sglang-openai", short, num_layers=LAYERS, topk=TOPK)
+
+
+def _framed_stream(*ids_events: dict) -> bytes:
+    """A chat stream of one choice (prompt 3, completion 2), its routes in a ``"choices": []``
+    chunk, then each of ``ids_events`` as an ``event: sglext_ids`` chunk."""
+    content = _chunk([{"index": 0, "delta": {"content": "x"}, "finish_reason": None}])
+    routed = _chunk([], sglext={"routed_experts": flat_int32(engine_rows(5))})
+    framed = b"".join(
+        b"event: sglext_ids\ndata: " + _chunk([], sglext=e) + b"\n\n" for e in ids_events
+    )
+    return b"data: " + content + b"\n\ndata: " + routed + b"\n\n" + framed + b"data: [DONE]\n\n"
+
+
+def test_sglang_chat_stream_refuses_an_sglext_field_sent_twice():
+    """SGLang sends each sglext field once (``SglExt.split_ids``: the ids in one chunk, the
+    rest in the other): a repeated ids event, the same or another, is not merged silently
+    (the later one gave other lengths that fit the same rows: prompt 2, completion 3)."""
+    ids = {"input_ids": [1, 2, 3], "output_ids": [[4, 5]]}
+    (choice,) = decode("sglang-openai", _framed_stream(ids), num_layers=LAYERS, topk=TOPK)
+    assert (choice.sources[0].meta["prompt_len"], choice.sources[0].meta["completion_len"]) == (
+        3,
+        2,
+    )
+    other = {"input_ids": [1, 2], "output_ids": [[4, 5, 6]]}
+    for repeated in ([ids, ids], [ids, other]):
+        with pytest.raises(WireFormatError, match=r"event 3: a second 'sglext.input_ids'"):
+            decode("sglang-openai", _framed_stream(*repeated), num_layers=LAYERS, topk=TOPK)
+
+
+@pytest.mark.parametrize(
+    ("ids", "match"),
+    [
+        ({"input_ids": "abc"}, r"sglext.input_ids: expected a list of token ids, found str"),
+        (
+            {"output_ids": [4, 5]},
+            r"sglext.output_ids\[0\]: expected a list of token ids, found int",
+        ),
+        ({"output_ids": {"0": [4, 5]}}, r"sglext.output_ids: expected a list .* found dict"),
+        ({"output_ids": []}, r"sglext.output_ids: expected the ids of choice 0 .* found 0 lists"),
+    ],
+)
+def test_sglang_sglext_ids_of_another_form_are_refused(ids, match):
+    """``input_ids`` is a list of ids, ``output_ids`` one such list per choice (SglExt
+    0.5.23): another form is an error, not lengths quietly left unchecked."""
+    with pytest.raises(WireFormatError, match=match):
+        decode("sglang-openai", _framed_stream(ids), num_layers=LAYERS, topk=TOPK)

@@ -412,8 +412,13 @@ def kept_id_rows(
         )
     try:
         ids = np.array(flat, np.int64) if flat else np.empty(0, np.int64)
-    except OverflowError:
-        raise WireFormatError(f"{what}: expected token ids in int64") from None
+    except OverflowError:  # an id past int64: name it as check_csr names one past int32
+        token, found = next(
+            (t, i) for t, row in enumerate(value) for i in row if not -(1 << 63) <= i < 1 << 63
+        )
+        raise WireFormatError(
+            f"{what}[{token}]: expected token ids in [0, {np.iinfo(np.int32).max}], found {found}"
+        ) from None
     ids, counts = check_csr(ids, np.fromiter(map(len, value), np.int64, len(value)), what=what)
     return InlineRows(field, RaggedRows.from_lengths(ids, counts, what=what), prompt, meta)
 

@@ -133,13 +133,17 @@ def _final_chunks(raw: Any, what: str) -> Any:
     chunks = [parse_response(event, (ROUTES_FIELD,)) for event in stream_events(raw, what)]
     if not chunks:
         raise WireFormatError(f"{what}: no events")
-    last: dict[int, int] = {}
-    for number, chunk in enumerate(chunks):
-        index = chunk.get("index", 0) if isinstance(chunk, Mapping) else 0
-        last[nonnegative_int(f"{what} event {number} index", index, WireFormatError)] = number
-    for number, chunk in enumerate(chunks):
+    indices = [
+        nonnegative_int(
+            f"{what} event {number} index",
+            chunk.get("index", 0) if isinstance(chunk, Mapping) else 0,
+            WireFormatError,
+        )
+        for number, chunk in enumerate(chunks)
+    ]
+    last = {index: number for number, index in enumerate(indices)}
+    for number, (chunk, index) in enumerate(zip(chunks, indices, strict=True)):
         meta_info = _meta_info(chunk)
-        index = chunk.get("index", 0) if isinstance(chunk, Mapping) else 0
         routed = meta_info is not None and meta_info.get(ROUTES_FIELD) is not None
         if number != last[index] and routed:
             raise WireFormatError(

@@ -16,7 +16,7 @@ serving_chat.py ``_generate_chat_stream``):
 - A chat stream sends no routes with its content chunks, then one extra chunk with
   ``"choices": []`` and ``sglext.routed_experts``; with ``x-sglext-ids-framed: 1`` the
   sglext ids (``input_ids``, ``output_ids``) follow in a second such chunk (``event:
-  sglext_ids``): the chunks' sglext fields are merged, routes sent once.
+  sglext_ids``): the chunks' sglext fields are merged, each sent once.
 - Chat with ``return_meta_info`` (0.5.23): no ``sglext.routed_experts``; each choice carries
   its own sequence's ``meta_info`` (``routed_experts``, ``prompt_tokens``,
   ``completion_tokens``, with ``return_sampling_mask`` its ``output_token_sampling_mask``),
@@ -89,12 +89,14 @@ def _assemble(raw: Any, what: str) -> dict[Any, Any]:
                     f"{type(ext).__name__}"
                 )
             into = merged.setdefault(EXT, {})
-            if ext.get(ROUTES_FIELD) is not None and into.get(ROUTES_FIELD) is not None:
-                raise WireFormatError(
-                    f"{what} event {number}: a second '{EXT}.{ROUTES_FIELD}' (SGLang sends "
-                    f"the routes once, after the content)"
-                )
-            into.update((k, v) for k, v in ext.items() if v is not None)
+            for key, value in ext.items():
+                if value is not None and into.get(key) is not None:
+                    raise WireFormatError(
+                        f"{what} event {number}: a second '{EXT}.{key}' (SGLang sends each "
+                        f"sglext field once, after the content)"
+                    )
+                if value is not None:
+                    into[key] = value
         if chunk.get("usage") is not None:
             merged["usage"] = chunk["usage"]
     count = max(1, check_stream_choices(indices, what))
@@ -121,11 +123,26 @@ def _ext_lengths(response: Mapping[str, Any], index: int) -> tuple[int | None, i
     if not isinstance(ext, Mapping):
         return None, None
     prompt, outputs = ext.get("input_ids"), ext.get("output_ids")
-    output = outputs[index] if isinstance(outputs, list) and index < len(outputs) else None
-    return (
-        len(prompt) if isinstance(prompt, list) else None,
-        len(output) if isinstance(output, list) else None,
-    )
+    what = f"{EXT}.output_ids"
+    if outputs is not None and type(outputs) is not list:
+        raise WireFormatError(
+            f"{what}: expected a list of token-id lists (one per choice), found "
+            f"{type(outputs).__name__}"
+        )
+    if outputs is not None and index >= len(outputs):
+        raise WireFormatError(
+            f"{what}: expected the ids of choice {index} (one list per choice), found "
+            f"{len(outputs)} lists"
+        )
+    output = None if outputs is None else outputs[index]
+    return _ids_length(prompt, f"{EXT}.input_ids"), _ids_length(output, f"{what}[{index}]")
+
+
+def _ids_length(ids: object, what: str) -> int | None:
+    """How many token ids ``ids`` (a list, or None: not sent) holds."""
+    if ids is not None and type(ids) is not list:
+        raise WireFormatError(f"{what}: expected a list of token ids, found {type(ids).__name__}")
+    return None if ids is None else len(ids)
 
 
 def _ext_routes(doc: object) -> object:

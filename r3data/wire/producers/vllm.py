@@ -165,6 +165,11 @@ def _assemble(raw: Any) -> dict[str, Any]:
                         f"{what}: choice {index} {MASK_FIELD}: expected a list of kept-id "
                         f"lists, found {type(mask).__name__}"
                     )
+                if isinstance(ids, list) and len(mask) != len(ids):
+                    raise WireFormatError(
+                        f"{what}: choice {index} {MASK_FIELD}: expected one kept set per token "
+                        f"of the delta ({len(ids)}), found {len(mask)}"
+                    )
                 merged.setdefault(MASK_FIELD, []).extend(mask)
             routes = part.get(ROUTES_FIELD)
             if routes is None:
@@ -192,11 +197,9 @@ def _is_npy(value: object) -> bool:
 
 
 def _sends_vllm_rows(choice: Mapping[str, Any]) -> bool:
-    """A ``.npy`` string of routes, or a native mask beside routes that are no envelope."""
+    """A ``.npy`` string of routes, or a native mask beside null routes (not an envelope)."""
     routes = choice.get(ROUTES_FIELD)
-    return _is_npy(routes) or (
-        isinstance(choice.get(MASK_FIELD), list) and (routes is None or _is_npy(routes))
-    )
+    return _is_npy(routes) or (routes is None and isinstance(choice.get(MASK_FIELD), list))
 
 
 def _sends_npy(doc: object) -> bool:
