@@ -23,6 +23,7 @@ from r3data.errors import R3DataError, TraceError, with_message
 from r3data.nodes.options import TraceOptions
 from r3data.trace import Trace, TraceBuilder
 from r3data.trace.builder import FieldInfo, Source
+from r3data.trace.stitch import NO_RAGGED_ROWS
 from r3data.wire.producers import decode_source
 from r3data.wire.rows import EncodedRows, InlineRows
 from r3data.wire.segment import PayloadSegment
@@ -284,8 +285,8 @@ def field_forms(
     samples: Iterable[tuple[int, Any]], fields: Sequence[str], trace: TraceOptions
 ) -> dict[str, FieldInfo]:
     """Each field's dtype, row shape and raggedness, from the first of ``(index, raw
-    sample)`` whose trace has rows of it (a field none has is left out); no row is read or
-    decoded. A micro-batch without a sample of its own takes its fields' form from its step:
+    sample)`` whose trace has rows of it (a field none has is left out, unless it is ragged:
+    empty rows); no row is read or decoded. A micro-batch without a sample of its own takes its fields' form from its step:
     its forward still runs, with an empty route tensor per MoE layer. A sample that cannot be
     normalised is skipped here: the rank that owns it reports it."""
     forms: dict[str, FieldInfo] = {}
@@ -297,4 +298,7 @@ def field_forms(
         forms.update((name, info[name]) for name in fields if name in info and name not in forms)
         if len(forms) == len(fields):
             break
+    for name in fields:
+        if name not in forms and name in trace.ragged_fields:
+            forms[name] = NO_RAGGED_ROWS
     return forms

@@ -69,7 +69,8 @@ class StitchRollout:
             # a later sample of the stream may name a file too: its release leaves it to the sweep
             self.retention.claim(step, sample.files, delete_on_release=False)
         warnings = self._length_warnings(sample, index)
-        empty = [f for f in self.fields if f not in sample.trace.info]
+        trace = sample.trace
+        empty = [f for f in self.fields if f not in trace.info and f not in trace.ragged_fields]
         if empty and self.trace.on_gap != "raise":
             # No row of the field anywhere (e.g. every turn's routes were an engine bug):
             # nothing to replay and no row shape for placeholders, so the sample is dropped.

@@ -67,7 +67,8 @@ class FieldInfo:
 @dataclass(frozen=True)
 class Trace:
     """A snapshot of a trace: per field, pieces ordered by position that never overlap;
-    ``last_token_row``: the engine sends a route row for each request's last token too."""
+    ``last_token_row``: the engine sends a route row for each request's last token too;
+    ``ragged_fields``: the fields whose rows vary in width (known in form without a row)."""
 
     trace_id: str
     routes_field: str
@@ -76,6 +77,7 @@ class Trace:
     info: Mapping[str, FieldInfo]
     warnings: tuple[str, ...] = ()
     last_token_row: bool = False
+    ragged_fields: frozenset[str] = frozenset()
     _expected: dict[bool, list[Span]] = field(default_factory=dict, compare=False, repr=False)
 
     def expected(self, field: str) -> list[Span]:
@@ -319,4 +321,5 @@ class TraceBuilder:
             pieces=MappingProxyType({f: tuple(t.pieces) for f, t in self._tracks.items()}),
             info=MappingProxyType(self._info),
             last_token_row=self.last_token_row,
+            ragged_fields=self.ragged_fields,
         )

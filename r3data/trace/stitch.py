@@ -50,6 +50,8 @@ __all__ = [
 Placeholder = Literal["repeat_previous", "distinct"]
 OnGap = Literal["drop_routes", "drop_sample", "raise"]
 GAP_POLICIES = ("drop_routes", "drop_sample", "raise")
+NO_RAGGED_ROWS = FieldInfo(np.dtype(np.uint8), (), True)
+"""The form of a ragged field no request sent: empty rows, in a batch of any dtype."""
 
 logger = logging.getLogger(__name__)
 
@@ -341,6 +343,8 @@ def _stitch_field(
         dropped, real, holes = captured, [], [(0, n)]
         captured = nbytes = 0
     info = trace.info.get(field)
+    if info is None and field in trace.ragged_fields:
+        info = NO_RAGGED_ROWS  # empty rows in any batch: no dtype to widen it to
     if info is None:
         raise TraceError(
             f"trace {trace.trace_id!r} field {field!r}: no rows anywhere in the trace, so "

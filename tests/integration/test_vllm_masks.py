@@ -314,13 +314,6 @@ def test_an_openai_body_has_routes_and_no_mask(unmasked, hf_tiny_moe):
     np.testing.assert_array_equal(fields[ROUTES].array, transformers_topk(hf_tiny_moe, tokens)[:-1])
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="r3data/nodes/stitcher.py drops a sample with no rows of a requested field, its "
-    "routes too ('no rows of [sampling_mask] in any request; sample dropped'), where a "
-    "ragged field could be empty and invalid rows",
-)
 def test_a_sample_without_masks_keeps_its_routes_in_a_batch_with_masks(
     unmasked, two_choices, hf_tiny_moe
 ):

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 sys.path.append(str(Path(__file__).resolve().parents[1] / "wire"))
 from producer_bodies import (
@@ -277,6 +278,54 @@ def test_vllm_tokens_endpoint_masks_reach_the_batch_at_their_tokens():
     for row, kept in enumerate(want["mask"], start=prompt):
         assert padded[row, : len(kept)].tolist() == kept
         assert (padded[row, len(kept) :] == -1).all()
+
+
+@pytest.mark.parametrize("on_gap", ["drop_routes", "drop_sample", "raise"])
+def test_a_sample_whose_bodies_send_no_mask_keeps_its_routes_under_drop_routes(on_gap):
+    """A batch asking for masks, of one sample whose body has them and one whose body has none
+    (greedy sampling, an endpoint without masks): the second keeps its routes and gets empty,
+    invalid mask rows; its missing rows are a gap like any other under the other policies."""
+    bodies = Path(__file__).resolve().parents[1] / "wire" / "producer_bodies" / "vllm_0_32"
+    (want,) = json.loads((bodies / "expected.json").read_text())["tokens"]
+    prompt, completion = want["P"], want["C"]
+    masked = (bodies / "tokens.body").read_bytes()
+    rows = np.asarray(want["rows"], want["dtype"]).reshape(-1, LAYERS, TOPK)
+    unmasked = vllm_bodies.Sample(_ids(completion, 100), rows)
+    plain = vllm_bodies.completion_body(
+        [vllm_bodies.Prompt(_ids(prompt), [unmasked])], num_experts=8, prompt_start=0
+    )
+    tokens = prompt + completion
+    samples = [
+        {
+            "id": name,
+            "token_ids": np.arange(tokens),
+            "requests": [request(prompt, completion, {"producer": "vllm", "response": body})],
+        }
+        for name, body in (("masked", masked), ("plain", plain))
+    ]
+    options = {
+        "batch_size": 2,
+        "prefetch": 0,
+        "trace": TraceOptions(on_gap=on_gap),
+        "collate": CollateOptions(fields=("routed_experts", "sampling_mask"), workers=1),
+    }
+    if on_gap == "raise":
+        with pytest.raises(TraceGapError, match=r"'plain'.*'sampling_mask': no rows for positions"):
+            list(loader(samples, **options))
+        return
+    (batch,) = loader(samples, **options)
+    if on_gap == "drop_sample":
+        assert batch["sample_id"] == ["masked"]
+        return
+    assert batch["sample_id"] == ["masked", "plain"]
+    for i in range(2):
+        np.testing.assert_array_equal(batch["routed_experts"][i].numpy()[: tokens - 1], rows)
+        assert batch["routed_experts_valid"][i].numpy()[: tokens - 1].all()
+    masks = batch["sampling_mask"]
+    widths = [len(kept) for kept in want["mask"]]
+    assert masks.row_lengths.tolist() == [0] * prompt + widths + [0] * tokens
+    assert batch["sampling_mask_valid"][1].tolist() == [False] * tokens
+    assert masks.dtype == torch.int32  # the masked sample's ids, not widened or narrowed
 
 
 def test_skyrl_sample_support_field():

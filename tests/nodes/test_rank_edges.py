@@ -196,9 +196,9 @@ def test_an_empty_micro_batch_takes_its_form_past_another_rank_s_bad_sample(tmp_
 
 
 def test_a_field_no_sample_has_leaves_the_other_fields_their_form(tmp_path):
-    """A step whose samples all lack their masks (greedy: no kept sets) drops them; every
-    rank's micro-batch is empty, and its routes keep ``[layers, topk]`` rows from the samples
-    that have them: the forward still runs."""
+    """A step whose samples all lack their masks (greedy: no kept sets) keeps them, with
+    empty, invalid mask rows; a rank's empty micro-batch keeps ``[layers, topk]`` route rows
+    from the samples that have them (the forward still runs) and a ragged mask field."""
     samples = masked_samples(tmp_path, [9, 12, 16], np.random.default_rng(4))
     for sample in samples:
         request = sample["requests"][0]
@@ -210,11 +210,18 @@ def test_a_field_no_sample_has_leaves_the_other_fields_their_form(tmp_path):
         "payload_root": tmp_path,
         "collate": {"fields": FIELDS, "workers": 1},
     }
+    shares = []
     for rank in range(2):
         batches = list(loader(samples, data_parallel=DataParallel(rank=rank, size=2), **options))
-        assert [b["sample_id"] for b in batches] == [[], []]
+        shares.append([b["sample_id"] for b in batches])
         for batch in batches:
+            assert isinstance(batch["sampling_mask"], PackedRagged)
+            assert batch["sampling_mask"].values.numel() == 0
+            assert not batch["sampling_mask_valid"].values.any()
             assert batch["routed_experts"].row_shape == (LAYERS, TOPK)
+            tokens = int(batch["routed_experts"].total_rows)  # 0 in an empty micro-batch
             assert [tuple(t.shape) for t in expand(batch["routed_experts"], TokenLayout())] == [
-                (0, TOPK)
+                (tokens, TOPK)
             ] * LAYERS
+    assert sorted(sid for share in shares for micro in share for sid in micro) == ["s0", "s1", "s2"]
+    assert [] in shares[0] + shares[1]  # a rank's empty micro-batch is among them
