@@ -8,7 +8,8 @@ are refused. On a *local-backed* root (any filesystem whose paths are OS paths:
 one) every open, directory and deletion then goes through the kernel: the path is opened
 relative to a fresh descriptor of the root with ``openat2(RESOLVE_BENEATH)``, which refuses
 any resolution that leaves it; what it refuses (an absolute symlink, which may still lead
-inside) and everything on kernels without ``openat2`` is opened plainly, and the descriptor's
+inside), what it cannot decide (``EAGAIN``: a rename anywhere on the machine raced a ``..``)
+and everything on kernels without ``openat2`` is opened plainly, and the descriptor's
 own path, symlinks resolved as the kernel holds it, must then lie inside the root's,
 so nothing is remembered that a rename or a swapped symlink could invalidate. A file is opened
 ``O_PATH`` first and must be a regular file before it is opened to read, so a FIFO cannot
@@ -625,9 +626,11 @@ class PayloadRoot:
             try:
                 fd = _openat2(root_fd, rel, flags)
             except OSError as exc:
-                if exc.errno != errno.EXDEV:
+                # EXDEV: an absolute symlink, say; EAGAIN: a rename anywhere on the machine
+                # raced a ``..`` the kernel resolved. Either way: judged by where it leads.
+                if exc.errno not in (errno.EXDEV, errno.EAGAIN):
                     raise
-                fd = None  # an absolute symlink, say: judged by where it really leads
+                fd = None
             if fd is None:
                 fd = os.open(rel, flags, dir_fd=root_fd)
                 try:

@@ -9,6 +9,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 
 import fsspec
 import numpy as np
@@ -17,6 +18,7 @@ from fsspec.implementations.dirfs import DirFileSystem
 from fsspec.implementations.memory import MemoryFileSystem
 from payload_campaigns import LOCAL_CLASSES, local_classes, moved
 
+import r3data.payload.reader as reader_module
 from r3data.cli import main
 from r3data.errors import (
     PayloadHandleError,
@@ -198,7 +200,7 @@ def test_verify_counts_corrupt_files_and_names_each_once(tmp_path, capsys):
     assert good.file not in out
 
 
-def test_a_failed_read_closes_each_descriptor_exactly_once(tmp_path):
+def test_a_failed_read_closes_each_descriptor_exactly_once(tmp_path, monkeypatch):
     """A truncated file read for its second field: the reader gives up on it, and must not close
     its descriptor a second time, which by then may be another file's (here: the test's)."""
     root = tmp_path / "payloads"
@@ -210,16 +212,13 @@ def test_a_failed_read_closes_each_descriptor_exactly_once(tmp_path):
 
     held: dict[str, int] = {}
 
-    def hold_a_descriptor() -> None:  # opened while the reader backs off: gets the freed number
-        time.sleep(0.25)
+    def hold_a_descriptor(seconds: float) -> None:  # the backoff: gets the freed number
         held["fd"] = os.open(tmp_path / "bystander", os.O_RDWR | os.O_CREAT)
 
-    thread = threading.Thread(target=hold_a_descriptor)
-    thread.start()
-    reader = PayloadReader(str(root), workers=1, retries=1, backoff=0.6, max_backoff=0.6)
+    monkeypatch.setattr(reader_module, "time", SimpleNamespace(sleep=hold_a_descriptor))
+    reader = PayloadReader(str(root), workers=1, retries=1)
     with pytest.raises(PayloadReadError, match="short read"):
         reader.read([routes, other])
-    thread.join()
     os.fstat(held["fd"])  # still open
     assert os.path.samestat(os.fstat(held["fd"]), os.stat(tmp_path / "bystander"))
     os.close(held["fd"])

@@ -82,6 +82,31 @@ def test_symlink_out_of_the_root_is_refused(tmp_path):
     np.testing.assert_array_equal(reader.read([moved(s, "v1/inside.bin")])["routes"], ROUTES)
 
 
+def test_renames_elsewhere_never_turn_a_symlink_through_dotdot_into_a_read_error(tmp_path):
+    """``openat2(RESOLVE_BENEATH)`` fails with EAGAIN when a rename anywhere on the machine races
+    a ``..`` it resolves (14% of these opens while another process renames): the symlink is
+    still judged, out of the root refused, inside read."""
+    root = tmp_path / "payloads"
+    s = write_routes(str(root))
+    secret = tmp_path / "outside" / "secret.bin"
+    secret.parent.mkdir()
+    secret.write_bytes((root / s.file).read_bytes())
+    (root / "v1" / "out.bin").symlink_to(Path("../..") / "outside" / "secret.bin")
+    (root / "v2").mkdir()
+    (root / "v2" / "up.bin").symlink_to(Path("..") / s.file)
+    reader = PayloadReader(str(root), retries=0)
+    renamer = run_python(RENAMER, str(tmp_path / "a"), str(tmp_path / "b"))
+    try:
+        assert read_line(renamer, timeout=60) == "renaming\n"
+        for _ in range(300):
+            with pytest.raises(PayloadHandleError, match="outside the root"):
+                reader.read([moved(s, "v1/out.bin")])
+            np.testing.assert_array_equal(reader.read([moved(s, "v2/up.bin")])["routes"], ROUTES)
+    finally:
+        renamer.kill()
+        renamer.communicate()
+
+
 # --- missing, truncated, unreadable ---------------------------------------------------------
 
 
@@ -253,6 +278,16 @@ def test_bad_fields_are_refused_before_writing(payload_root, version, fields, po
     fs, path = fsspec.core.url_to_fs(payload_root)
     assert not fs.exists(path) or fs.find(path) == []
 
+
+RENAMER = """
+import os, sys
+a, b = sys.argv[1:]
+open(a, "w").close()
+print("renaming", flush=True)
+while True:
+    os.rename(a, b)
+    os.rename(b, a)
+"""
 
 STALLED_WRITER = """
 import os, sys, time
