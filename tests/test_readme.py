@@ -162,7 +162,7 @@ def test_the_hugging_face_snippet_replays_a_loader_batch():
         "loss_fn": lambda logits, mask: (logits.mean(-1) * mask).sum(),
         "log": logged.append,
     }
-    (block,) = python_blocks(ROOT / "docs" / "huggingface.md")
+    block = python_blocks(ROOT / "docs" / "huggingface.md")[0]  # the FSDP2 one needs ranks
     scope = run(block, ROOT / "docs" / "huggingface.md", scope)
     real_rows = sum(len(s["token_ids"]) - 1 for s in samples)  # the last tokens: placeholders
     assert [entry["tokens"] for entry in logged] == [real_rows]
