@@ -192,7 +192,9 @@ class CollateRollouts:
             return compact_route_dtype(self.screen.num_experts - 1)
         if not stitched:
             return np.dtype(np.uint8) if form is None else form.dtype
-        return np.result_type(*[s.dtype for s in stitched])
+        # a ragged field a sample never sent has no dtype of its own: it widens nothing
+        sent = [s.dtype for s in stitched if s.sent] or [stitched[0].dtype]
+        return np.result_type(*sent)
 
     def _guarded(self, kept, name, stitched, ids):
         """Fill one field; a failure names the sample it happened in."""

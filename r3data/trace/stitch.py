@@ -50,8 +50,10 @@ __all__ = [
 Placeholder = Literal["repeat_previous", "distinct"]
 OnGap = Literal["drop_routes", "drop_sample", "raise"]
 GAP_POLICIES = ("drop_routes", "drop_sample", "raise")
-NO_RAGGED_ROWS = FieldInfo(np.dtype(np.uint8), (), True)
-"""The form of a ragged field no request sent: empty rows, in a batch of any dtype."""
+NO_RAGGED_ROWS = FieldInfo(np.dtype(np.int32), (), True)
+"""The form of a ragged field no request sent: empty rows, int32 (the dtype every producer
+sends masks in) where no sample of a batch sent the field; its dtype is no sample's, so it
+does not count toward the batch's (see :attr:`StitchedField.sent`)."""
 
 logger = logging.getLogger(__name__)
 
@@ -129,7 +131,9 @@ class StitchStats:
 
 class StitchedField:
     """One field of a sample: ``pieces`` in position order, covering ``[0, sample_len)``;
-    ``topk`` is the width of a distinct placeholder row (None: the row's last axis)."""
+    ``topk`` is the width of a distinct placeholder row (None: the row's last axis);
+    ``sent``: False for a ragged field no request of the trace sent, whose ``dtype`` is only
+    :data:`NO_RAGGED_ROWS`'s (a batch takes its dtype from the samples that sent the field)."""
 
     __slots__ = (
         "_valid",
@@ -139,6 +143,7 @@ class StitchedField:
         "ragged",
         "row_shape",
         "sample_len",
+        "sent",
         "topk",
     )
 
@@ -149,6 +154,8 @@ class StitchedField:
         info: FieldInfo,
         sample_len: int,
         topk: int | None = None,
+        *,
+        sent: bool = True,
     ) -> None:
         self.name = name
         self.pieces = pieces
@@ -157,6 +164,7 @@ class StitchedField:
         self.ragged = info.ragged
         self.sample_len = sample_len
         self.topk = topk
+        self.sent = sent
         self._valid: np.ndarray | None = None
 
     @property
@@ -165,7 +173,9 @@ class StitchedField:
 
     def with_pieces(self, pieces: tuple[Piece, ...]) -> StitchedField:
         """The same field holding only ``pieces`` (e.g. one rank's share of the positions)."""
-        return StitchedField(self.name, pieces, self.info, self.sample_len, self.topk)
+        return StitchedField(
+            self.name, pieces, self.info, self.sample_len, self.topk, sent=self.sent
+        )
 
     @property
     def valid(self) -> np.ndarray:
@@ -343,8 +353,9 @@ def _stitch_field(
         dropped, real, holes = captured, [], [(0, n)]
         captured = nbytes = 0
     info = trace.info.get(field)
-    if info is None and field in trace.ragged_fields:
-        info = NO_RAGGED_ROWS  # empty rows in any batch: no dtype to widen it to
+    sent = info is not None
+    if not sent and field in trace.ragged_fields:
+        info = NO_RAGGED_ROWS  # empty rows, whose dtype is no sample's
     if info is None:
         raise TraceError(
             f"trace {trace.trace_id!r} field {field!r}: no rows anywhere in the trace, so "
@@ -358,4 +369,5 @@ def _stitch_field(
     counts[3] += dropped
     counts[4] += nbytes
     pieces = tuple(_filled(real, n, field, kind)) if holes else tuple(real)
-    return StitchedField(field, pieces, info, n, topk if routes else None), warning
+    stitched = StitchedField(field, pieces, info, n, topk if routes else None, sent=sent)
+    return stitched, warning

@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 from trace_engine import materialized
 
 from r3data.errors import TraceError, TraceGapError
+from r3data.nodes import materialize
 from r3data.payload.reader import PayloadReader
 from r3data.payload.writer import PayloadWriter
 from r3data.ragged import RaggedRows
@@ -225,3 +226,20 @@ def _runs(positions: list[int]) -> list[tuple[int, int]]:
         else:
             runs.append((p, p + 1))
     return runs
+
+
+def test_a_ragged_field_no_request_sent_is_int32_and_marked_unsent():
+    """Its empty rows materialize as int32 ``RaggedRows`` (a uint8 form could not pad with -1:
+    ``.padded()`` raised) and say they were not sent, so a batch's dtype ignores them."""
+    trace = TraceBuilder("greedy")
+    routes = np.ones((7, 2, 2), np.uint8)
+    trace.add_request(4, 4, [InlineRows("routed_experts", routes, 0)])
+    sample = stitch(trace, 8, fields=("routed_experts", "sampling_mask"))
+    masks = sample["sampling_mask"]
+    assert (masks.sent, masks.dtype, masks.ragged) == (False, np.dtype(np.int32), True)
+    assert sample["routed_experts"].sent
+    assert masks.with_pieces(masks.pieces).sent is False  # a rank-local cut keeps it
+    rows = materialize(masks)
+    assert (rows.rows, rows.values.dtype) == (8, np.dtype(np.int32))
+    assert rows.padded().shape == (8, 0)
+    assert not masks.valid.any()
