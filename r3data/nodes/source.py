@@ -21,6 +21,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Generic, TypeVar
 
+from torch.utils.data import IterableDataset
 from torchdata.nodes import BaseNode
 
 from r3data.errors import ConfigError, TraceError, with_message
@@ -54,7 +55,9 @@ class MicroBatch(Generic[T]):
 def _kind(samples: Any) -> str:
     if isinstance(samples, BaseNode):
         return "node"
-    if hasattr(samples, "__len__") and hasattr(samples, "__getitem__"):
+    # torch's Dataset gives every IterableDataset a __getitem__ that raises: a stream
+    indexable = not isinstance(samples, IterableDataset) and hasattr(samples, "__getitem__")
+    if indexable and hasattr(samples, "__len__"):
         return "map"
     if hasattr(samples, "state_dict") and hasattr(samples, "load_state_dict"):
         return "stateful"
