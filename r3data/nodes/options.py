@@ -14,6 +14,7 @@ from r3data.buffers import BufferPool
 from r3data.errors import ConfigError
 from r3data.options import options
 from r3data.trace import ROUTES_FIELD, OnGap, Placeholder
+from r3data.trace.builder import check_ragged_fields
 from r3data.trace.stitch import check_on_gap
 from r3data.validate import checked_int
 
@@ -53,6 +54,7 @@ class TraceOptions:
         object.__setattr__(self, "ragged_fields", _names("ragged_fields", self.ragged_fields))
         if not isinstance(self.routes_field, str) or not self.routes_field:
             raise ConfigError(f"routes_field: expected a field name, found {self.routes_field!r}")
+        check_ragged_fields(self.routes_field, self.ragged_fields)
         if not isinstance(self.last_token_row, bool):
             raise ConfigError(f"last_token_row: expected a bool, found {self.last_token_row!r}")
         if self.placeholder not in ("repeat_previous", "distinct"):

@@ -33,7 +33,15 @@ from r3data.wire.dtypes import ROUTE_DTYPES, parse_dtype
 from r3data.wire.rows import EncodedRows, InlineRows
 from r3data.wire.segment import PayloadSegment
 
-__all__ = ["ROUTES_FIELD", "FieldInfo", "Source", "Trace", "TraceBuilder", "clip_source"]
+__all__ = [
+    "ROUTES_FIELD",
+    "FieldInfo",
+    "Source",
+    "Trace",
+    "TraceBuilder",
+    "check_ragged_fields",
+    "clip_source",
+]
 
 ROUTES_FIELD = "routed_experts"
 
@@ -145,6 +153,18 @@ def _kind(source: Source) -> tuple[np.dtype, tuple[int, ...], bool]:
     return source.dtype, source.row_shape, source.ragged
 
 
+def check_ragged_fields(routes_field: str, ragged_fields: Iterable[str]) -> frozenset[str]:
+    """``ragged_fields`` as a set, which may not hold the routes field: route rows are
+    ``[layers, topk]`` ids that the screen checks, never ragged."""
+    names = tuple(ragged_fields)
+    if routes_field in names:
+        raise ConfigError(
+            f"ragged_fields: expected fields other than the routes field {routes_field!r}, "
+            f"found {names!r}"
+        )
+    return frozenset(names)
+
+
 class TraceBuilder:
     """Collects the requests of one trace; :meth:`build` gives an immutable :class:`Trace`.
 
@@ -170,7 +190,7 @@ class TraceBuilder:
             raise ConfigError(f"last_token_row: expected a bool, found {last_token_row!r}")
         self.trace_id = str(trace_id)
         self.routes_field = routes_field
-        self.ragged_fields = frozenset(ragged_fields)
+        self.ragged_fields = check_ragged_fields(routes_field, ragged_fields)
         self.last_token_row = last_token_row
         self._requests: list[tuple[int, int]] = []
         self._tracks: dict[str, _Track] = {}

@@ -13,10 +13,12 @@ from hypothesis import strategies as st
 
 from r3data import loader
 from r3data.batch import TensorBatch
+from r3data.errors import ConfigError
 from r3data.layout import TokenLayout
-from r3data.nodes import DataParallel
+from r3data.nodes import DataParallel, TraceOptions
 from r3data.payload import PayloadWriter
 from r3data.ragged import RaggedRows
+from r3data.trace import TraceBuilder
 from r3data.wire import InlineRows
 
 LAYERS, TOPK, EXPERTS = 2, 2, 8
@@ -165,3 +167,19 @@ def test_mixed_batches_match_a_reference(tmp_path_factory, kinds, lengths, dtype
         local = [rows[j] for lo, hi in ranges[i] for j in range(lo, hi)]
         assert mask_rows(masks, i) == local
         assert valid[i].numpy().tolist() == [bool(row) for row in local]
+
+
+def test_the_routes_field_cannot_be_ragged():
+    """Routes named ragged were filled as CSR, never screened (an id above num_experts went
+    through) and, narrowed to num_experts' dtype, failed with an untyped TypeError; a sample
+    without routes would have been kept with none."""
+    with pytest.raises(
+        ConfigError,
+        match=r"ragged_fields: expected fields other than the "
+        r"routes field 'routed_experts', found \('routed_experts',\)",
+    ):
+        TraceOptions(ragged_fields=("routed_experts",))
+    with pytest.raises(ConfigError, match=r"found \('sampling_mask', 'r'\)"):
+        TraceOptions(routes_field="r", ragged_fields=("sampling_mask", "r"))
+    with pytest.raises(ConfigError, match=r"routes field 'routed_experts'"):
+        TraceBuilder("t", ragged_fields=("routed_experts",))
