@@ -286,9 +286,10 @@ def field_forms(
 ) -> dict[str, FieldInfo]:
     """Each field's dtype, row shape and raggedness, from the first of ``(index, raw
     sample)`` whose trace has rows of it (a field none has is left out, unless it is ragged:
-    empty rows); no row is read or decoded. A micro-batch without a sample of its own takes its fields' form from its step:
-    its forward still runs, with an empty route tensor per MoE layer. A sample that cannot be
-    normalised is skipped here: the rank that owns it reports it."""
+    empty int32 rows); no row is read or decoded. A micro-batch without a sample of its own
+    takes its fields' form from its step: its forward still runs, with an empty route tensor
+    per MoE layer. A sample that cannot be normalised is skipped here: the rank that owns it
+    reports it."""
     forms: dict[str, FieldInfo] = {}
     for index, raw in samples:
         try:
