@@ -122,6 +122,7 @@ LAYOUTS = st.sampled_from(
         TokenLayout(cp_size=2, cp_rank=1),
         TokenLayout(tp_size=2, tp_rank=1, sequence_parallel=True),
         TokenLayout(cp_size=2, cp_rank=1, tp_size=2, tp_rank=0, sequence_parallel=True),
+        TokenLayout(cp_size=2, cp_rank=1, packed=False, padding_side="left"),
     ]
 )
 
@@ -183,3 +184,24 @@ def test_the_routes_field_cannot_be_ragged():
         TraceOptions(routes_field="r", ragged_fields=("sampling_mask", "r"))
     with pytest.raises(ConfigError, match=r"routes field 'routed_experts'"):
         TraceBuilder("t", ragged_fields=("routed_experts",))
+
+
+def test_a_field_sent_ragged_but_not_named_ragged_drops_a_sample_without_it():
+    """Only ``ragged_fields`` are known ragged where nothing was sent: a sample missing another
+    field sent ragged elsewhere has no form for it, and is dropped as for any field."""
+    rng = np.random.default_rng(5)
+    with_support, expected, _ = rollout("with", 8, rng, mask_dtype=np.int32)
+    source = with_support["requests"][0]["sources"][1]
+    with_support["requests"][0]["sources"][1] = InlineRows("support", source.array, source.pos)
+    without, _, _ = rollout("without", 9, rng)
+    collate = {"fields": ("routed_experts", "support"), "workers": 1}
+    (batch,) = loader([with_support, without], batch_size=2, prefetch=0, collate=collate)
+    assert batch["sample_id"] == ["with"]
+    assert batch.metadata["dropped"] == ["without"]
+    assert mask_rows(batch["support"], 0) == expected
+    options = {"ragged_fields": ("sampling_mask", "support")}
+    (batch,) = loader(
+        [with_support, without], batch_size=2, prefetch=0, collate=collate, trace=options
+    )
+    assert batch["sample_id"] == ["with", "without"]
+    assert mask_rows(batch["support"], 1) == [[]] * 9
