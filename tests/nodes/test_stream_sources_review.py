@@ -7,6 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from torch.utils.data import IterableDataset
+from torchdata.nodes import IterableWrapper
+from torchdata.stateful_dataloader import StatefulDataLoader
 
 from r3data import loader
 from r3data.payload import PayloadRetention, PayloadWriter
@@ -68,3 +70,30 @@ def test_a_sized_iterable_dataset_is_read_as_a_stream(tmp_path, with_retention):
     if retention is not None:
         assert retention.metrics().files_deleted == 4
         retention.close()
+
+
+SOURCES = {
+    "list": (list, False),
+    "StatefulDataLoader": (lambda s: StatefulDataLoader(SizedStream(s), batch_size=None), True),
+    "IterableWrapper": (IterableWrapper, True),
+    "generator": (lambda s: (x for x in s), True),
+}
+
+
+@pytest.mark.parametrize("kind", list(SOURCES))
+def test_streams_leave_their_files_to_the_sweep_map_style_sources_delete_on_consume(tmp_path, kind):
+    """A map-style source's files go at the update of their step (claimed up front); a
+    stream's stay past it (a later sample may name them) until their version is off policy."""
+    samples, rows = samples_on(tmp_path, 4)
+    make, stream = SOURCES[kind]
+    retention = PayloadRetention(str(tmp_path), 1, fresh=False)
+    options = {"batch_size": 2, "retention": retention, "payload_root": tmp_path, "prefetch": 1}
+    for batch in loader(make(samples), **options):
+        step = batch.metadata["step"]
+        retention.on_policy_update(step)
+        retention.wait()
+        mine = {rows[sid][1] for sid in batch["sample_id"]}
+        assert all((tmp_path / f).exists() == (stream and step == 0) for f in mine)
+    assert retention.metrics().files_deleted == 4
+    assert retention.metrics().files_claimed == 0
+    retention.close()
