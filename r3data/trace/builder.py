@@ -155,8 +155,8 @@ def _kind(source: Source) -> tuple[np.dtype, tuple[int, ...], bool]:
 
 def check_ragged_fields(routes_field: str, ragged_fields: Iterable[str]) -> frozenset[str]:
     """``ragged_fields`` as a set, which may not hold the routes field: route rows are
-    ``[layers, topk]`` ids that the screen checks, never ragged."""
-    names = tuple(ragged_fields)
+    ``[layers, topk]`` ids that the screen checks, never ragged. A string is one name."""
+    names = (ragged_fields,) if isinstance(ragged_fields, str) else tuple(ragged_fields)
     if routes_field in names:
         raise ConfigError(
             f"ragged_fields: expected fields other than the routes field {routes_field!r}, "

@@ -184,6 +184,7 @@ def test_the_routes_field_cannot_be_ragged():
         TraceOptions(routes_field="r", ragged_fields=("sampling_mask", "r"))
     with pytest.raises(ConfigError, match=r"routes field 'routed_experts'"):
         TraceBuilder("t", ragged_fields=("routed_experts",))
+    assert TraceBuilder("t", ragged_fields="sampling_mask").ragged_fields == {"sampling_mask"}
 
 
 def test_a_field_sent_ragged_but_not_named_ragged_drops_a_sample_without_it():
