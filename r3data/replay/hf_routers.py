@@ -12,10 +12,11 @@ top-k in ``route_tokens_to_experts`` from the router's logits; 5.2x routers retu
 name, each router is probed once on a few random hidden states under a
 :class:`~r3data.replay.tap.TopkTap`: it must run exactly one top-k over its experts and
 return the picked experts (or, Llama4, scores non-zero exactly there); a router that
-returns only logits hands the probe to its block's ``route_tokens_to_experts``. Sharded
-(FSDP2 ``DTensor``) weights are replaced by random stand-ins of their full shape while the
-probe runs. A router the probe cannot run standalone (inputs it alone cannot supply, meta
-weights) is checked the same way at its first real call instead.
+returns only logits hands the probe to its block's ``route_tokens_to_experts``. Stand-ins of
+the full shape take the place of the router's tensors while the probe runs, so the contract
+depends on the code, not on the weights' values or their sharding (FSDP2 ``DTensor``). A
+router the probe cannot run standalone (inputs it alone cannot supply, meta weights) is
+checked the same way at its first real call instead.
 """
 
 from __future__ import annotations
@@ -244,7 +245,7 @@ def _probe(
     states = torch.randn(_PROBE_TOKENS, hidden, generator=generator)
     states = states.to(weight.device, weight.dtype)
     tap, output = None, None
-    with _unsharded_stand_ins(site.module, generator):
+    with _stand_ins(site.module, generator):
         for shaped in (states, states.unsqueeze(0)):
             try:
                 tap, output = _run(site.module.forward, (shaped, *extra), site, weight.device)
@@ -261,20 +262,28 @@ def _probe(
 
 
 @contextlib.contextmanager
-def _unsharded_stand_ins(module: torch.nn.Module, generator: torch.Generator) -> Iterator[None]:
-    """While the probe runs, random tensors of the full shape stand in for the module's
-    sharded (FSDP2 ``DTensor``) parameters and buffers: a router's contract does not depend
-    on its weights' values, and gathering them would be a collective on one rank's call.
-    The module's own tensors are back on exit."""
+def _stand_ins(module: torch.nn.Module, generator: torch.Generator) -> Iterator[None]:
+    """While the probe runs, stand-ins take the place of the module's tensors (see
+    :func:`_stand_in`), so that what it learns depends on the router's code alone: not on its
+    weights' values (a trained or random selection bias can push probabilities below zero,
+    which would pass them for raw logits), not on whether they are sharded (gathering FSDP2
+    ``DTensor`` shards would be a collective on one rank's call), the same on every rank.
+    The module's own tensors are back on exit, whatever ends the probe."""
     swapped = []
+    shared: dict[int, torch.Tensor] = {}  # a tensor held twice gets one stand-in
     try:
         for owner in module.modules():
             for store in (owner._parameters, owner._buffers):
                 for name, tensor in list(store.items()):
-                    if tensor is not None and _sharded(tensor):
+                    if tensor is None:
+                        continue
+                    stand_in = shared.get(id(tensor))
+                    if stand_in is None:
                         stand_in = _stand_in(tensor, generator)
-                        if store is owner._parameters:
+                        if store is owner._parameters and stand_in is not tensor:
                             stand_in = torch.nn.Parameter(stand_in, requires_grad=False)
+                        shared[id(tensor)] = stand_in
+                    if stand_in is not tensor:
                         swapped.append((store, name, tensor))
                         store[name] = stand_in
         yield
@@ -284,12 +293,22 @@ def _unsharded_stand_ins(module: torch.nn.Module, generator: torch.Generator) ->
 
 
 def _stand_in(tensor: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """``tensor`` itself, or for a sharded one a local random tensor of its full shape (scaled
-    as an initialiser would, so that scores neither vanish nor saturate)."""
-    if not _sharded(tensor):
+    """A local tensor of ``tensor``'s full shape, device and dtype for the probe: ones for a
+    vector (at most one dimension longer than 1: a bias, a per-expert or a norm scale, a
+    temperature), as initialisers set them, so probabilities stay probabilities; random for a
+    matrix (scaled as an initialiser would, so that scores neither vanish nor saturate).
+    ``tensor`` itself if it holds no floating values (ids, masks), zeros if such a one is
+    sharded."""
+    floating = tensor.is_floating_point() or tensor.is_complex()
+    if not floating and not _sharded(tensor):
         return tensor
-    scale = tensor.shape[-1] ** -0.5 if tensor.dim() else 1.0
-    values = torch.randn(tuple(tensor.shape), generator=generator) * scale
+    shape = tuple(tensor.shape)
+    if not floating:
+        values = torch.zeros(shape)
+    elif sum(size > 1 for size in shape) <= 1:
+        values = torch.ones(shape)
+    else:
+        values = torch.randn(shape, generator=generator) * shape[-1] ** -0.5
     return values.to(tensor.device, tensor.dtype)
 
 
