@@ -149,7 +149,8 @@ def megatron_layout(
     seq_length: int | None = None,
 ) -> TokenLayout:
     """This rank's :class:`TokenLayout`, from ``parallel_state`` and a ``TransformerConfig``
-    (whose parallel sizes must be the state's: the model was built by one of them)."""
+    (whose parallel sizes must be the state's: the model was built by one of them; hybrid
+    context parallelism, whose CP groups change per sub-sample, is refused)."""
     from megatron.core import parallel_state
 
     sizes = {
@@ -157,6 +158,12 @@ def megatron_layout(
         "context_parallel_size": parallel_state.get_context_parallel_world_size(),
         "pipeline_model_parallel_size": parallel_state.get_pipeline_model_parallel_world_size(),
     }
+    if getattr(config, "hybrid_context_parallel", False):
+        raise ReplayError(
+            "config.hybrid_context_parallel must be False (megatron's scheduler then gives each "
+            "sub-sample a context-parallel group of its own size, which no static layout "
+            f"follows), found {config.hybrid_context_parallel!r}"
+        )
     for name, size in sizes.items():
         if getattr(config, name, size) != size:
             raise ReplayError(
