@@ -15,8 +15,9 @@ return the picked experts (or, Llama4, scores non-zero exactly there); a router 
 returns only logits hands the probe to its block's ``route_tokens_to_experts``. Stand-ins of
 the full shape take the place of the router's tensors while the probe runs, so the contract
 depends on the code, not on the weights' values or their sharding (FSDP2 ``DTensor``). A
-router the probe cannot run standalone (inputs it alone cannot supply, meta weights) is
-checked the same way at its first real call instead.
+router the probe cannot run standalone (inputs it alone cannot supply, meta weights, a
+module inside it sharded by FSDP2 on its own) is checked the same way at its first real
+call instead.
 """
 
 from __future__ import annotations
@@ -237,6 +238,8 @@ def _probe(
     weight = next((p for p in site.module.parameters() if p.is_floating_point()), None)
     if weight is None or hidden is None or weight.device.type == "meta":
         return None
+    if _fsdp_inside(site.module):
+        return None
     generator = torch.Generator().manual_seed(0)
     extra = _extra_inputs(site.module.forward, parent, vocab, generator)
     if extra is None:
@@ -377,6 +380,18 @@ def _extra_inputs(
         else:
             break
     return tuple(values)
+
+
+def _fsdp_inside(module: torch.nn.Module) -> bool:
+    """Is a module inside the router an FSDP2 module of its own? The probe calls the router's
+    ``forward`` (around its own hooks) but its children through theirs: such a child would
+    gather its weights (a collective on one rank's call) and take itself for the root, which
+    breaks the model's next forward."""
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed.fsdp import FSDPModule
+
+    return any(isinstance(child, FSDPModule) for child in module.modules() if child is not module)
 
 
 def _sharded(tensor: torch.Tensor) -> bool:

@@ -96,3 +96,24 @@ def test_a_probe_ended_by_a_base_exception_puts_the_sharded_weights_back(world_o
     assert seen.keys() == own.keys()
     assert all(type(t).__name__ != "DTensor" for t in seen.values())  # stand-ins ran
     assert all(router._parameters[name] is t for name, t in own.items())
+
+
+def test_a_router_holding_an_fsdp_module_of_its_own_is_checked_at_its_first_call(world_of_one):
+    from hf_helpers import token_batch
+    from torch.distributed.fsdp import fully_shard
+
+    from r3data.replay import hf_inputs, record
+
+    model, _ = tiny_model("afmoe")
+    routers = [layer.mlp.router for layer in model.model.layers if hasattr(layer.mlp, "router")]
+    assert routers
+    for router in routers:
+        fully_shard(router.gate)  # its Linear sharded apart: called through FSDP's hooks
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    assert not any(site.probed for site in find_routers(model).sites)
+    inputs = hf_inputs(token_batch())
+    with record(model, inputs) as recorded:
+        model(**inputs)  # the probe left FSDP's lazy initialisation to the root's forward
+    assert recorded.routes.values.shape[1:] == (len(routers), 2)
