@@ -153,6 +153,11 @@ def megatron_layout(
     context parallelism, whose CP groups change per sub-sample, is refused)."""
     from megatron.core import parallel_state
 
+    if not parallel_state.model_parallel_is_initialized():
+        raise ReplayError(
+            "megatron_layout reads this rank's place from parallel_state: expected its groups "
+            "(initialize_model_parallel), found none"
+        )
     sizes = {
         "tensor_model_parallel_size": parallel_state.get_tensor_model_parallel_world_size(),
         "context_parallel_size": parallel_state.get_context_parallel_world_size(),

@@ -272,6 +272,17 @@ def test_a_config_with_hybrid_context_parallel_is_refused():
         megatron_layout(config, packed=True)
 
 
+def test_a_layout_before_initialize_model_parallel_is_refused():
+    config = make_config(sequence_parallel=False)
+    parallel_state.destroy_model_parallel()
+    try:
+        with pytest.raises(ReplayError, match=r"initialize_model_parallel.*found none"):
+            megatron_layout(config, packed=True)
+    finally:
+        parallel_state.initialize_model_parallel(create_gloo_process_groups=False)
+    assert megatron_layout(config, packed=True).tp_size == 1
+
+
 def test_importing_r3data_replay_does_not_import_megatron():
     code = (
         "import sys, r3data.replay, r3data.layout\n"
