@@ -19,7 +19,7 @@ from r3data.replay.hf_routers import find_routers
 
 
 @pytest.fixture(scope="module")
-def world_of_one():
+def gloo_world():
     """A one-process gloo world, so that ``fully_shard`` makes real DTensors."""
     sys.path.append(str(Path(__file__).resolve().parents[1] / "integration"))
     from realparts import free_port
@@ -51,7 +51,7 @@ def _sharded(family: str) -> torch.nn.Module:
 # laguna: the router's selection bias is a parameter; afmoe: the block's `expert_bias`
 # parameter is the router's second input; ernie: the bias is a [1, experts] parameter
 @pytest.mark.parametrize("family", ["laguna", "afmoe", "ernie4_5_moe"])
-def test_sharded_selection_bias_is_probed_as_the_unsharded_one(world_of_one, family):
+def test_sharded_selection_bias_is_probed_as_the_unsharded_one(gloo_world, family):
     unsharded, _ = tiny_model(family)
     model = _sharded(family)
     tensors = dict(model.named_parameters()) | dict(model.named_buffers())
@@ -78,7 +78,7 @@ def test_a_trained_negative_selection_bias_leaves_the_contract_as_built(family):
     assert not any(site.selects_on_logits for site in find_routers(trained).sites)
 
 
-def test_a_probe_ended_by_a_base_exception_puts_the_sharded_weights_back(world_of_one):
+def test_a_probe_ended_by_a_base_exception_puts_the_sharded_weights_back(gloo_world):
     model = _sharded("qwen3_moe")
     router = model.model.layers[0].mlp.gate
     own = dict(router.named_parameters())
@@ -98,7 +98,7 @@ def test_a_probe_ended_by_a_base_exception_puts_the_sharded_weights_back(world_o
     assert all(router._parameters[name] is t for name, t in own.items())
 
 
-def test_a_router_holding_an_fsdp_module_of_its_own_is_checked_at_its_first_call(world_of_one):
+def test_a_router_holding_an_fsdp_module_of_its_own_is_checked_at_its_first_call(gloo_world):
     from hf_helpers import token_batch
     from torch.distributed.fsdp import fully_shard
 
