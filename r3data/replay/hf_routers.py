@@ -12,10 +12,12 @@ top-k in ``route_tokens_to_experts`` from the router's logits; 5.2x routers retu
 name, each router is probed once on a few random hidden states under a
 :class:`~r3data.replay.tap.TopkTap`: it must run exactly one top-k over its experts and
 return the picked experts (or, Llama4, scores non-zero exactly there); a router that
-returns only logits hands the probe to its block's ``route_tokens_to_experts``. Sharded
-(FSDP2 ``DTensor``) weights are replaced by random stand-ins of their full shape while the
-probe runs. A router the probe cannot run standalone (inputs it alone cannot supply, meta
-weights) is checked the same way at its first real call instead.
+returns only logits hands the probe to its block's ``route_tokens_to_experts``. Stand-ins of
+the full shape take the place of the router's tensors while the probe runs, so the contract
+depends on the code, not on the weights' values or their sharding (FSDP2 ``DTensor``). A
+router the probe cannot run standalone (inputs it alone cannot supply, meta weights, a
+module inside it sharded by FSDP2 on its own) is checked the same way at its first real
+call instead.
 """
 
 from __future__ import annotations
@@ -236,6 +238,8 @@ def _probe(
     weight = next((p for p in site.module.parameters() if p.is_floating_point()), None)
     if weight is None or hidden is None or weight.device.type == "meta":
         return None
+    if _fsdp_inside(site.module):
+        return None
     generator = torch.Generator().manual_seed(0)
     extra = _extra_inputs(site.module.forward, parent, vocab, generator)
     if extra is None:
@@ -244,7 +248,7 @@ def _probe(
     states = torch.randn(_PROBE_TOKENS, hidden, generator=generator)
     states = states.to(weight.device, weight.dtype)
     tap, output = None, None
-    with _unsharded_stand_ins(site.module, generator):
+    with _stand_ins(site.module, generator):
         for shaped in (states, states.unsqueeze(0)):
             try:
                 tap, output = _run(site.module.forward, (shaped, *extra), site, weight.device)
@@ -261,20 +265,28 @@ def _probe(
 
 
 @contextlib.contextmanager
-def _unsharded_stand_ins(module: torch.nn.Module, generator: torch.Generator) -> Iterator[None]:
-    """While the probe runs, random tensors of the full shape stand in for the module's
-    sharded (FSDP2 ``DTensor``) parameters and buffers: a router's contract does not depend
-    on its weights' values, and gathering them would be a collective on one rank's call.
-    The module's own tensors are back on exit."""
+def _stand_ins(module: torch.nn.Module, generator: torch.Generator) -> Iterator[None]:
+    """While the probe runs, stand-ins take the place of the module's tensors (see
+    :func:`_stand_in`), so that what it learns depends on the router's code alone: not on its
+    weights' values (a trained or random selection bias can push probabilities below zero,
+    which would pass them for raw logits), not on whether they are sharded (gathering FSDP2
+    ``DTensor`` shards would be a collective on one rank's call), the same on every rank.
+    The module's own tensors are back on exit, whatever ends the probe."""
     swapped = []
+    shared: dict[int, torch.Tensor] = {}  # a tensor held twice gets one stand-in
     try:
         for owner in module.modules():
             for store in (owner._parameters, owner._buffers):
                 for name, tensor in list(store.items()):
-                    if tensor is not None and _sharded(tensor):
+                    if tensor is None:
+                        continue
+                    stand_in = shared.get(id(tensor))
+                    if stand_in is None:
                         stand_in = _stand_in(tensor, generator)
-                        if store is owner._parameters:
+                        if store is owner._parameters and stand_in is not tensor:
                             stand_in = torch.nn.Parameter(stand_in, requires_grad=False)
+                        shared[id(tensor)] = stand_in
+                    if stand_in is not tensor:
                         swapped.append((store, name, tensor))
                         store[name] = stand_in
         yield
@@ -284,12 +296,22 @@ def _unsharded_stand_ins(module: torch.nn.Module, generator: torch.Generator) ->
 
 
 def _stand_in(tensor: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """``tensor`` itself, or for a sharded one a local random tensor of its full shape (scaled
-    as an initialiser would, so that scores neither vanish nor saturate)."""
-    if not _sharded(tensor):
+    """A local tensor of ``tensor``'s full shape, device and dtype for the probe: ones for a
+    vector (at most one dimension longer than 1: a bias, a per-expert or a norm scale, a
+    temperature), as initialisers set them, so probabilities stay probabilities; random for a
+    matrix (scaled as an initialiser would, so that scores neither vanish nor saturate).
+    ``tensor`` itself if it holds no floating values (ids, masks), zeros if such a one is
+    sharded."""
+    floating = tensor.is_floating_point() or tensor.is_complex()
+    if not floating and not _sharded(tensor):
         return tensor
-    scale = tensor.shape[-1] ** -0.5 if tensor.dim() else 1.0
-    values = torch.randn(tuple(tensor.shape), generator=generator) * scale
+    shape = tuple(tensor.shape)
+    if not floating:
+        values = torch.zeros(shape)
+    elif sum(size > 1 for size in shape) <= 1:
+        values = torch.ones(shape)
+    else:
+        values = torch.randn(shape, generator=generator) * shape[-1] ** -0.5
     return values.to(tensor.device, tensor.dtype)
 
 
@@ -358,6 +380,18 @@ def _extra_inputs(
         else:
             break
     return tuple(values)
+
+
+def _fsdp_inside(module: torch.nn.Module) -> bool:
+    """Is a module inside the router an FSDP2 module of its own? The probe calls the router's
+    ``forward`` (around its own hooks) but its children through theirs: such a child would
+    gather its weights (a collective on one rank's call) and take itself for the root, which
+    breaks the model's next forward."""
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed.fsdp import FSDPModule
+
+    return any(isinstance(child, FSDPModule) for child in module.modules() if child is not module)
 
 
 def _sharded(tensor: torch.Tensor) -> bool:

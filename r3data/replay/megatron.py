@@ -149,14 +149,26 @@ def megatron_layout(
     seq_length: int | None = None,
 ) -> TokenLayout:
     """This rank's :class:`TokenLayout`, from ``parallel_state`` and a ``TransformerConfig``
-    (whose parallel sizes must be the state's: the model was built by one of them)."""
+    (whose parallel sizes must be the state's: the model was built by one of them; hybrid
+    context parallelism, whose CP groups change per sub-sample, is refused)."""
     from megatron.core import parallel_state
 
+    if not parallel_state.model_parallel_is_initialized():
+        raise ReplayError(
+            "megatron_layout reads this rank's place from parallel_state: expected its groups "
+            "(initialize_model_parallel), found none"
+        )
     sizes = {
         "tensor_model_parallel_size": parallel_state.get_tensor_model_parallel_world_size(),
         "context_parallel_size": parallel_state.get_context_parallel_world_size(),
         "pipeline_model_parallel_size": parallel_state.get_pipeline_model_parallel_world_size(),
     }
+    if getattr(config, "hybrid_context_parallel", False):
+        raise ReplayError(
+            "config.hybrid_context_parallel must be False (megatron's scheduler then gives each "
+            "sub-sample a context-parallel group of its own size, which no static layout "
+            f"follows), found {config.hybrid_context_parallel!r}"
+        )
     for name, size in sizes.items():
         if getattr(config, name, size) != size:
             raise ReplayError(

@@ -264,6 +264,25 @@ def test_a_config_of_other_parallel_sizes_than_the_state_is_refused(name):
         megatron_layout(config, packed=True)
 
 
+def test_a_config_with_hybrid_context_parallel_is_refused():
+    # megatron's scheduler then gives each sub-sample a CP group of its own size, which the
+    # static layout of parallel_state's CP group would not follow
+    config = make_config(hybrid_context_parallel=True, max_seqlen_per_dp_cp_rank=64)
+    with pytest.raises(ReplayError, match=r"hybrid_context_parallel must be False .* found True"):
+        megatron_layout(config, packed=True)
+
+
+def test_a_layout_before_initialize_model_parallel_is_refused():
+    config = make_config(sequence_parallel=False)
+    parallel_state.destroy_model_parallel()
+    try:
+        with pytest.raises(ReplayError, match=r"initialize_model_parallel.*found none"):
+            megatron_layout(config, packed=True)
+    finally:
+        parallel_state.initialize_model_parallel(create_gloo_process_groups=False)
+    assert megatron_layout(config, packed=True).tp_size == 1
+
+
 def test_importing_r3data_replay_does_not_import_megatron():
     code = (
         "import sys, r3data.replay, r3data.layout\n"
