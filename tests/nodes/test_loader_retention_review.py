@@ -8,6 +8,7 @@ import json
 
 import numpy as np
 import pytest
+from source_kinds import Again
 
 from r3data import loader
 from r3data.errors import TraceError
@@ -117,16 +118,6 @@ def test_requests_that_cannot_be_read_twice_are_refused_under_retention(tmp_path
         next(iter(loader(samples, batch_size=1, retention=retention, prefetch=0)))
 
 
-class Stream:
-    """A re-iterable source: the loader cannot look ahead in it."""
-
-    def __init__(self, samples):
-        self.samples = samples
-
-    def __iter__(self):
-        return iter(self.samples)
-
-
 @pytest.mark.parametrize("prefetch", [0, 2])
 def test_a_file_a_stream_shares_across_steps_stays_for_the_later_step(tmp_path, prefetch):
     """Sample a (step 0) and sample b (step 1) read one file: released at step 0's update, it
@@ -134,7 +125,7 @@ def test_a_file_a_stream_shares_across_steps_stays_for_the_later_step(tmp_path, 
     one step off policy) at step 1's update, with b's own file."""
     samples, expected, shared, own = shared_file_samples(tmp_path)
     retention = PayloadRetention(str(tmp_path), max_off_policy_steps=1, fresh=False)
-    batches = loader(Stream(samples), batch_size=1, retention=retention, prefetch=prefetch)
+    batches = loader(Again(samples), batch_size=1, retention=retention, prefetch=prefetch)
     for batch in batches:
         (sample_id,) = batch["sample_id"]
         np.testing.assert_array_equal(

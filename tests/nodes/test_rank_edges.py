@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from torchdata.nodes import IterableWrapper
-from torchdata.stateful_dataloader import StatefulDataLoader
+from source_kinds import SOURCES
 
 from r3data import loader
 from r3data.errors import TraceError
@@ -75,26 +74,6 @@ def test_an_empty_micro_batch_keeps_every_field_s_form(tmp_path, layout, micro):
     assert isinstance(full[0]["sampling_mask"], PackedRagged)
     assert masks.dtype == full[0]["sampling_mask"].dtype
     assert len(masks) == len(batch["sampling_mask_valid"]) == 0
-
-
-class Again:
-    """A re-iterable that is not map-style: fast-forwarded on resume."""
-
-    def __init__(self, samples):
-        self.samples = samples
-
-    def __iter__(self):
-        return iter(self.samples)
-
-
-SOURCES = {
-    "list": lambda samples: samples,
-    "re-iterable": Again,
-    "node": IterableWrapper,
-    "stateful": lambda samples: StatefulDataLoader(
-        samples, batch_size=None, collate_fn=lambda sample: sample
-    ),
-}
 
 
 @pytest.mark.parametrize("kind", sorted(SOURCES))

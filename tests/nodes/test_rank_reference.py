@@ -21,8 +21,7 @@ from rank_reference import (
     rank_micro_batches,
     route_row,
 )
-from torchdata.nodes import IterableWrapper
-from torchdata.stateful_dataloader import StatefulDataLoader
+from source_kinds import SOURCES
 
 from r3data import loader
 from r3data.layout import TokenLayout, expand
@@ -33,24 +32,6 @@ from r3data.wire import EncodedRows, InlineRows
 EXPERTS = 256
 
 
-class Again:
-    """A re-iterable that is not map-style (no len, no indexing): fast-forwarded on resume."""
-
-    def __init__(self, samples):
-        self.samples = samples
-
-    def __iter__(self):
-        return iter(self.samples)
-
-
-SOURCES = {
-    "list": lambda samples: samples,
-    "re-iterable": Again,
-    "node": IterableWrapper,
-    "stateful": lambda samples: StatefulDataLoader(
-        samples, batch_size=None, collate_fn=lambda sample: sample
-    ),
-}
 """Every kind of source the loader takes, resumable."""
 
 

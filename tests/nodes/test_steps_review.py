@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from torchdata.nodes import IterableWrapper
+from source_kinds import SOURCES as KINDS
 
 from r3data import loader
 from r3data.errors import ConfigError
@@ -30,21 +30,7 @@ def make_samples(lengths):
     return samples
 
 
-class Again:
-    """A re-iterable that is not map-style (no len, no indexing)."""
-
-    def __init__(self, samples):
-        self.samples = samples
-
-    def __iter__(self):
-        return iter(self.samples)
-
-
-SOURCES = {
-    "list": lambda s: s,
-    "re-iterable": Again,
-    "node": lambda s: IterableWrapper(s),
-}
+SOURCES = {kind: KINDS[kind] for kind in ("list", "re-iterable", "node")}
 
 
 @st.composite
