@@ -107,8 +107,16 @@ def _local_path(fs: AbstractFileSystem, path: str) -> str | None:
     """The OS path that ``path`` names in ``fs`` when ``fs`` is local-backed, else None."""
     *_, (inner, inner_path) = _layers(fs, path)
     if isinstance(inner, LocalFileSystem):
-        return os.path.normpath(inner._strip_protocol(inner_path))
+        return _os_form(inner._strip_protocol(inner_path))
     return None
+
+
+def _os_form(path: str) -> str:
+    """``path`` without empty or ``.`` parts but with every ``..``: after a symlink the kernel
+    (and a listing) resolves ``link/..`` to the link's target's parent, so ``normpath``'s
+    lexical ``..`` would name another folder than the one the filesystem lists."""
+    parts = [part for part in path.split("/") if part not in ("", ".")]
+    return ("/" if path.startswith("/") else "") + "/".join(parts) or "."
 
 
 def _object_key(fs: AbstractFileSystem, path: str) -> str | None:

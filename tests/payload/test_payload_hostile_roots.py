@@ -680,3 +680,26 @@ def test_permission_changes_as_an_unprivileged_user(tmp_path):
         assert Path(root, "v2", "root.bin").exists()
     finally:
         shutil.rmtree(root)
+
+
+@pytest.mark.parametrize("kind", ["path", "DirFileSystem"])
+def test_a_root_with_dotdot_after_a_symlink_is_the_folder_the_kernel_resolves(tmp_path, kind):
+    """``link/../run`` is ``<link's target>/../run`` to the kernel and to fsspec's listings, not
+    the lexical ``run`` beside ``link``: reads, writes and deletions go where the listing
+    looks (a lexical one listed the kernel's folder and deleted its names in the other one)."""
+    (tmp_path / "real" / "a").mkdir(parents=True)
+    (tmp_path / "link").symlink_to(tmp_path / "real" / "a")
+    spelled = str(tmp_path / "link" / ".." / "run")
+    root, fs = (
+        (spelled, None) if kind == "path" else ("", DirFileSystem(spelled, LocalFileSystem()))
+    )
+    segment = PayloadWriter(root, fs=fs).write(1, {"routes": ROUTES})[0]
+    resolved, lexical = tmp_path / "real" / "run", tmp_path / "run"
+    assert (resolved / segment.file).is_file()
+    (lexical / "v1").mkdir(parents=True)  # another run's file under the same name
+    (lexical / segment.file).write_bytes(b"another run's file")
+    np.testing.assert_array_equal(PayloadReader(root, fs=fs).read([segment])["routes"], ROUTES)
+    assert verify(root, fs=fs).ok
+    assert gc(root, 5, 0, fs=fs).files == [segment.file]
+    assert not (resolved / segment.file).exists()
+    assert (lexical / segment.file).read_bytes() == b"another run's file"
