@@ -119,19 +119,27 @@ def _os_form(path: str) -> str:
     return ("/" if path.startswith("/") else "") + "/".join(parts) or "."
 
 
-def _object_key(fs: AbstractFileSystem, path: str) -> str | None:
-    """The object an object store's client (one with ``split_path``: s3fs, gcsfs, adlfs) reads
-    for ``path`` when that is not ``path`` itself (s3fs drops ``?versionId=...`` or reads that
-    version), else None."""
+MAX_KEY_BYTES = 1024
+"""The longest object key S3, GCS and Azure Blob Storage keep, in UTF-8 bytes."""
+
+
+def _key_problem(fs: AbstractFileSystem, path: str) -> str | None:
+    """Why an object store's client (one with ``split_path``: s3fs, gcsfs, adlfs) reads no
+    plain key ``path``: it reads another object (s3fs drops ``?versionId=...`` or reads that
+    version), or the key is longer than any store keeps (S3, GCS and Azure: 1024 bytes, so
+    no writer can ever publish it); else None."""
     *_, (inner, inner_path) = _layers(fs, path)
     split = getattr(inner, "split_path", None)
     if split is None:
         return None
     bucket, key, *version = split(inner_path)
     whole = f"{bucket}/{key}" if key else bucket
-    if whole == inner._strip_protocol(inner_path).lstrip("/") and not any(version):
-        return None
-    return repr(whole) + "".join(f" version {v!r}" for v in version if v)
+    if whole != inner._strip_protocol(inner_path).lstrip("/") or any(version):
+        found = repr(whole) + "".join(f" version {v!r}" for v in version if v)
+        return f"names object {found}: expected a plain key (no version or query)"
+    if len(key.encode()) > MAX_KEY_BYTES:
+        return f"names a key of {len(key.encode())} bytes: expected at most {MAX_KEY_BYTES}"
+    return None
 
 
 def _whole(path: str) -> str:
@@ -429,25 +437,25 @@ class PayloadRoot:
 
     def _check_plain_key(self, name: str, what: str) -> None:
         """Refuse a root-relative ``name`` that an object store's client would read as another
-        key (or a version of one); ``what`` names it."""
+        key (or a version of one), or one longer than a store keeps; ``what`` names it."""
         path = posixpath.join(self.path, name)
-        found = _object_key(self.fs, path)
-        if found is not None:
-            raise PayloadHandleError(
-                f"{what} names object {found} of {self.url}, not {path!r}: expected a plain key "
-                "(no version or query)"
-            )
+        problem = _key_problem(self.fs, path)
+        if problem is not None:
+            raise PayloadHandleError(f"{what} of {self.url} ({path!r}) {problem}")
 
     def _lexically_relative(self, handle: str) -> str:
         """:meth:`relative` by the path's text alone."""
         if not isinstance(handle, str) or not handle or "\x00" in handle:
             raise PayloadHandleError(f"payload handle must be a non-empty path, found {handle!r}")
         if not handle.isascii():
+            # a lone surrogate (JSON carries one): an OS path may hold os.fsdecode's escapes of
+            # bytes, a key (UTF-8 on every object store) none
+            encoding, errors = (_FS_ENCODING, _FS_ERRORS) if self._os_path else ("utf-8", "strict")
             try:
-                handle.encode(_FS_ENCODING, _FS_ERRORS)
-            except UnicodeEncodeError as exc:  # a lone surrogate: JSON carries one
+                handle.encode(encoding, errors)
+            except UnicodeEncodeError as exc:
                 raise PayloadHandleError(
-                    f"payload handle must be a path in {_FS_ENCODING}, found {handle!r} "
+                    f"payload handle must be a path in {encoding}, found {handle!r} "
                     f"({exc.reason} at {exc.start})"
                 ) from None
         path = handle

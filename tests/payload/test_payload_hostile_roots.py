@@ -166,6 +166,9 @@ def test_a_lone_surrogate_or_a_name_too_long_is_a_handle_error_not_retried(tmp_p
             reader.read([moved(segment, handle)])
         assert time.monotonic() - started < 0.5, handle
     assert PayloadRoot(root).relative("v1/\udcff.bin") == "v1/\udcff.bin"  # os.fsdecode's
+    memory = PayloadRoot(f"memory://r3-hostile-{uuid.uuid4().hex}")  # keys are UTF-8: no bytes
+    with pytest.raises(PayloadHandleError, match=r"must be a path in utf-8, found 'v1/\\udcff"):
+        memory.relative("v1/\udcff.bin")
 
 
 WRAPPERS = {
@@ -488,6 +491,12 @@ def test_an_object_version_is_no_payload_name_on_any_s3_root():
             with pytest.raises(PayloadHandleError, match="expected a plain key"):
                 root.remove(name)
         assert root.relative("v1/x.bin?v=1") == "v1/x.bin?v=1"  # a plain key with a '?'
+        longest = "v1/" + "a" * (1024 - len("run/v1/"))
+        assert root.relative(longest) == longest
+        with pytest.raises(PayloadHandleError, match="a key of 1025 bytes: expected at most 1024"):
+            root.relative(longest + "a")  # no store keeps it: not a missing file to wait for
+        with pytest.raises(PayloadHandleError, match="must be a path in utf-8"):
+            root.relative("v1/\udcff.bin")
 
 
 def test_a_file_cut_and_regrown_under_a_reader_gives_its_bytes_or_a_typed_error(tmp_path):
