@@ -62,6 +62,7 @@ def check_schedule(data, root: str, retention: PayloadRetention) -> None:
     size_of: dict[str, int] = {}
     version_of: dict[str, int] = {}
     claims: dict[str, int] = {}  # file -> latest step that claimed it, until released
+    swept: set[str] = set()  # claimed files a claim left to the sweep (a stream's), until released
     discarded: set[str] = set()  # since the last update
     deleted: set[str] = set()
 
@@ -78,18 +79,24 @@ def check_schedule(data, root: str, retention: PayloadRetention) -> None:
             live = [f for f in version_of if f not in deleted]  # in write order: names are random
             fresh = [f for f in live if version_of[f] >= min_fresh_version(batch, max_off)]
             picked = data.draw(st.lists(st.sampled_from(fresh), unique=True)) if fresh else []
-            retention.claim(batch, picked)
+            streamed = data.draw(st.booleans(), label="left to the sweep")
+            retention.claim(batch, picked, delete_on_release=not streamed)
             claims.update({f: max(batch, claims.get(f, batch)) for f in picked})
+            if streamed:
+                swept.update(picked)
             dropped = data.draw(st.lists(st.sampled_from(live), unique=True)) if live else []
             retention.discard(dropped)
             discarded.update(dropped)
         retention.wait()
         assert stored(root) == set(version_of) - deleted  # claims and discards delete nothing
+        metrics = retention.metrics()
+        assert (metrics.files_claimed, metrics.files_pending) == (len(claims), len(discarded))
 
         released = {f for f, claimed in claims.items() if claimed <= step}
-        due = released | {f for f in discarded if claims.get(f, step) <= step}
+        due = (released - swept) | {f for f in discarded if claims.get(f, step) <= step}
         for f in released:
             del claims[f]
+            swept.discard(f)
         discarded.clear()
         bound = min_fresh_version(step + 1, max_off)
         deleted |= due | {f for f, v in version_of.items() if v < bound and f not in claims}
