@@ -582,7 +582,8 @@ class PayloadRoot:
 
     def remove(self, name: str) -> None:
         """Delete the root-relative file ``name`` (a symlink itself, never its target); raises
-        ``FileNotFoundError`` when it is gone, ``OSError`` when it cannot be deleted, and
+        ``FileNotFoundError`` when it is gone or cannot exist (a file on its way, a name too
+        long: a hostile handle's release), ``OSError`` when it cannot be deleted, and
         :class:`PayloadHandleError` when a folder on its way is a symlink: a deletion follows
         none, not even one that stays inside the root (it would make a second name of a file,
         whose release would delete what a later batch still reads under the first).
@@ -595,6 +596,16 @@ class PayloadRoot:
             self.fs.rm_file(posixpath.join(self.path, rel))
             return
         folder, base = posixpath.split(rel)
+        try:
+            self._unlink_beneath(rel, folder, base)
+        except OSError as exc:  # a file on the way, a name too long: no such file can exist
+            if exc.errno not in (errno.ENOTDIR, errno.ENAMETOOLONG):
+                raise
+            raise FileNotFoundError(errno.ENOENT, f"no such file ({exc.strerror})", rel) from exc
+
+    def _unlink_beneath(self, rel: str, folder: str, base: str) -> None:
+        """:meth:`remove` of a local-backed ``rel``: each folder of ``folder`` opened
+        ``O_NOFOLLOW`` from the root's, then ``base`` unlinked there."""
         fd = os.open(self._os_path, _ROOT)
         try:
             for part in folder.split("/") if folder else ():

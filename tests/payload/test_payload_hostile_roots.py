@@ -712,3 +712,20 @@ def test_a_root_with_dotdot_after_a_symlink_is_the_folder_the_kernel_resolves(tm
     assert gc(root, 5, 0, fs=fs).files == [segment.file]
     assert not (resolved / segment.file).exists()
     assert (lexical / segment.file).read_bytes() == b"another run's file"
+
+
+def test_a_released_name_that_cannot_exist_is_gone_not_retried_forever(tmp_path):
+    """A hostile handle is claimed before the read refuses it: a name under a file
+    (``v1/x.bin/y``) or too long for the filesystem names no file, so its release is done at
+    once, not a deletion failing (logged, counted, kept pending) at every update."""
+    root = tmp_path / "payloads"
+    segment = PayloadWriter(str(root)).write(1, {"routes": ROUTES})[0]
+    names = [f"{segment.file}/y.bin", "v1/" + "a" * 300, "v1/" + "a/" * 3000 + "x.bin"]
+    with PayloadRetention(str(root), 4, fresh=False) as retention:
+        retention.claim(0, names)
+        for step in range(3):
+            retention.on_policy_update(step)
+            retention.wait()
+            metrics = retention.metrics()
+            assert (metrics.files_pending, metrics.delete_errors) == (0, 0), step
+    assert (root / segment.file).is_file()
