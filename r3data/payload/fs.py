@@ -390,7 +390,13 @@ class PayloadRoot:
         self.fs: AbstractFileSystem = fs
         self.path: str = path.rstrip("/") or fs.root_marker or "/"
         self._prefix = _whole(self.path).rstrip("/") + "/"
-        self._os_path = _local_path(fs, self.path)
+        try:
+            self._os_path = _local_path(fs, self.path)
+        except ValueError as exc:  # a DirFileSystem refuses a path leaving its folder
+            raise ConfigError(
+                f"payload root {os.fspath(root)}: expected a path inside {type(fs).__name__}'s "
+                f"folder, found one leaving it ({exc})"
+            ) from exc
         self._os_dir = None if self._os_path is None else posixpath.join(self._os_path, "")
         self.local_backed: bool = self._os_path is not None
 

@@ -238,6 +238,11 @@ def test_http_roots_are_refused(make):
             build(root, fs)
 
 
+def test_a_root_leaving_its_dirfilesystem_is_a_config_error(tmp_path):
+    with pytest.raises(ConfigError, match=r"expected a path inside DirFileSystem's folder"):
+        PayloadRoot("../run", fs=DirFileSystem(str(tmp_path / "base"), LocalFileSystem()))
+
+
 def test_a_generic_filesystem_root_is_refused(tmp_path):
     """``GenericFileSystem`` opens whatever filesystem a path's URL names: over a local one it
     followed a symlink out of the root."""
