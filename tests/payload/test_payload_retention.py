@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import logging
 import posixpath
+import sys
 import threading
 import time
 import uuid
+from pathlib import Path
 
 import fsspec
 import numpy as np
@@ -422,3 +424,27 @@ def test_gc_dry_run_then_real(payload_root):
     report = gc(payload_root, step=3, max_off_policy_steps=2)
     assert report.as_dict() == {**dry.as_dict(), "dry_run": False}
     assert stored(payload_root) == {files[2], files[3], files[4]}
+
+
+def test_ranks_where_only_one_leaves_files_to_the_sweep(tmp_path):
+    """Rank 1's claims that leave files to the sweep reach rank 0, the one deleting: released,
+    those stay (even one rank 0 claimed to delete: a later sample of rank 1's stream may name
+    it) until their version is swept; the rest go at once."""
+    sys.path.append(str(Path(__file__).resolve().parents[1] / "integration"))
+    from rank_helpers import spawn_ranks
+    from retention_ranks import mixed_claims
+
+    root = tmp_path / "payloads"
+    writer = PayloadWriter(str(root))
+    files = [write(writer, 1) for _ in range(3)]
+    streamed, consumed, shared = files
+    args = (2, str(tmp_path / "store"), str(root), files)
+    reports = spawn_ranks(mixed_claims, 2, args, deadline_s=60)
+    assert consumed not in reports[0]["left"][0]
+    assert reports[0]["left"] == reports[1]["left"] == [sorted([streamed, shared]), []]
+    metrics = reports[0]["metrics"]
+    assert (metrics["files_deleted"], metrics["files_claimed"], metrics["files_pending"]) == (
+        3,
+        0,
+        0,
+    )
