@@ -588,8 +588,8 @@ class PayloadRoot:
 
     def remove(self, name: str) -> None:
         """Delete the root-relative file ``name`` (a symlink itself, never its target); raises
-        ``FileNotFoundError`` when it is gone or cannot exist (a file on its way, a name too
-        long: a hostile handle's release), ``OSError`` when it cannot be deleted, and
+        ``FileNotFoundError`` when it is gone or names no file (a folder, a file on its way, a
+        name too long: a hostile handle's release), ``OSError`` when it cannot be deleted, and
         :class:`PayloadHandleError` when a folder on its way is a symlink: a deletion follows
         none, not even one that stays inside the root (it would make a second name of a file,
         whose release would delete what a later batch still reads under the first).
@@ -604,8 +604,8 @@ class PayloadRoot:
         folder, base = posixpath.split(rel)
         try:
             self._unlink_beneath(rel, folder, base)
-        except OSError as exc:  # a file on the way, a name too long: no such file can exist
-            if exc.errno not in (errno.ENOTDIR, errno.ENAMETOOLONG):
+        except OSError as exc:  # a folder, a file on the way, a name too long: no such file
+            if exc.errno not in (errno.EISDIR, errno.ENOTDIR, errno.ENAMETOOLONG):
                 raise
             raise FileNotFoundError(errno.ENOENT, f"no such file ({exc.strerror})", rel) from exc
 

@@ -720,12 +720,13 @@ def test_a_root_with_dotdot_after_a_symlink_is_the_folder_the_kernel_resolves(tm
 
 
 def test_a_released_name_that_cannot_exist_is_gone_not_retried_forever(tmp_path):
-    """A hostile handle is claimed before the read refuses it: a name under a file
-    (``v1/x.bin/y``) or too long for the filesystem names no file, so its release is done at
-    once, not a deletion failing (logged, counted, kept pending) at every update."""
+    """A hostile handle is claimed before the read refuses it: a folder (``v1``), a name under
+    a file (``v1/x.bin/y``) or one too long for the filesystem names no file, so its release is
+    done at once (the folder stays), not a deletion failing (logged, counted, kept pending) at
+    every update."""
     root = tmp_path / "payloads"
     segment = PayloadWriter(str(root)).write(1, {"routes": ROUTES})[0]
-    names = [f"{segment.file}/y.bin", "v1/" + "a" * 300, "v1/" + "a/" * 3000 + "x.bin"]
+    names = ["v1", f"{segment.file}/y.bin", "v1/" + "a" * 300, "v1/" + "a/" * 3000 + "x.bin"]
     with PayloadRetention(str(root), 4, fresh=False) as retention:
         retention.claim(0, names)
         for step in range(3):
