@@ -107,23 +107,39 @@ def _local_path(fs: AbstractFileSystem, path: str) -> str | None:
     """The OS path that ``path`` names in ``fs`` when ``fs`` is local-backed, else None."""
     *_, (inner, inner_path) = _layers(fs, path)
     if isinstance(inner, LocalFileSystem):
-        return os.path.normpath(inner._strip_protocol(inner_path))
+        return _os_form(inner._strip_protocol(inner_path))
     return None
 
 
-def _object_key(fs: AbstractFileSystem, path: str) -> str | None:
-    """The object an object store's client (one with ``split_path``: s3fs, gcsfs, adlfs) reads
-    for ``path`` when that is not ``path`` itself (s3fs drops ``?versionId=...`` or reads that
-    version), else None."""
+def _os_form(path: str) -> str:
+    """``path`` without empty or ``.`` parts but with every ``..``: after a symlink the kernel
+    (and a listing) resolves ``link/..`` to the link's target's parent, so ``normpath``'s
+    lexical ``..`` would name another folder than the one the filesystem lists."""
+    parts = [part for part in path.split("/") if part not in ("", ".")]
+    return ("/" if path.startswith("/") else "") + "/".join(parts) or "."
+
+
+MAX_KEY_BYTES = 1024
+"""The longest object key S3, GCS and Azure Blob Storage keep, in UTF-8 bytes."""
+
+
+def _key_problem(fs: AbstractFileSystem, path: str) -> str | None:
+    """Why an object store's client (one with ``split_path``: s3fs, gcsfs, adlfs) reads no
+    plain key ``path``: it reads another object (s3fs drops ``?versionId=...`` or reads that
+    version), or the key is longer than any store keeps (S3, GCS and Azure: 1024 bytes, so
+    no writer can ever publish it); else None."""
     *_, (inner, inner_path) = _layers(fs, path)
     split = getattr(inner, "split_path", None)
     if split is None:
         return None
     bucket, key, *version = split(inner_path)
     whole = f"{bucket}/{key}" if key else bucket
-    if whole == inner._strip_protocol(inner_path).lstrip("/") and not any(version):
-        return None
-    return repr(whole) + "".join(f" version {v!r}" for v in version if v)
+    if whole != inner._strip_protocol(inner_path).lstrip("/") or any(version):
+        found = repr(whole) + "".join(f" version {v!r}" for v in version if v)
+        return f"names object {found}: expected a plain key (no version or query)"
+    if len(key.encode()) > MAX_KEY_BYTES:
+        return f"names a key of {len(key.encode())} bytes: expected at most {MAX_KEY_BYTES}"
+    return None
 
 
 def _whole(path: str) -> str:
@@ -374,7 +390,13 @@ class PayloadRoot:
         self.fs: AbstractFileSystem = fs
         self.path: str = path.rstrip("/") or fs.root_marker or "/"
         self._prefix = _whole(self.path).rstrip("/") + "/"
-        self._os_path = _local_path(fs, self.path)
+        try:
+            self._os_path = _local_path(fs, self.path)
+        except ValueError as exc:  # a DirFileSystem refuses a path leaving its folder
+            raise ConfigError(
+                f"payload root {os.fspath(root)}: expected a path inside {type(fs).__name__}'s "
+                f"folder, found one leaving it ({exc})"
+            ) from exc
         self._os_dir = None if self._os_path is None else posixpath.join(self._os_path, "")
         self.local_backed: bool = self._os_path is not None
 
@@ -421,25 +443,25 @@ class PayloadRoot:
 
     def _check_plain_key(self, name: str, what: str) -> None:
         """Refuse a root-relative ``name`` that an object store's client would read as another
-        key (or a version of one); ``what`` names it."""
+        key (or a version of one), or one longer than a store keeps; ``what`` names it."""
         path = posixpath.join(self.path, name)
-        found = _object_key(self.fs, path)
-        if found is not None:
-            raise PayloadHandleError(
-                f"{what} names object {found} of {self.url}, not {path!r}: expected a plain key "
-                "(no version or query)"
-            )
+        problem = _key_problem(self.fs, path)
+        if problem is not None:
+            raise PayloadHandleError(f"{what} of {self.url} ({path!r}) {problem}")
 
     def _lexically_relative(self, handle: str) -> str:
         """:meth:`relative` by the path's text alone."""
         if not isinstance(handle, str) or not handle or "\x00" in handle:
             raise PayloadHandleError(f"payload handle must be a non-empty path, found {handle!r}")
         if not handle.isascii():
+            # a lone surrogate (JSON carries one): an OS path may hold os.fsdecode's escapes of
+            # bytes, a key (UTF-8 on every object store) none
+            encoding, errors = (_FS_ENCODING, _FS_ERRORS) if self._os_path else ("utf-8", "strict")
             try:
-                handle.encode(_FS_ENCODING, _FS_ERRORS)
-            except UnicodeEncodeError as exc:  # a lone surrogate: JSON carries one
+                handle.encode(encoding, errors)
+            except UnicodeEncodeError as exc:
                 raise PayloadHandleError(
-                    f"payload handle must be a path in {_FS_ENCODING}, found {handle!r} "
+                    f"payload handle must be a path in {encoding}, found {handle!r} "
                     f"({exc.reason} at {exc.start})"
                 ) from None
         path = handle
@@ -566,7 +588,8 @@ class PayloadRoot:
 
     def remove(self, name: str) -> None:
         """Delete the root-relative file ``name`` (a symlink itself, never its target); raises
-        ``FileNotFoundError`` when it is gone, ``OSError`` when it cannot be deleted, and
+        ``FileNotFoundError`` when it is gone or names no file (a folder, a file on its way, a
+        name too long: a hostile handle's release), ``OSError`` when it cannot be deleted, and
         :class:`PayloadHandleError` when a folder on its way is a symlink: a deletion follows
         none, not even one that stays inside the root (it would make a second name of a file,
         whose release would delete what a later batch still reads under the first).
@@ -579,6 +602,16 @@ class PayloadRoot:
             self.fs.rm_file(posixpath.join(self.path, rel))
             return
         folder, base = posixpath.split(rel)
+        try:
+            self._unlink_beneath(rel, folder, base)
+        except OSError as exc:  # a folder, a file on the way, a name too long: no such file
+            if exc.errno not in (errno.EISDIR, errno.ENOTDIR, errno.ENAMETOOLONG):
+                raise
+            raise FileNotFoundError(errno.ENOENT, f"no such file ({exc.strerror})", rel) from exc
+
+    def _unlink_beneath(self, rel: str, folder: str, base: str) -> None:
+        """:meth:`remove` of a local-backed ``rel``: each folder of ``folder`` opened
+        ``O_NOFOLLOW`` from the root's, then ``base`` unlinked there."""
         fd = os.open(self._os_path, _ROOT)
         try:
             for part in folder.split("/") if folder else ():

@@ -181,7 +181,8 @@ class PayloadRetention:
       deletes those files and the due discarded ones, and sweeps versions older than
       ``min_fresh_version(step + 1, max_off_policy_steps)`` of unclaimed files.
     - ``claim(step, files, delete_on_release=False)`` (a stream's files: a sample not read
-      yet may still name them) keeps them as long, then leaves them to the version sweep.
+      yet may still name them) keeps them as long, then leaves them to the version sweep; so
+      does the release of a file claimed both ways while either claim held.
     - A claim of a released or discarded file not yet deleted keeps it. A claim of a file whose
       deletion is under way waits for it to finish, so a file that exists when ``claim``
       returns stays until its step is released; one deleted before cannot come back (a read

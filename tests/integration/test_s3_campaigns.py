@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "payload"))  # payload_campaigns
@@ -19,13 +20,14 @@ from payload_campaigns import (
     flaky,
     flaky_reads_campaign,
     killed_writer_campaign,
+    moved,
     retention_campaign,
     routes,
 )
 from s3_fixtures import s3_fixture, s3_fs_fixture, s3_root_fixture  # noqa: F401
 
 from r3data.errors import PayloadHandleError, PayloadNotFoundError, PayloadReadError
-from r3data.payload import PayloadRetention, PayloadRoot, PayloadWriter
+from r3data.payload import PayloadReader, PayloadRetention, PayloadRoot, PayloadWriter
 
 
 def test_handles_never_escape_the_prefix_or_the_bucket(s3_root, s3_fs):
@@ -151,3 +153,23 @@ def test_a_second_name_of_an_object_cannot_delete_it_early(s3_root, s3_fs):
     retention.close()
     s3_fs.invalidate_cache()
     assert not s3_fs.exists(f"{root.path}/{segment.file}")
+
+
+def test_a_name_no_store_key_can_be_is_a_handle_error_not_retried(s3_root, s3_fs):
+    """A key is UTF-8 of at most 1024 bytes: a lone surrogate (even one ``os.fsdecode`` makes
+    of a byte, a local file's name) or a longer name is refused at once, naming it, as on a
+    local root; no retry makes it readable."""
+    segment = PayloadWriter(s3_root, fs=s3_fs).write(
+        1, {"routes": routes(np.random.default_rng(3), 4)}
+    )[0]
+    reader = PayloadReader(s3_root, fs=s3_fs, retries=3, backoff=1.0, max_backoff=1.0)
+    cases = [
+        ("v1/\ud800.bin", r"must be a path in utf-8, found 'v1/\\ud800.bin'"),
+        ("v1/\udcff.bin", r"must be a path in utf-8, found 'v1/\\udcff.bin'"),
+        ("v1/" + "a" * 1100, r"names a key of \d+ bytes: expected at most 1024"),
+    ]
+    for handle, message in cases:
+        started = time.monotonic()
+        with pytest.raises(PayloadHandleError, match=message):
+            reader.read([moved(segment, handle)])
+        assert time.monotonic() - started < 0.5, handle

@@ -166,6 +166,9 @@ def test_a_lone_surrogate_or_a_name_too_long_is_a_handle_error_not_retried(tmp_p
             reader.read([moved(segment, handle)])
         assert time.monotonic() - started < 0.5, handle
     assert PayloadRoot(root).relative("v1/\udcff.bin") == "v1/\udcff.bin"  # os.fsdecode's
+    memory = PayloadRoot(f"memory://r3-hostile-{uuid.uuid4().hex}")  # keys are UTF-8: no bytes
+    with pytest.raises(PayloadHandleError, match=r"must be a path in utf-8, found 'v1/\\udcff"):
+        memory.relative("v1/\udcff.bin")
 
 
 WRAPPERS = {
@@ -233,6 +236,11 @@ def test_http_roots_are_refused(make):
     for build in (PayloadRoot, lambda r, f: PayloadReader(r, fs=f)):
         with pytest.raises(ConfigError, match=r"reads HTTP URLs.*expected a local path"):
             build(root, fs)
+
+
+def test_a_root_leaving_its_dirfilesystem_is_a_config_error(tmp_path):
+    with pytest.raises(ConfigError, match=r"expected a path inside DirFileSystem's folder"):
+        PayloadRoot("../run", fs=DirFileSystem(str(tmp_path / "base"), LocalFileSystem()))
 
 
 def test_a_generic_filesystem_root_is_refused(tmp_path):
@@ -488,6 +496,12 @@ def test_an_object_version_is_no_payload_name_on_any_s3_root():
             with pytest.raises(PayloadHandleError, match="expected a plain key"):
                 root.remove(name)
         assert root.relative("v1/x.bin?v=1") == "v1/x.bin?v=1"  # a plain key with a '?'
+        longest = "v1/" + "a" * (1024 - len("run/v1/"))
+        assert root.relative(longest) == longest
+        with pytest.raises(PayloadHandleError, match="a key of 1025 bytes: expected at most 1024"):
+            root.relative(longest + "a")  # no store keeps it: not a missing file to wait for
+        with pytest.raises(PayloadHandleError, match="must be a path in utf-8"):
+            root.relative("v1/\udcff.bin")
 
 
 def test_a_file_cut_and_regrown_under_a_reader_gives_its_bytes_or_a_typed_error(tmp_path):
@@ -680,3 +694,44 @@ def test_permission_changes_as_an_unprivileged_user(tmp_path):
         assert Path(root, "v2", "root.bin").exists()
     finally:
         shutil.rmtree(root)
+
+
+@pytest.mark.parametrize("kind", ["path", "DirFileSystem"])
+def test_a_root_with_dotdot_after_a_symlink_is_the_folder_the_kernel_resolves(tmp_path, kind):
+    """``link/../run`` is ``<link's target>/../run`` to the kernel and to fsspec's listings, not
+    the lexical ``run`` beside ``link``: reads, writes and deletions go where the listing
+    looks (a lexical one listed the kernel's folder and deleted its names in the other one)."""
+    (tmp_path / "real" / "a").mkdir(parents=True)
+    (tmp_path / "link").symlink_to(tmp_path / "real" / "a")
+    spelled = str(tmp_path / "link" / ".." / "run")
+    root, fs = (
+        (spelled, None) if kind == "path" else ("", DirFileSystem(spelled, LocalFileSystem()))
+    )
+    segment = PayloadWriter(root, fs=fs).write(1, {"routes": ROUTES})[0]
+    resolved, lexical = tmp_path / "real" / "run", tmp_path / "run"
+    assert (resolved / segment.file).is_file()
+    (lexical / "v1").mkdir(parents=True)  # another run's file under the same name
+    (lexical / segment.file).write_bytes(b"another run's file")
+    np.testing.assert_array_equal(PayloadReader(root, fs=fs).read([segment])["routes"], ROUTES)
+    assert verify(root, fs=fs).ok
+    assert gc(root, 5, 0, fs=fs).files == [segment.file]
+    assert not (resolved / segment.file).exists()
+    assert (lexical / segment.file).read_bytes() == b"another run's file"
+
+
+def test_a_released_name_that_cannot_exist_is_gone_not_retried_forever(tmp_path):
+    """A hostile handle is claimed before the read refuses it: a folder (``v1``), a name under
+    a file (``v1/x.bin/y``) or one too long for the filesystem names no file, so its release is
+    done at once (the folder stays), not a deletion failing (logged, counted, kept pending) at
+    every update."""
+    root = tmp_path / "payloads"
+    segment = PayloadWriter(str(root)).write(1, {"routes": ROUTES})[0]
+    names = ["v1", f"{segment.file}/y.bin", "v1/" + "a" * 300, "v1/" + "a/" * 3000 + "x.bin"]
+    with PayloadRetention(str(root), 4, fresh=False) as retention:
+        retention.claim(0, names)
+        for step in range(3):
+            retention.on_policy_update(step)
+            retention.wait()
+            metrics = retention.metrics()
+            assert (metrics.files_pending, metrics.delete_errors) == (0, 0), step
+    assert (root / segment.file).is_file()

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import logging
 import posixpath
+import sys
 import threading
 import time
 import uuid
+from pathlib import Path
 
 import fsspec
 import numpy as np
@@ -62,6 +64,7 @@ def check_schedule(data, root: str, retention: PayloadRetention) -> None:
     size_of: dict[str, int] = {}
     version_of: dict[str, int] = {}
     claims: dict[str, int] = {}  # file -> latest step that claimed it, until released
+    swept: set[str] = set()  # claimed files a claim left to the sweep (a stream's), until released
     discarded: set[str] = set()  # since the last update
     deleted: set[str] = set()
 
@@ -78,18 +81,24 @@ def check_schedule(data, root: str, retention: PayloadRetention) -> None:
             live = [f for f in version_of if f not in deleted]  # in write order: names are random
             fresh = [f for f in live if version_of[f] >= min_fresh_version(batch, max_off)]
             picked = data.draw(st.lists(st.sampled_from(fresh), unique=True)) if fresh else []
-            retention.claim(batch, picked)
+            streamed = data.draw(st.booleans(), label="left to the sweep")
+            retention.claim(batch, picked, delete_on_release=not streamed)
             claims.update({f: max(batch, claims.get(f, batch)) for f in picked})
+            if streamed:
+                swept.update(picked)
             dropped = data.draw(st.lists(st.sampled_from(live), unique=True)) if live else []
             retention.discard(dropped)
             discarded.update(dropped)
         retention.wait()
         assert stored(root) == set(version_of) - deleted  # claims and discards delete nothing
+        metrics = retention.metrics()
+        assert (metrics.files_claimed, metrics.files_pending) == (len(claims), len(discarded))
 
         released = {f for f, claimed in claims.items() if claimed <= step}
-        due = released | {f for f in discarded if claims.get(f, step) <= step}
+        due = (released - swept) | {f for f in discarded if claims.get(f, step) <= step}
         for f in released:
             del claims[f]
+            swept.discard(f)
         discarded.clear()
         bound = min_fresh_version(step + 1, max_off)
         deleted |= due | {f for f, v in version_of.items() if v < bound and f not in claims}
@@ -415,3 +424,27 @@ def test_gc_dry_run_then_real(payload_root):
     report = gc(payload_root, step=3, max_off_policy_steps=2)
     assert report.as_dict() == {**dry.as_dict(), "dry_run": False}
     assert stored(payload_root) == {files[2], files[3], files[4]}
+
+
+def test_ranks_where_only_one_leaves_files_to_the_sweep(tmp_path):
+    """Rank 1's claims that leave files to the sweep reach rank 0, the one deleting: released,
+    those stay (even one rank 0 claimed to delete: a later sample of rank 1's stream may name
+    it) until their version is swept; the rest go at once."""
+    sys.path.append(str(Path(__file__).resolve().parents[1] / "integration"))
+    from rank_helpers import spawn_ranks
+    from retention_ranks import mixed_claims
+
+    root = tmp_path / "payloads"
+    writer = PayloadWriter(str(root))
+    files = [write(writer, 1) for _ in range(3)]
+    streamed, consumed, shared = files
+    args = (2, str(tmp_path / "store"), str(root), files)
+    reports = spawn_ranks(mixed_claims, 2, args, deadline_s=60)
+    assert consumed not in reports[0]["left"][0]
+    assert reports[0]["left"] == reports[1]["left"] == [sorted([streamed, shared]), []]
+    metrics = reports[0]["metrics"]
+    assert (metrics["files_deleted"], metrics["files_claimed"], metrics["files_pending"]) == (
+        3,
+        0,
+        0,
+    )
