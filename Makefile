@@ -4,6 +4,8 @@ PY := $(VENV)/bin/python
 # The CPU wheel these machines carry; an open range would pull a multi-GB CUDA build.
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.r3data-installed
+# The real parts' environments (below) install side by side with .venv, each in its own folder.
+MAKEFLAGS += --jobs=3
 
 .PHONY: demo test coverage lint format bench clean
 
