@@ -70,3 +70,14 @@ def rank_rows(layout, lengths) -> list[int]:
         lengths, seq_len, layout.padding_side, layout.cp_size, layout.cp_rank, sp, sp_rank
     )
     return [row for line in grid for row in line]
+
+
+def runs_of(positions: list[int]) -> list[tuple[int, int]]:
+    """Sorted positions as ``[lo, hi)`` runs of consecutive ones."""
+    runs: list[tuple[int, int]] = []
+    for p in positions:
+        if runs and runs[-1][1] == p:
+            runs[-1] = (runs[-1][0], p + 1)
+        else:
+            runs.append((p, p + 1))
+    return runs

@@ -30,6 +30,7 @@ import numpy as np
 
 sys.path.append(str(Path(__file__).resolve().parents[1] / "layout"))
 from layout_reference import PAD, rank_rows
+from layout_reference import runs_of as runs_of  # for the tests beside it
 
 TOPK = 2
 

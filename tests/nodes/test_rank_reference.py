@@ -20,6 +20,7 @@ from rank_reference import (
     local_positions,
     rank_micro_batches,
     route_row,
+    runs_of,
 )
 from source_kinds import SOURCES
 
@@ -35,20 +36,10 @@ EXPERTS = 256
 """Every kind of source the loader takes, resumable."""
 
 
-def real_runs(positions: list[int]) -> list[tuple[int, int]]:
-    runs: list[tuple[int, int]] = []
-    for p in positions:
-        if runs and runs[-1][1] == p:
-            runs[-1] = (runs[-1][0], p + 1)
-        else:
-            runs.append((p, p + 1))
-    return runs
-
-
 def make_sample(spec: SampleSpec, kind: str, writer: PayloadWriter | None) -> dict:
     """The sample ``spec`` describes, its rows from ``kind`` sources (one per run of rows)."""
     sources = []
-    for lo, hi in real_runs(spec.engine_positions()):
+    for lo, hi in runs_of(spec.engine_positions()):
         rows = np.array([[route_row(spec.index, p)] for p in range(lo, hi)], np.uint8)
         if kind == "inline":
             sources.append(InlineRows("routed_experts", rows, lo))

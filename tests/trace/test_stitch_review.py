@@ -12,12 +12,17 @@ valid row or distinct experts for routes, zeros or empty rows otherwise).
 from __future__ import annotations
 
 import itertools
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from trace_engine import materialized
+
+sys.path.append(str(Path(__file__).resolve().parents[1] / "layout"))
+from layout_reference import runs_of
 
 from r3data.errors import TraceError, TraceGapError
 from r3data.nodes import materialize
@@ -177,7 +182,7 @@ def test_every_position_gets_the_row_the_documented_rule_names(case, placeholder
         assert len(got) == n
         assert field.valid.tolist() == [o is not None and not gaps for o in owner]
         assert sample.stats.rows_captured == (0 if gaps else sum(o is not None for o in owner))
-        assert sample.stats.gaps == (len(_runs(gaps)) if gaps else 0)
+        assert sample.stats.gaps == (len(runs_of(gaps)) if gaps else 0)
         assert field.dtype == np.result_type(*surviving_dtypes(kept, name))
         pieces = field.pieces
         assert [p.pos for p in pieces] == sorted(p.pos for p in pieces)
@@ -216,16 +221,6 @@ def surviving_dtypes(requests, name):
 def dropped(prompt, lo, hi, role):
     """Whether the trace drops a source whole: a decode source's rows all in the prompt."""
     return role == "decode" and lo < prompt and hi <= prompt
-
-
-def _runs(positions: list[int]) -> list[tuple[int, int]]:
-    runs: list[tuple[int, int]] = []
-    for p in positions:
-        if runs and runs[-1][1] == p:
-            runs[-1] = (runs[-1][0], p + 1)
-        else:
-            runs.append((p, p + 1))
-    return runs
 
 
 def test_a_ragged_field_no_request_sent_is_int32_and_marked_unsent():
