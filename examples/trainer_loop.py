@@ -1,6 +1,6 @@
-"""An RL trainer's data loop on r3data, as verl, SkyRL and prime-rl run theirs: DP shares of
-each optimizer step in token-budget micro-batches, CP-local rows, replayed experts, payload files
-freed once every rank trained the step. torchrun --nproc-per-node 4 examples/trainer_loop.py"""
+"""An RL trainer's data loop on r3data, as verl, SkyRL and prime-rl run theirs: DP shares of each
+step in token-budget micro-batches, CP-local rows, replayed experts, payload files freed once every
+rank trained the step. torchrun --nproc-per-node 4 examples/trainer_loop.py"""
 
 import os
 
@@ -22,9 +22,10 @@ if rank == 0:
     rollouts = synth_rollouts(SyntheticRouter(shape), 16, max_len=2048)
     samples = [serve_rollouts(rollouts, writer=PayloadWriter(root)).samples]
 dist.broadcast_object_list(samples)
-cp = 2 if world % 2 == 0 else 1
+cp = 2 if world % 2 == 0 else 1  # ranks 2k, 2k+1 share a sequence; every rank builds each DP group
+dp = [dist.new_group(list(range(first, world, cp))) for first in range(cp)][rank % cp]
 batches = loader(samples[0], batch_size=8, num_experts=shape.num_experts, retention=retention,
-    micro_batches=MicroBatches(max_tokens=4096), data_parallel=DataParallel(rank=rank // cp, size=world // cp),
+    micro_batches=MicroBatches(max_tokens=4096), data_parallel=DataParallel.from_torch(dp),
     layout=TokenLayout(cp_size=cp, cp_rank=rank % cp, layers=shape.layers))  # fmt: skip
 gate = torch.nn.Linear(16, shape.num_experts)  # stands in for the model's MoE routers
 optimizer = torch.optim.SGD(gate.parameters(), lr=0.1)

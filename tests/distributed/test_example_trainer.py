@@ -18,7 +18,7 @@ EXAMPLE = Path(__file__).parents[2] / "examples" / "trainer_loop.py"
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_the_example_trainer_loop_trains_every_step_and_frees_every_file(tmp_path):
-    assert len(EXAMPLE.read_text().splitlines()) < 40
+    assert len(EXAMPLE.read_text().splitlines()) <= 40
     root = tmp_path / "payloads"
     env = {**os.environ, "PAYLOAD_ROOT": str(root), "PYTHONPATH": str(EXAMPLE.parents[1])}
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
