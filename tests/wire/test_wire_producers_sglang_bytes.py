@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from r3data.wire.producers import FORMATS, detect
+from r3data.wire.producers import FORMATS, Lengths, detect
 
 BODIES = Path(__file__).parent / "producer_bodies" / "sglang_0_5_23"
 EXPECTED = json.loads((BODIES / "expected.json").read_text())
@@ -29,7 +29,8 @@ def test_sglang_serialized_bodies_decode_to_what_sglang_was_given(case):
     entry = FORMATS[name]
     start = EXPECTED[case]["start"]
     options = entry.make_options({"num_layers": 4, "topk": 2, "start": start})
-    choices = entry.decode(raw, options)
+    lengths = Lengths(*EXPECTED[case].get("request", (None, None)))
+    choices = entry.decode(raw, options, lengths)
     expected = EXPECTED[case]["choices"]
     assert len(choices) == len(expected)
     for choice, want in zip(choices, expected, strict=True):
