@@ -224,42 +224,36 @@ r = rows(P_K3 + C_K3 - 1 - S_K3)
 reported = UsageInfo(
     prompt_tokens=P_K3 - STUB, total_tokens=P_K3 - STUB + C_K3, completion_tokens=C_K3
 )
-resp = ChatCompletionResponse(
-    id="c",
-    created=0,
-    model="m",
-    choices=[
-        ChatCompletionResponseChoice(
-            index=0, message=ChatMessage(role="assistant", content="k"), finish_reason="length"
-        )
-    ],
-    usage=reported,
-    metadata={"weight_version": "default"},
-    sglext=SglExt(routed_experts=b64(r)),
-)
-body = resp.model_dump_json(by_alias=True).encode()
+
+
+def k3_chat(meta: dict | None, **extra) -> bytes:
+    """One choice of a Kimi-K3 chat response, with its rewritten ``meta_info`` if any."""
+    choice = ChatCompletionResponseChoice(
+        index=0,
+        message=ChatMessage(role="assistant", content="k"),
+        finish_reason="length",
+        meta_info=meta,
+    )
+    resp = ChatCompletionResponse(
+        id="c", created=0, model="m", choices=[choice], usage=reported, **extra
+    )
+    return resp.model_dump_json(by_alias=True).encode()
+
+
+body = k3_chat(None, metadata={"weight_version": "default"}, sglext=SglExt(routed_experts=b64(r)))
 add("chat_kimi_k3_sglext", body, S_K3, [want(P_K3, C_K3, r)], request=(P_K3, C_K3))
 
 # the same with return_meta_info and a sampling mask: the choice's meta_info is rewritten too
 mask_k3 = [[1], [2, 3], [4]]
 meta = meta_info("k", P_K3, C_K3, r, mask_k3)
 meta["prompt_tokens"] = P_K3 - STUB
-resp = ChatCompletionResponse(
-    id="c",
-    created=0,
-    model="m",
-    choices=[
-        ChatCompletionResponseChoice(
-            index=0,
-            message=ChatMessage(role="assistant", content="k"),
-            finish_reason="length",
-            meta_info=meta,
-        )
-    ],
-    usage=reported,
+add(
+    "chat_kimi_k3_meta_info",
+    k3_chat(meta),
+    S_K3,
+    [want(P_K3, C_K3, r, mask_k3)],
+    request=(P_K3, C_K3),
 )
-body = resp.model_dump_json(by_alias=True).encode()
-add("chat_kimi_k3_meta_info", body, S_K3, [want(P_K3, C_K3, r, mask_k3)], request=(P_K3, C_K3))
 
 # the chat stream: its usage chunk (include_usage) reports prompt_tokens[index], rewritten
 # by _reported_prompt_tokens as each content arrives (_generate_chat_stream)
