@@ -8,7 +8,7 @@ managers/detokenizer_manager.py ``_b64_encode_per_request``, managers/tokenizer_
 - ``meta_info.routed_experts``: base64 of the flat little-endian int32 ids, shaped ``(-1,
   num_hidden_layers, num_experts_per_tok)`` by the model config (the body has no shape);
   absent when the request has none. ``meta_info.prompt_tokens`` / ``completion_tokens``.
-- ``meta_info.output_token_sampling_mask`` (0.5.23, ``return_sampling_mask``): per output
+- ``meta_info.output_token_sampling_mask`` (0.5.16+, ``return_sampling_mask``): per output
   token the list of ids the sampler kept (greedy: the sampled one), row i at ``prompt + i``;
   it becomes ``sampling_mask`` rows.
 - Rows cover ``[start, prompt + completion - 1)``, ``start`` the request's
