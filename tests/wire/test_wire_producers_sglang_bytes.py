@@ -11,7 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from r3data.wire.producers import FORMATS, detect
+from r3data.errors import WireFormatError
+from r3data.wire.producers import FORMATS, Lengths, detect
 
 BODIES = Path(__file__).parent / "producer_bodies" / "sglang_0_5_23"
 EXPECTED = json.loads((BODIES / "expected.json").read_text())
@@ -29,7 +30,8 @@ def test_sglang_serialized_bodies_decode_to_what_sglang_was_given(case):
     entry = FORMATS[name]
     start = EXPECTED[case]["start"]
     options = entry.make_options({"num_layers": 4, "topk": 2, "start": start})
-    choices = entry.decode(raw, options)
+    lengths = Lengths(*EXPECTED[case].get("request", (None, None)))
+    choices = entry.decode(raw, options, lengths)
     expected = EXPECTED[case]["choices"]
     assert len(choices) == len(expected)
     for choice, want in zip(choices, expected, strict=True):
@@ -46,3 +48,31 @@ def test_sglang_serialized_bodies_decode_to_what_sglang_was_given(case):
         else:
             assert fields["sampling_mask"].pos == want["P"]
             assert _ragged(fields["sampling_mask"].array) == want["mask"]
+
+
+def _sglang(case: str, name: str, request: tuple[int, int], start: int):
+    raw = (BODIES / f"{case}.body").read_bytes()
+    entry = FORMATS[name]
+    options = entry.make_options({"num_layers": 4, "topk": 2, "start": start})
+    return entry.decode(raw, options, Lengths(*request))
+
+
+def test_only_kimi_k3s_stub_is_taken_out_of_a_chat_prompt_count():
+    """A chat count 3 short of the request's is Kimi-K3's stub; 4 short, or a completions
+    count 3 short (SGLang's completions report the model input), is another response's."""
+    with pytest.raises(WireFormatError, match="4 prompt tokens, the request 8"):
+        _sglang("chat_kimi_k3_sglext", "sglang-openai", (8, 3), 2)
+    with pytest.raises(WireFormatError, match="4 prompt tokens, the request 7"):
+        _sglang("completions_sglext", "sglang-openai", (7, 2), 0)
+
+
+def test_incremental_mask_rows_must_follow_the_earlier_chunks():
+    """A delta that does not start where the item's earlier rows end (a chunk lost) is
+    refused, naming the counts."""
+    raw = (BODIES / "generate_stream_incremental_mask.body").read_bytes()
+    events = raw.split(b"\n\n")
+    lost = b"\n\n".join(events[:1] + events[2:])  # the second chunk (rows 1-2) is gone
+    entry = FORMATS["sglang"]
+    options = entry.make_options({"num_layers": 4, "topk": 2})
+    with pytest.raises(WireFormatError, match=r"1 output_token_sampling_mask rows of 4 .*follow 1"):
+        entry.decode(lost, options)

@@ -8,16 +8,18 @@ managers/detokenizer_manager.py ``_b64_encode_per_request``, managers/tokenizer_
 - ``meta_info.routed_experts``: base64 of the flat little-endian int32 ids, shaped ``(-1,
   num_hidden_layers, num_experts_per_tok)`` by the model config (the body has no shape);
   absent when the request has none. ``meta_info.prompt_tokens`` / ``completion_tokens``.
-- ``meta_info.output_token_sampling_mask`` (0.5.23, ``return_sampling_mask``): per output
+- ``meta_info.output_token_sampling_mask`` (0.5.16+, ``return_sampling_mask``): per output
   token the list of ids the sampler kept (greedy: the sampled one), row i at ``prompt + i``;
   it becomes ``sampling_mask`` rows.
 - Rows cover ``[start, prompt + completion - 1)``, ``start`` the request's
   ``routed_experts_start_len`` (honoured from 0.5.12; not echoed).
 - A batched request (several prompts, ``n > 1``) returns a list of such items, each its own.
 - A stream sends the routes in the final chunk only (they are gathered when the request
-  finishes): nothing to assemble, the final chunk is the whole response. A batch's stream
-  interleaves its items' chunks, each tagged ``"index"`` (tokenizer_manager.py
-  ``_stream_batch_responses``): each item's last chunk is that item.
+  finishes): the final chunk is the whole response, but for the sampling mask under
+  ``--incremental-streaming-output``, where each chunk holds its delta's rows (joined over
+  the item's chunks). A batch's stream interleaves its items' chunks, each tagged
+  ``"index"`` (tokenizer_manager.py ``_stream_batch_responses``): each item's last chunk is
+  that item.
 
 0.5.7-0.5.11 ignore the start: :mod:`~r3data.wire.producers.sglang_v057`.
 """
@@ -70,8 +72,10 @@ __all__ = [
 
 INT32 = np.dtype("<i4")
 SAMPLING_MASK = "output_token_sampling_mask"
-"""Per output token the ids the sampler kept (``return_sampling_mask``; cumulative over a
-stream, so an item's last chunk has them all)."""
+"""Per output token the ids the sampler kept (``return_sampling_mask``). Over a stream it is
+cumulative, or under ``--incremental-streaming-output`` each chunk's delta; its
+``output_token_sampling_mask_length`` counts them all either way."""
+MASK_LENGTH = f"{SAMPLING_MASK}_length"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -96,13 +100,20 @@ def flat_int32_rows(
 
 
 def meta_info_rows(
-    entry: ProducerFormat, choice: Choice, meta_info: Mapping[str, Any], where: str
+    entry: ProducerFormat,
+    choice: Choice,
+    meta_info: Mapping[str, Any],
+    where: str,
+    counts: tuple[int | None, int | None] | None = None,
 ) -> ChoiceRows:
     """The rows in one sequence's ``meta_info`` (``where`` names it): its routes, and with
     ``return_sampling_mask`` its ``output_token_sampling_mask``; ``prompt_tokens`` and
-    ``completion_tokens`` place and check them."""
+    ``completion_tokens`` (or ``counts``, what the caller made of them) place and check
+    them."""
     what = f"{where}.{ROUTES_FIELD}"
-    prompt, completion = choice.placed(what, token_counts(meta_info, f"{what}: "))
+    if counts is None:
+        counts = token_counts(meta_info, f"{what}: ")
+    prompt, completion = choice.placed(what, counts)
     meta = entry.rows_meta(choice, prompt, completion)
     sources: list[RowSource] = []
     missing: tuple[str, ...] = ()
@@ -142,6 +153,7 @@ def _final_chunks(raw: Any, what: str) -> Any:
         for number, chunk in enumerate(chunks)
     ]
     last = {index: number for number, index in enumerate(indices)}
+    masks: dict[int, list[Any]] = {}
     for number, (chunk, index) in enumerate(zip(chunks, indices, strict=True)):
         meta_info = _meta_info(chunk)
         routed = meta_info is not None and meta_info.get(ROUTES_FIELD) is not None
@@ -151,10 +163,41 @@ def _final_chunks(raw: Any, what: str) -> Any:
                 f"last chunk (event {last[index]}); SGLang sends them in an item's final chunk "
                 f"only"
             )
+        if meta_info is not None and meta_info.get(SAMPLING_MASK) is not None:
+            masks[index] = _joined_mask(masks.get(index, []), meta_info, f"{what} event {number}")
+            if number == last[index]:
+                meta_info[SAMPLING_MASK] = masks[index]
     count = check_stream_choices(last, what)
     batched = any(isinstance(c, Mapping) and "index" in c for c in chunks)
     finals = [chunks[last[index]] for index in range(count)]
     return finals if batched else finals[0]
+
+
+def _joined_mask(earlier: list[Any], meta_info: Mapping[str, Any], what: str) -> list[Any]:
+    """An item's mask rows so far: a chunk's ``output_token_sampling_mask`` holds the rows
+    from ``output_token_sampling_mask_length - len(rows)`` on (all of them when cumulative,
+    the delta under ``--incremental-streaming-output``; tokenizer_manager.py
+    ``_slice_streaming_output_meta_info``), after the rows the earlier chunks gave."""
+    rows = meta_info[SAMPLING_MASK]
+    if type(rows) is not list:
+        raise WireFormatError(
+            f"{what}: {SAMPLING_MASK}: expected a list of kept-id lists, found "
+            f"{type(rows).__name__}"
+        )
+    total = meta_info.get(MASK_LENGTH, len(rows))
+    first = nonnegative_int(f"{what} {MASK_LENGTH}", total, WireFormatError) - len(rows)
+    if not 0 <= first <= len(earlier):
+        raise WireFormatError(
+            f"{what}: {len(rows)} {SAMPLING_MASK} rows of {total} ({MASK_LENGTH}) follow "
+            f"{len(earlier)} rows of the item's earlier chunks; expected the chunk to hold "
+            f"them all or the rows after them"
+        )
+    if first == 0:  # cumulative
+        return rows
+    if first == len(earlier):  # the delta: joined in place, not copied per chunk
+        earlier.extend(rows)
+        return earlier
+    return earlier[:first] + rows
 
 
 def _meta_info(item: object) -> Mapping[str, Any] | None:

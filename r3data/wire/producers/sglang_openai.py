@@ -21,6 +21,8 @@ serving_chat.py ``_generate_chat_stream``):
   its own sequence's ``meta_info`` (``routed_experts``, ``prompt_tokens``,
   ``completion_tokens``, with ``return_sampling_mask`` its ``output_token_sampling_mask``),
   so every choice has its routes, ``n > 1`` included.
+- Serving Kimi-K3, the chat endpoints report every prompt count 3 short of the model input
+  (:data:`KIMI_K3_STUB_TOKENS`); the rows cover the whole input.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from r3data.wire.producers.base import (
     Choice,
     ChoiceRows,
     EngineRequest,
+    Lengths,
     ProducerFormat,
 )
 from r3data.wire.producers.common import (
@@ -61,6 +64,11 @@ from r3data.wire.producers.sglang import (
 __all__ = ["FORMAT", "SglangOpenaiFormat"]
 
 EXT = "sglext"
+KIMI_K3_STUB_TOKENS = 3
+"""Kimi-K3's assistant generation stub: model input, so the rows cover it, but SGLang's chat
+endpoints leave it out of every prompt count they report (serving_chat.py
+``_KIMI_K3_GENERATION_STUB_TOKENS``, ``_reported_prompt_tokens``: ``usage.prompt_tokens``,
+each choice's ``meta_info.prompt_tokens``, a stream's usage chunk)."""
 _ROUTED_CHOICE = ("r3data", "sglext choice")
 """Key of an assembled stream (no JSON key can be it): the choice whose routes its
 ``sglext`` holds; a response's are choice 0's (SGLang's ``ret[0]``)."""
@@ -99,6 +107,8 @@ def _assemble(raw: Any, what: str) -> dict[Any, Any]:
                     into[key] = value
         if chunk.get("usage") is not None:
             merged["usage"] = chunk["usage"]
+        if "object" in chunk:
+            merged.setdefault("object", chunk["object"])
     count = max(1, check_stream_choices(indices, what))
     routed = next(iter(indices), 0)
     return {**merged, _ROUTED_CHOICE: routed, "choices": [{"index": i} for i in range(count)]}
@@ -138,6 +148,20 @@ def _ext_lengths(response: Mapping[str, Any], index: int) -> tuple[int | None, i
     return _ids_length(prompt, f"{EXT}.input_ids"), _ids_length(output, f"{what}[{index}]")
 
 
+def _reported(
+    response: Mapping[str, Any], counts: tuple[int | None, int | None], lengths: Lengths
+) -> tuple[int | None, int | None]:
+    """The ``(prompt_tokens, completion_tokens)`` a response reports, as counts of the model
+    input: a chat response's prompt count :data:`KIMI_K3_STUB_TOKENS` short of the request's
+    is the request's (Kimi-K3's stub, which SGLang does not report); any other difference
+    stays one for :func:`~.common.placed_lengths` to refuse."""
+    prompt, completion = counts
+    chat = str(response.get("object", "")).startswith("chat.completion")
+    if chat and prompt is not None and prompt + KIMI_K3_STUB_TOKENS == lengths.prompt_len:
+        return lengths.prompt_len, completion
+    return prompt, completion
+
+
 def _ids_length(ids: object, what: str) -> int | None:
     """How many token ids ``ids`` (a list, or None: not sent) holds."""
     if ids is not None and type(ids) is not list:
@@ -174,7 +198,9 @@ class SglangOpenaiFormat(ProducerFormat):
         meta_info = _choice_meta_info(choice.entry)
         if meta_info is not None:
             where = f"{self.name} choices[{choice.index}].meta_info"
-            return meta_info_rows(self, choice, meta_info, where)
+            counts = token_counts(meta_info, f"{where}.{ROUTES_FIELD}: ")
+            counts = _reported(choice.response, counts, choice.lengths)
+            return meta_info_rows(self, choice, meta_info, where, counts)
         what = f"{self.name} {EXT}.{ROUTES_FIELD}"
         if not choice.wants(ROUTES_FIELD):  # sglext holds routes only
             return ChoiceRows(choice.index, ())
@@ -185,7 +211,7 @@ class SglangOpenaiFormat(ProducerFormat):
         usage = choice.response.get("usage")
         one_choice = len(choice.response["choices"]) == 1
         if found == (None, None) and isinstance(usage, Mapping) and one_choice:
-            found = token_counts(usage, "usage.")
+            found = _reported(choice.response, token_counts(usage, "usage."), choice.lengths)
         value = _ext_routes(choice.response)
         if value is None:
             return ChoiceRows(choice.index, (), (what,))

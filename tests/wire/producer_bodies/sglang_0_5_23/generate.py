@@ -49,9 +49,15 @@ def b64(routes: np.ndarray) -> str:
     return pybase64.b64encode(routes.tobytes()).decode("utf-8")
 
 
-def add(name: str, body: bytes, start: int, expected: list[dict]) -> None:
+def add(
+    name: str, body: bytes, start: int, expected: list[dict], request: tuple | None = None
+) -> None:
+    """``request``: the request's (prompt_len, completion_len), for a body whose own counts
+    do not place its rows (the test passes them as the loader would)."""
     (out / f"{name}.body").write_bytes(body)
     cases[name] = {"start": start, "choices": expected}
+    if request is not None:
+        cases[name]["request"] = list(request)
 
 
 def meta_info(rid: str, prompt: int, completion: int, routes: np.ndarray | None, mask=None) -> dict:
@@ -207,6 +213,78 @@ add("generate_batch_stream", body, 0, [want(p, c, r) for p, c, r in items])
 r = rows(3 + 3 - 1)
 item = {"text": "x", "output_ids": [4, 5, 6], "meta_info": meta_info("g", 3, 3, r, mask0)}
 add("generate_sampling_mask", dumps_json(item), 0, [want(3, 3, r, mask0)])
+
+# Kimi-K3 chat (serving_chat.py ``chat_encoding_spec == "kimi_k3"``): ``_build_chat_response``
+# rewrites every ret item's ``meta_info.prompt_tokens`` through ``_reported_prompt_tokens``
+# (the model input less ``_KIMI_K3_GENERATION_STUB_TOKENS = 3``) before it builds usage and
+# the choices' ``meta_info``; the routes still cover the model input ``[start, P + C - 1)``.
+STUB = 3
+P_K3, C_K3, S_K3 = 7, 3, 2
+r = rows(P_K3 + C_K3 - 1 - S_K3)
+reported = UsageInfo(
+    prompt_tokens=P_K3 - STUB, total_tokens=P_K3 - STUB + C_K3, completion_tokens=C_K3
+)
+
+
+def k3_chat(meta: dict | None, **extra) -> bytes:
+    """One choice of a Kimi-K3 chat response, with its rewritten ``meta_info`` if any."""
+    choice = ChatCompletionResponseChoice(
+        index=0,
+        message=ChatMessage(role="assistant", content="k"),
+        finish_reason="length",
+        meta_info=meta,
+    )
+    resp = ChatCompletionResponse(
+        id="c", created=0, model="m", choices=[choice], usage=reported, **extra
+    )
+    return resp.model_dump_json(by_alias=True).encode()
+
+
+body = k3_chat(None, metadata={"weight_version": "default"}, sglext=SglExt(routed_experts=b64(r)))
+add("chat_kimi_k3_sglext", body, S_K3, [want(P_K3, C_K3, r)], request=(P_K3, C_K3))
+
+# the same with return_meta_info and a sampling mask: the choice's meta_info is rewritten too
+mask_k3 = [[1], [2, 3], [4]]
+meta = meta_info("k", P_K3, C_K3, r, mask_k3)
+meta["prompt_tokens"] = P_K3 - STUB
+add(
+    "chat_kimi_k3_meta_info",
+    k3_chat(meta),
+    S_K3,
+    [want(P_K3, C_K3, r, mask_k3)],
+    request=(P_K3, C_K3),
+)
+
+# the chat stream: its usage chunk (include_usage) reports prompt_tokens[index], rewritten
+# by _reported_prompt_tokens as each content arrives (_generate_chat_stream)
+events = [chunk([role(0)]), chunk([text(0)]), chunk([text(0, "length")])]
+body = "".join(f"data: {e}\n\n" for e in events)
+body += f"data: {chunk([], sglext=SglExt(routed_experts=b64(r)))}\n\n"
+body += f"data: {chunk([], usage=reported)}\n\n" + "data: [DONE]\n\n"
+add("chat_kimi_k3_stream", body.encode(), S_K3, [want(P_K3, C_K3, r)], request=(P_K3, C_K3))
+
+# /generate stream under --incremental-streaming-output with return_sampling_mask
+# (tokenizer_manager.py ``_handle_batch_output``: each chunk's output_ids are the delta and
+# ``_slice_streaming_output_meta_info`` cuts output_token_sampling_mask (and its logprobs)
+# to the delta from ``state.last_output_offset``; output_token_sampling_mask_length and
+# completion_tokens stay cumulative; the routes come whole, in the finishing chunk)
+mask_inc = [[1, 2], [3], [4, 5], [6]]
+r = rows(3 + 4 - 1)
+body = b""
+sent = 0
+for upto in (1, 3, 4):
+    done = upto == len(mask_inc)
+    meta = meta_info("g", 3, upto, r if done else None, mask_inc[:upto])
+    if not done:
+        meta["finish_reason"] = None
+    for key in ("output_token_sampling_mask", "output_token_sampling_logprobs"):
+        meta[key] = meta[key][sent:]
+    item = {"text": "x", "output_ids": list(range(sent, upto)), "meta_info": meta}
+    item["prompt_token_ids"] = [1, 2, 3]
+    body += b"data: " + dumps_json(item) + b"\n\n"
+    sent = upto
+body += b"data: [DONE]\n\n"
+add("generate_stream_incremental_mask", body, 0, [want(3, 4, r, mask_inc)])
 
 (out / "expected.json").write_text(json.dumps(cases))
 print("wrote", len(cases), "bodies to", out)
