@@ -371,6 +371,12 @@ def test_the_loader_page_loop_is_the_examples():
     (block,) = python_blocks(ROOT / "docs" / "loader.md")
     documented = calls(block)
     example = calls((ROOT / "examples" / "trainer_loop.py").read_text())
-    for name in ("PayloadRetention", "loader", "MicroBatches", "DataParallel", "TokenLayout"):
+    for name in (
+        "PayloadRetention",
+        "loader",
+        "MicroBatches",
+        "DataParallel.from_torch",
+        "TokenLayout",
+    ):
         assert documented[name] == example[name], name
     assert {"expand", "retention.on_policy_update", "optimizer.step"} <= set(documented)
