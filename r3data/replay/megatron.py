@@ -24,6 +24,10 @@ What megatron-core 0.16.1 does (read from its source, and exercised by this pack
   ``RouterReplay``; ``moe_router_load_balancing_type="sinkhorn"`` skips it too;
   ``moe_router_force_load_balancing`` replaces the logits by random ones, so replayed gates
   would be random.
+- ``moe_expert_capacity_factor`` drops assignments over an expert's capacity after replay
+  (``apply_router_token_dropping``); ``overlap_moe_expert_parallel_comm`` (``combined_1f1b``)
+  runs a micro-batch's layers after ``forward_step_func`` returns, interleaved with another
+  micro-batch's backward.
 - megatron-core never sets an action itself: the trainer switches to REPLAY_BACKWARD after a
   forward so that recomputation during backward pops the forward's indices in order.
 
@@ -106,6 +110,21 @@ def check_config(config: Any) -> None:
         raise ReplayError(
             "config.moe_router_force_load_balancing must be False: it replaces the logits the "
             "replayed gates are gathered from by random ones"
+        )
+    capacity = getattr(config, "moe_expert_capacity_factor", None)
+    if capacity is not None and capacity * config.moe_router_topk < config.num_moe_experts:
+        experts, topk = config.num_moe_experts, config.moe_router_topk
+        raise ReplayError(
+            f"config.moe_expert_capacity_factor={capacity} can drop replayed routes: the router "
+            "drops assignments over an expert's capacity after replay (padding rows take "
+            "capacity too), so tokens would miss experts the engine routed them to; expected "
+            f"None or a factor of at least num_moe_experts / moe_router_topk = {experts / topk:g}"
+        )
+    if getattr(config, "overlap_moe_expert_parallel_comm", False):
+        raise ReplayError(
+            "config.overlap_moe_expert_parallel_comm must be False: its schedule runs a "
+            "micro-batch's layers after forward_step_func has returned, interleaved with another "
+            "micro-batch's backward, so no step.forward holds one micro-batch's routes around them"
         )
 
 
