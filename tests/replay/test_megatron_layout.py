@@ -13,20 +13,32 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 pytest.importorskip("megatron.core")
 
-from megatron_helpers import EXPERTS, TOPK, distinct_routes, make_config, quiet_import_megatron
+from megatron_helpers import (
+    EXPERTS,
+    TOPK,
+    build_routers,
+    distinct_routes,
+    make_config,
+    quiet_import_megatron,
+    routing_map,
+)
 
 from r3data.errors import ReplayError
-from r3data.layout import expand
+from r3data.layout import PAD, TokenLayout, expand
 from r3data.packed import PackedTensor
 from r3data.replay import install, megatron_layout, model_layers, replay_step, router_replays
 
 quiet_import_megatron()
 from megatron.core.process_groups_config import ProcessGroupCollection  # noqa: E402
 from megatron.core.ssm.mamba_block import MambaStack, MambaStackSubmodules  # noqa: E402
+from megatron.core.tensor_parallel import scatter_to_sequence_parallel_region  # noqa: E402
 from megatron.core.transformer.moe.router_replay import RouterReplay  # noqa: E402
+from megatron.core.utils import get_batch_on_this_cp_rank  # noqa: E402
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -48,12 +60,90 @@ class Group:
         return self.place
 
 
+@pytest.fixture(scope="module")
+def router():
+    """One real ``TopKRouter``, routing by its own top-k (no replay action set)."""
+    RouterReplay.clear_global_router_replay_instances()
+    (built,) = build_routers(make_config(), [1])
+    yield built
+    RouterReplay.clear_global_router_replay_instances()
+
+
 @dataclass
 class StageOf:
     """What ``MambaStack._select_layers_for_pipeline_parallel`` reads of its stack."""
 
     config: object
     pp_group: Group
+
+
+# --- tokens: megatron's CP split, SP scatter and router against the layout ------------------
+
+
+@st.composite
+def grids(draw):
+    """A micro-batch and a (TP, CP) grid megatron splits: BSHD with any CP, THD without CP
+    (megatron's THD split is Transformer Engine's; its rule is in ``layout_reference``)."""
+    packed = draw(st.booleans())
+    tp, cp = draw(st.sampled_from([1, 2, 4])), 1 if packed else draw(st.sampled_from([1, 2, 4]))
+    sp = tp > 1 and draw(st.booleans())
+    lengths = draw(st.lists(st.integers(0, 24), min_size=1, max_size=3))
+    side = "right" if packed else draw(st.sampled_from(["right", "left"]))
+    scale = draw(st.integers(1, 2))
+    return tp, cp, sp, packed, side, lengths, scale
+
+
+def _megatron_places(grid, tp, tp_rank, cp, cp_rank, sp) -> torch.Tensor:
+    """``[B, S]`` token ids as megatron carries them to a router: CP split of the sequence
+    dimension, ``[s, b]``, SP scatter of the first dimension."""
+    local = get_batch_on_this_cp_rank({"tokens": grid}, cp_group=Group(cp, cp_rank))["tokens"]
+    hidden = local.T.contiguous()
+    if sp:
+        hidden = scatter_to_sequence_parallel_region(hidden, group=Group(tp, tp_rank))
+    return hidden
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@settings(max_examples=25, deadline=None)
+@given(case=grids())
+def test_each_router_place_holds_the_token_megatron_puts_there(router, case):
+    tp, cp, sp, packed, side, lengths, scale = case
+    generator = torch.Generator().manual_seed(sum(lengths))
+    total = sum(lengths)
+    rows = distinct_routes(total, TOPK, EXPERTS, generator)
+    routes = PackedTensor.from_lengths(rows[:, None], lengths)
+    multiple = scale * tp * (2 * cp if cp > 1 else 1)
+    starts = [sum(lengths[:b]) for b in range(len(lengths))]
+    if packed:  # one stream: every sample padded on the right to its own multiple
+        stream = [
+            s + p if p < n else PAD
+            for s, n in zip(starts, lengths, strict=True)
+            for p in range(-(-n // multiple) * multiple)
+        ]
+        grid = torch.tensor([stream], dtype=torch.int64)
+    else:  # every sample padded to the longest, rounded up
+        width = -(-max(lengths) // multiple) * multiple
+        grid = torch.full((len(lengths), width), PAD, dtype=torch.int64)
+        for b, (s, n) in enumerate(zip(starts, lengths, strict=True)):
+            at = width - n if side == "left" else 0
+            grid[b, at : at + n] = torch.arange(s, s + n)
+    for tp_rank in range(tp):
+        for cp_rank in range(cp):
+            layout = TokenLayout(
+                tp_size=tp, tp_rank=tp_rank, sequence_parallel=sp, cp_size=cp, cp_rank=cp_rank,
+                packed=packed, padding_side=side, pad_multiple=multiple,
+            )  # fmt: skip
+            places = _megatron_places(grid, tp, tp_rank, cp, cp_rank, sp)  # [s, b]
+            # each token's logits favour its engine routes: the router's own top-k names them
+            logits = torch.randn(*places.shape, EXPERTS, generator=generator)
+            real = places >= 0
+            logits[real] += 10 * routing_map(rows[places[real]], EXPERTS)
+            with torch.no_grad():
+                _, mapping = router.routing(logits)
+            (replayed,) = expand(routes, layout)
+            flat = real.reshape(-1)
+            assert torch.equal(mapping[flat], routing_map(replayed, EXPERTS)[flat]), layout
+            assert torch.equal(torch.from_numpy(layout.token_index(lengths) != PAD), flat)
 
 
 # --- hybrid models -------------------------------------------------------------------------
