@@ -90,7 +90,8 @@ def grids(draw):
     lengths = draw(st.lists(st.integers(0, 24), min_size=1, max_size=3))
     side = "right" if packed else draw(st.sampled_from(["right", "left"]))
     scale = draw(st.integers(1, 2))
-    return tp, cp, sp, packed, side, lengths, scale
+    extra = None if packed else draw(st.one_of(st.none(), st.integers(0, 1)))  # seq_length
+    return tp, cp, sp, packed, side, lengths, scale, extra
 
 
 def _megatron_places(grid, tp, tp_rank, cp, cp_rank, sp) -> torch.Tensor:
@@ -107,7 +108,7 @@ def _megatron_places(grid, tp, tp_rank, cp, cp_rank, sp) -> torch.Tensor:
 @settings(max_examples=25, deadline=None)
 @given(case=grids())
 def test_each_router_place_holds_the_token_megatron_puts_there(router, case):
-    tp, cp, sp, packed, side, lengths, scale = case
+    tp, cp, sp, packed, side, lengths, scale, extra = case
     generator = torch.Generator().manual_seed(sum(lengths))
     total = sum(lengths)
     rows = distinct_routes(total, TOPK, EXPERTS, generator)
@@ -121,8 +122,8 @@ def test_each_router_place_holds_the_token_megatron_puts_there(router, case):
             for p in range(-(-n // multiple) * multiple)
         ]
         grid = torch.tensor([stream], dtype=torch.int64)
-    else:  # every sample padded to the longest, rounded up
-        width = -(-max(lengths) // multiple) * multiple
+    else:  # every sample padded to the longest, rounded up, or to a fixed seq_length
+        width = -(-max(lengths) // multiple) * multiple + (extra or 0) * multiple
         grid = torch.full((len(lengths), width), PAD, dtype=torch.int64)
         for b, (s, n) in enumerate(zip(starts, lengths, strict=True)):
             at = width - n if side == "left" else 0
@@ -132,6 +133,7 @@ def test_each_router_place_holds_the_token_megatron_puts_there(router, case):
             layout = TokenLayout(
                 tp_size=tp, tp_rank=tp_rank, sequence_parallel=sp, cp_size=cp, cp_rank=cp_rank,
                 packed=packed, padding_side=side, pad_multiple=multiple,
+                seq_length=None if extra is None else width,
             )  # fmt: skip
             places = _megatron_places(grid, tp, tp_rank, cp, cp_rank, sp)  # [s, b]
             # each token's logits favour its engine routes: the router's own top-k names them
