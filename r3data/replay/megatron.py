@@ -24,6 +24,10 @@ What megatron-core 0.16.1 does (read from its source, and exercised by this pack
   ``RouterReplay``; ``moe_router_load_balancing_type="sinkhorn"`` skips it too;
   ``moe_router_force_load_balancing`` replaces the logits by random ones, so replayed gates
   would be random.
+- ``moe_expert_capacity_factor`` drops assignments over an expert's capacity after replay
+  (``apply_router_token_dropping``); ``overlap_moe_expert_parallel_comm`` (``combined_1f1b``)
+  runs a micro-batch's layers after ``forward_step_func`` returns, interleaved with another
+  micro-batch's backward.
 - megatron-core never sets an action itself: the trainer switches to REPLAY_BACKWARD after a
   forward so that recomputation during backward pops the forward's indices in order.
 
@@ -107,15 +111,37 @@ def check_config(config: Any) -> None:
             "config.moe_router_force_load_balancing must be False: it replaces the logits the "
             "replayed gates are gathered from by random ones"
         )
+    capacity = getattr(config, "moe_expert_capacity_factor", None)
+    if capacity is not None and capacity * config.moe_router_topk < config.num_moe_experts:
+        experts, topk = config.num_moe_experts, config.moe_router_topk
+        raise ReplayError(
+            f"config.moe_expert_capacity_factor={capacity} can drop replayed routes: the router "
+            "drops assignments over an expert's capacity after replay (padding rows take "
+            "capacity too), so tokens would miss experts the engine routed them to; expected "
+            f"None or a factor of at least num_moe_experts / moe_router_topk = {experts / topk:g}"
+        )
+    if getattr(config, "overlap_moe_expert_parallel_comm", False):
+        raise ReplayError(
+            "config.overlap_moe_expert_parallel_comm must be False: its schedule runs a "
+            "micro-batch's layers after forward_step_func has returned, interleaved with another "
+            "micro-batch's backward, so no step.forward holds one micro-batch's routes around them"
+        )
 
 
-def model_layers(config: Any) -> ModelLayers:
+def model_layers(config: Any, *, hybrid_override_pattern: str | None = None) -> ModelLayers:
     """The decoder layers of a megatron model: MoE pattern and every pipeline stage's layers.
 
     Stages come from megatron-core's own ``get_transformer_layer_offset`` and
     ``get_num_layers_to_build`` (or the custom ``pipeline_model_parallel_layout``), so uneven
     stages and stages accounting for embedding or loss match what the model builds.
+
+    A hybrid model (``MambaModel``, ``config.is_hybrid_model``) builds the layers of its
+    ``hybrid_override_pattern``, which its config does not hold: pass it. Its MoE layers are
+    the pattern's ``E``s and its stages are ``MambaStack``'s (``num_layers / PP`` each, or the
+    uneven first and last stages; embedding, loss and custom layouts play no part).
     """
+    if hybrid_override_pattern is not None or getattr(config, "is_hybrid_model", False):
+        return _hybrid_layers(config, hybrid_override_pattern)
     from megatron.core.transformer.enums import LayerType
     from megatron.core.transformer.transformer_block import get_num_layers_to_build
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
@@ -140,6 +166,30 @@ def model_layers(config: Any) -> ModelLayers:
     )
 
 
+def _hybrid_layers(config: Any, pattern: str | None) -> ModelLayers:
+    """:func:`model_layers` of a hybrid model: the layer kinds from megatron's own
+    ``allocate_layers``, the stages as ``MambaStack._select_layers_for_pipeline_parallel``
+    cuts them (which :class:`ModelLayers`' first/last stages mirror)."""
+    from megatron.core.ssm.mamba_hybrid_layer_allocation import Symbols, allocate_layers
+
+    if not isinstance(pattern, str):
+        raise ReplayError(
+            "config.is_hybrid_model: expected the model's hybrid_override_pattern (a hybrid "
+            "model's MoE layers are its 'E's, which its config does not hold), found "
+            f"{pattern!r}"
+        )
+    try:
+        kinds = allocate_layers(config.num_layers, 0.0, 0.0, pattern)
+    except ValueError as error:
+        raise ReplayError(f"hybrid_override_pattern {pattern!r}: {error}") from error
+    return ModelLayers(
+        num_layers=config.num_layers,
+        moe_layer_freq=tuple(int(kind == Symbols.MOE) for kind in kinds),
+        first_stage_layers=config.num_layers_in_first_pipeline_stage,
+        last_stage_layers=config.num_layers_in_last_pipeline_stage,
+    )
+
+
 def megatron_layout(
     config: Any,
     *,
@@ -147,10 +197,12 @@ def megatron_layout(
     padding_side: str = "right",
     pad_multiple: int | None = None,
     seq_length: int | None = None,
+    hybrid_override_pattern: str | None = None,
 ) -> TokenLayout:
     """This rank's :class:`TokenLayout`, from ``parallel_state`` and a ``TransformerConfig``
     (whose parallel sizes must be the state's: the model was built by one of them; hybrid
-    context parallelism, whose CP groups change per sub-sample, is refused)."""
+    context parallelism, whose CP groups change per sub-sample, is refused). A hybrid model
+    passes its ``hybrid_override_pattern`` (see :func:`model_layers`)."""
     from megatron.core import parallel_state
 
     if not parallel_state.model_parallel_is_initialized():
@@ -188,7 +240,7 @@ def megatron_layout(
         padding_side=padding_side,  # type: ignore[arg-type]
         pad_multiple=pad_multiple,
         seq_length=seq_length,
-        layers=model_layers(config),
+        layers=model_layers(config, hybrid_override_pattern=hybrid_override_pattern),
     )
 
 

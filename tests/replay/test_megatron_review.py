@@ -18,6 +18,7 @@ pytest.importorskip("megatron.core")
 from megatron_helpers import (
     EXPERTS,
     TOPK,
+    build_routers,
     distinct_routes,
     make_config,
     quiet_import_megatron,
@@ -27,11 +28,14 @@ from megatron_helpers import (
 sys.path.append(str(Path(__file__).resolve().parents[1] / "integration"))
 
 from r3data.errors import ReplayError
-from r3data.replay import install, replay_step, router_replays
+from r3data.replay import check_config, install, replay_step, router_replays
 from r3data.replay.megatron import check_routes
 
 quiet_import_megatron()
-from megatron.core.transformer.moe.router_replay import RouterReplay  # noqa: E402
+from megatron.core.transformer.moe.router_replay import (  # noqa: E402
+    RouterReplay,
+    RouterReplayAction,
+)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -324,3 +328,30 @@ def test_a_step_config_with_more_experts_than_the_routers_is_refused(routers):
     ):
         routers[0].routing(logits(4))
     assert fifos_empty(routers)
+
+
+def test_a_capacity_factor_that_can_drop_replayed_routes_is_refused(routers):
+    # megatron drops assignments over an expert's capacity after replay
+    # (apply_router_token_dropping): the router then routes tokens to fewer experts than the
+    # engine did, and padding rows take capacity from real tokens
+    dropping = make_config(moe_expert_capacity_factor=0.5)
+    (router,) = build_routers(dropping, [1])  # cleared with the fixture's routers
+    routes = routes_for(16)[0]
+    router.router_replay.set_target_indices(routes)
+    router.router_replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+    _, mapping = router.routing(logits(16))
+    assert not torch.equal(mapping, routing_map(routes, EXPERTS))  # what replay would give
+    with pytest.raises(
+        ReplayError, match=r"moe_expert_capacity_factor=0.5 can drop .* moe_router_topk = 4"
+    ):
+        check_config(dropping)
+    check_config(make_config(moe_expert_capacity_factor=4.0))  # capacity >= tokens: no drop
+
+
+def test_overlapped_expert_parallel_schedules_are_refused():
+    # combined_1f1b runs a micro-batch's layers after forward_step_func returns its schedule
+    # plan, interleaved with another micro-batch's backward: no step.forward holds them
+    config = make_config()
+    config.overlap_moe_expert_parallel_comm = True  # set after validation: it needs EP and bf16
+    with pytest.raises(ReplayError, match="overlap_moe_expert_parallel_comm must be False"):
+        check_config(config)
