@@ -70,7 +70,7 @@ def register(commands: argparse._SubParsersAction) -> None:
         help="inline multi-turn rollouts whose last response has all-zero routes, a known "
         "engine bug that must never be replayed (default 1)",
     )
-    parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    parser.add_argument("--seed", type=int_at_least(0), default=0, help="random seed (default 0)")
     parser.add_argument(
         "--workers", type=int_at_least(1), help="loader threads (default: the permitted CPUs)"
     )

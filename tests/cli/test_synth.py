@@ -153,3 +153,23 @@ def test_expert_load_counts_like_a_plain_loop(data):
 def test_expert_load_refuses_ids_past_the_expert_count():
     with pytest.raises(WireFormatError, match=r"\[0, 4\)"):
         expert_load(np.full((2, 1, 2), 7, np.uint8), 4)
+
+
+@settings(max_examples=25, deadline=None)
+@given(max_len=st.integers(2, 40), max_turns=st.integers(1, 4), seed=st.integers(0, 99))
+def test_no_rollout_is_longer_than_max_len(max_len, max_turns, seed):
+    """With max_len 2 or 3 a first turn that did not fit was cut to a quarter-length prompt
+    (at least 1) and a three-quarter completion rounded the other way: 3 or 4 tokens."""
+    router = SyntheticRouter(ModelShape("test", 2, 4, 2))
+    for rollout in synth_rollouts(router, 4, seed=seed, max_turns=max_turns, max_len=max_len):
+        assert 2 <= rollout.tokens <= max_len
+        assert sum(rollout.requests[-1]) == rollout.tokens
+
+
+def test_a_negative_seed_is_a_config_error_naming_it():
+    """numpy refuses a negative seed with a bare ValueError (a traceback from r3data demo)."""
+    shape = MODEL_SHAPES["qwen3-30b-a3b"]
+    with pytest.raises(ConfigError, match="seed: expected an int >= 0, found -1"):
+        SyntheticRouter(shape, seed=-1)
+    with pytest.raises(ConfigError, match="seed: expected an int >= 0, found -2"):
+        synth_rollouts(SyntheticRouter(shape), 1, seed=-2)
