@@ -34,6 +34,10 @@ from r3data.wire.producers import FORMATS, Lengths, ProducerFormat, detect, prod
 from r3data.wire.producers.base import ROUTES_FIELD, option_names
 from r3data.wire.producers.common import is_stream
 
+SNIFF_BYTES = 4096
+"""Bytes read to tell a payload file from a response: JSON and event streams may open with
+whitespace."""
+
 
 def register(commands: argparse._SubParsersAction) -> None:
     parser = commands.add_parser(
@@ -86,16 +90,16 @@ def run(args: argparse.Namespace) -> int:
         report = _directory(fs, path, args)
     else:
         with open_file(path, fs) as f:  # refuses a FIFO or device before opening it
-            head = bytearray(len(MAGIC))
+            head = bytearray(SNIFF_BYTES)
             head = bytes(head[: f.read_at(0, memoryview(head))])
-        if head == MAGIC:
+        if head[: len(MAGIC)] == MAGIC:
             report = _payload_file(fs, path, args.path)
         elif head.lstrip()[:1] in (b"{", b"[") or is_stream(head):
             report = _response(fs.cat_file(path), args)
         else:
             raise PayloadFormatError(
                 f"{args.path}: expected a payload file (starting with {MAGIC!r}), a JSON "
-                f"response or a stream of them, found {head!r}"
+                f"response or a stream of them, found {head[: len(MAGIC)]!r}"
             )
     if args.json:
         print(json.dumps(report, indent=2, default=_json_default))

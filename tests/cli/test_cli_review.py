@@ -12,6 +12,7 @@ import pytest
 
 from r3data.cli import main
 from r3data.payload import PayloadWriter
+from r3data.synth import vllm_response
 
 ROUTES = np.array([[[1, 2], [3, 0]], [[2, 3], [1, 0]], [[0, 1], [2, 0]]], np.uint8)
 """Three rows of two MoE layers, top-2, experts 0..3."""
@@ -140,3 +141,16 @@ def test_an_error_naming_a_hostile_path_stays_one_printable_line(tmp_path, capsy
     (line,) = captured.err.splitlines()
     assert line.isprintable()
     assert line == f"r3data: error: {tmp_path}/\\x1b[31mred\\udcff: no such file or directory"
+
+
+def test_inspect_reads_a_json_response_after_leading_whitespace(tmp_path, capsys):
+    """JSON may open with whitespace; a body with more than eight bytes of it (a saved file
+    that starts with blank lines) was refused as neither a payload file nor JSON, because
+    only the magic's eight bytes were looked at."""
+    body = vllm_response(ROUTES, prompt_ids=[1, 2], completion_ids=[3, 4])
+    path = tmp_path / "response.json"
+    path.write_bytes(b"\n" * 12 + b"  \t" + body)
+    assert main(["inspect", str(path), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["producer"] == "vllm"
+    assert [r["rows"] for r in report["routes"]] == [3]
