@@ -127,7 +127,7 @@ class PackedRagged(Segmented):
 
     def to(
         self,
-        device: torch.device | str | None = None,
+        device: torch.device | str | torch.dtype | None = None,
         dtype: torch.dtype | None = None,
         non_blocking: bool = False,
     ) -> PackedRagged:
