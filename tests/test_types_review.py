@@ -8,6 +8,7 @@ import copy
 import enum
 import gc
 import itertools
+import os
 import pickle
 import threading
 
@@ -610,3 +611,22 @@ def test_pool_threads_never_share_a_live_buffer():
         thread.join()
     assert not failures
     assert pool.nbytes <= 4 * int((POOL_MIN_BYTES + 8192) * pool.slack)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_pool_memory_is_private_to_the_process():
+    """Pool mappings were MAP_SHARED: a forked child (a checkpoint writer, a worker) that
+    wrote into its copy of a batch, or filled a mapping its copy of the pool took as free,
+    wrote into the parent's batch. Shared anonymous memory is also shmem, whose huge pages
+    ``madvise`` does not turn on (shmem_enabled is never by default)."""
+    pool = BufferPool()
+    batch = pool.empty(SHAPE, torch.uint8)
+    batch.fill_(5)
+    rows = batch.numpy()
+    child = os.fork()
+    if child == 0:  # the child writes its copy with numpy (torch's threads do not fork)
+        rows.fill(7)
+        os._exit(0)
+    _, status = os.waitpid(child, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert int(batch.min()) == int(batch.max()) == 5
