@@ -131,7 +131,10 @@ def run_benchmark(script: Path, out: Path, *, quick: bool) -> dict[str, Any]:
             last = line.strip() or last
     if p.returncode != 0:
         raise BenchmarkFailed(last or f"exit code {p.returncode}")
-    return json.loads(out.read_text())
+    report = json.loads(out.read_text())
+    if not isinstance(report, dict):
+        raise BenchmarkFailed(f"{out}: expected a JSON object, found a {type(report).__name__}")
+    return report
 
 
 def run(args: argparse.Namespace) -> int:

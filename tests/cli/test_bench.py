@@ -157,3 +157,20 @@ def test_each_benchmark_runs_in_its_own_process_and_a_failure_is_reported(tmp_pa
     summary = json.loads((results / "summary.json").read_text())
     assert summary["errors"] == {"broken": "broken: no such device"}
     assert json.loads((results / "bench_pid.json").read_text())["pid"] != os.getpid()
+
+
+def test_a_report_that_is_no_json_object_fails_that_benchmark_only(tmp_path, capsys):
+    """A script writing a JSON list ended the run with an AttributeError traceback."""
+    scripts = tmp_path / "benchmarks"
+    scripts.mkdir()
+    writes = "import sys\nopen(sys.argv[sys.argv.index('--out') + 1], 'w').write({!r})\n"
+    (scripts / "bench_list.py").write_text(writes.format("[1, 2]"))
+    (scripts / "bench_ok.py").write_text(writes.format('{"x": 2.0, "met": {"x": true}}'))
+    results = tmp_path / "results"
+    code = main(["bench", "--benchmarks", str(scripts), "--results", str(results), "--no-plots"])
+    out, err = capsys.readouterr()
+    assert code == 1
+    assert "list: FAILED: " in out
+    assert "expected a JSON object, found a list" in err
+    summary = json.loads((results / "summary.json").read_text())
+    assert [c["name"] for c in summary["checks"]] == ["x"]
