@@ -280,10 +280,13 @@ def _replayable(rows: RowSource) -> np.ndarray:
 
 
 def _kept(array: np.ndarray) -> np.ndarray:
-    """The route rows of ``array`` with no negative id (-1 is no route)."""
-    if array.dtype.kind == "i" and array.size:
-        array = array[array.reshape(array.shape[0], -1).min(axis=1) >= 0]
-    return array
+    """The route rows of ``array`` the loader's screen keeps: none zero in every entry (the
+    engine bug), none holding a negative id (-1 is no route)."""
+    if not array.size:
+        return array
+    flags = screen_rows(np.ascontiguousarray(array), ScreenOptions())
+    missing = [f for f in (flags.zero, flags.negative) if f is not None]
+    return array[~np.logical_or.reduce(missing)] if missing else array
 
 
 def _fields(raw: bytes, matches: list[ProducerFormat], args: argparse.Namespace):

@@ -154,3 +154,18 @@ def test_inspect_reads_a_json_response_after_leading_whitespace(tmp_path, capsys
     report = json.loads(capsys.readouterr().out)
     assert report["producer"] == "vllm"
     assert [r["rows"] for r in report["routes"]] == [3]
+
+
+def test_inspect_leaves_all_zero_engine_rows_out_of_the_expert_load(tmp_path, capsys):
+    """A row zero in every layer is a known engine bug the loader treats as missing; counted,
+    it made expert 0 look hot in every MoE layer (the rows the loader keeps were meant)."""
+    routes = np.concatenate([ROUTES, np.zeros((5, 2, 2), np.uint8)])
+    body = vllm_response(routes, prompt_ids=[1, 2], completion_ids=list(range(7)))
+    path = tmp_path / "response.json"
+    path.write_bytes(body)
+    assert main(["inspect", str(path), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert any("5 of 8 route rows are zero" in w for w in report["warnings"])
+    load = report["expert_load"]
+    assert load["assignments"] == ROUTES.size
+    assert load["per_expert"] == np.bincount(ROUTES.reshape(-1), minlength=4).tolist()
