@@ -18,6 +18,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from r3data import loader
 from r3data.batch import PerSample, TensorBatch, merge_metadata
 from r3data.buffers import POOL_MIN_BYTES, BufferPool, empty_rows
 from r3data.errors import ConfigError, PackedError, PackedIndexError
@@ -449,6 +450,21 @@ def test_options_refuse_positional_and_misspelt_names():
     assert call(1, new=2) == 3
     with pytest.raises(ConfigError, match=r"unknown option 'old' \(now new=\.\.\.\)"):
         call(1, old=2)
+
+
+def test_checked_keywords_take_positional_parameters_by_name():
+    """``loader(samples=..., batch_size=...)`` is a legal call; only keyword-only parameters
+    counted as valid, so it was refused: "unknown option 'samples'"."""
+
+    @checked_keywords()
+    def call(only, /, first, second=0, *, new=0):
+        return only + first + second + new
+
+    assert call(1, first=2, second=3, new=4) == 10
+    assert call(1, 2, new=1) == 4
+    with pytest.raises(ConfigError, match=r"unknown option 'only'"):
+        call(only=1, first=2)  # positional-only: not a keyword
+    assert loader(samples=[], batch_size=1) is not None
 
 
 # --- batches: copies, pickles, iteration ---------------------------------------------------
