@@ -416,6 +416,10 @@ def test_checked_int_accepts_ints_only(value, expected):
         (torch.uint64, [2**64 - 1], [2**64, -1]),
         (torch.bool, [0, 1, False, np.bool_(True)], [-1, 2, 0.5]),
         (torch.float16, [0.5, float("nan"), -1], ["0", None, torch.tensor(1.0)]),
+        # beyond the largest finite value: torch's RuntimeError, or numpy's silent inf
+        (torch.float16, [65504, -65504.0, float("-inf")], [1e10, -70000, 10**400]),
+        (torch.bfloat16, [3e38], [1e39]),
+        (np.dtype(np.float32), [np.float64(3e38)], [1e39]),
     ],
 )
 def test_checked_fill_matches_what_the_dtype_holds(dtype, good, bad):
