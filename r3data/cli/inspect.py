@@ -93,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
             head = bytearray(SNIFF_BYTES)
             head = bytes(head[: f.read_at(0, memoryview(head))])
         if head[: len(MAGIC)] == MAGIC:
-            report = _payload_file(fs, path, args.path)
+            report = _payload_file(fs, path, args)
         elif head.lstrip()[:1] in (b"{", b"[") or is_stream(head):
             report = _response(fs.cat_file(path), args)
         else:
@@ -133,17 +133,22 @@ def _read_routes(
     return [_kept(reader.read([s])[s.field]) for s in wanted]
 
 
-def _payload_file(fs: AbstractFileSystem, path: str, shown: str) -> dict[str, Any]:
+def _experts(args: argparse.Namespace) -> int | None:
+    """The expert count ``--model-shape`` gives (None: the largest id seen, plus one)."""
+    return MODEL_SHAPES[args.model_shape].num_experts if args.model_shape else None
+
+
+def _payload_file(fs: AbstractFileSystem, path: str, args: argparse.Namespace) -> dict[str, Any]:
     info = inspect_file(path, fs=fs)
     segments = info.header.segments()
     return {
         "kind": "payload file",
-        "path": shown,
+        "path": args.path,
         "size": info.size,
         "format_version": info.header.format_version,
         "version": info.header.version,
         "fields": [{**e.segment.to_dict(), "nbytes": e.nbytes} for e in info.header.fields],
-        "expert_load": load_summary(_read_routes(fs, path, segments)),
+        "expert_load": load_summary(_read_routes(fs, path, segments), _experts(args)),
     }
 
 
@@ -206,7 +211,7 @@ def _directory(fs: AbstractFileSystem, path: str, args: argparse.Namespace) -> d
         "bytes": sum(f["size"] for f in files),
         "versions": sorted({f["version"] for f in files}),
         "expert_load_files": min(len(files), args.max_files),
-        "expert_load": load_summary(routes),
+        "expert_load": load_summary(routes, _experts(args)),
     }
 
 
@@ -327,7 +332,6 @@ def _response(raw: bytes, args: argparse.Namespace) -> dict[str, Any]:
     sources = [s for field_sources in found.values() for s in field_sources]
     routes = [s for s in sources if not isinstance(s, PayloadSegment) and s.field == ROUTES_FIELD]
     others = [s for s in sources if not isinstance(s, PayloadSegment) and s.field != ROUTES_FIELD]
-    experts = MODEL_SHAPES[args.model_shape].num_experts if args.model_shape else None
     return {
         "kind": "response",
         "path": args.path,
@@ -340,7 +344,7 @@ def _response(raw: bytes, args: argparse.Namespace) -> dict[str, Any]:
         "missing": missing,
         "notes": notes,
         "warnings": [w for r in routes for w in _screened(r)],
-        "expert_load": load_summary([_replayable(r) for r in routes], experts),
+        "expert_load": load_summary([_replayable(r) for r in routes], _experts(args)),
     }
 
 

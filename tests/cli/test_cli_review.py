@@ -169,3 +169,15 @@ def test_inspect_leaves_all_zero_engine_rows_out_of_the_expert_load(tmp_path, ca
     load = report["expert_load"]
     assert load["assignments"] == ROUTES.size
     assert load["per_expert"] == np.bincount(ROUTES.reshape(-1), minlength=4).tolist()
+
+
+def test_inspect_counts_every_expert_of_the_model_shape_in_payload_files(tmp_path, capsys):
+    """--model-shape gives the expert count; payload files and directories ignored it, so
+    experts above the largest id seen (never picked: the coolest) were left out."""
+    (segment,) = PayloadWriter(tmp_path).write(1, {"routed_experts": ROUTES})
+    for path in (tmp_path / segment.file, tmp_path):
+        assert main(["inspect", str(path), "--json", "--model-shape", "qwen3-30b-a3b"]) == 0
+        load = json.loads(capsys.readouterr().out)["expert_load"]
+        assert load["experts"] == 128
+        assert len(load["per_expert"]) == 128
+        assert load["per_expert"][4:] == [0] * 124
