@@ -139,17 +139,27 @@ def _experts(args: argparse.Namespace) -> int | None:
 
 
 def _payload_file(fs: AbstractFileSystem, path: str, args: argparse.Namespace) -> dict[str, Any]:
-    info = inspect_file(path, fs=fs)
-    segments = info.header.segments()
-    return {
-        "kind": "payload file",
-        "path": args.path,
-        "size": info.size,
-        "format_version": info.header.format_version,
-        "version": info.header.version,
-        "fields": [{**e.segment.to_dict(), "nbytes": e.nbytes} for e in info.header.fields],
-        "expert_load": load_summary(_read_routes(fs, path, segments), _experts(args)),
-    }
+    """The header of the payload file at ``path`` and the expert load of its routes; a header
+    or routes that fail their checks make it corrupt (as in a directory), not an error."""
+    report: dict[str, Any] = {"kind": "payload file", "path": args.path, "corrupt": {}}
+    try:
+        info = inspect_file(path, fs=fs)
+    except PayloadFormatError as exc:
+        return {**report, "corrupt": {args.path: str(exc)}, "expert_load": None}
+    report.update(
+        size=info.size,
+        format_version=info.header.format_version,
+        version=info.header.version,
+        fields=[{**e.segment.to_dict(), "nbytes": e.nbytes} for e in info.header.fields],
+        expert_load=None,
+    )
+    try:
+        routes = _read_routes(fs, path, info.header.segments())
+    except PayloadError as exc:
+        report["corrupt"][args.path] = str(exc)
+    else:
+        report["expert_load"] = load_summary(routes, _experts(args))
+    return report
 
 
 def _starts_like_payload(fs: AbstractFileSystem, path: str) -> bool:
@@ -371,10 +381,21 @@ FIELD_HEADERS = ("field", "pos", "rows", "dtype", "row shape", "offset", "bytes"
 
 
 def _render_file(report: dict[str, Any]) -> list[str]:
+    if "fields" in report:
+        lines = [
+            f"{printable(report['path'])}: payload file (format {report['format_version']}), "
+            f"policy version {report['version']}, {format_bytes(report['size'])}",
+            render_table(_field_rows(report["fields"]), FIELD_HEADERS),
+        ]
+    else:  # its header failed its checks
+        lines = [f"{printable(report['path'])}: payload file, corrupt"]
+    return lines + _corrupt_lines(report)
+
+
+def _corrupt_lines(report: dict[str, Any]) -> list[str]:
     return [
-        f"{printable(report['path'])}: payload file (format {report['format_version']}), policy "
-        f"version {report['version']}, {format_bytes(report['size'])}",
-        render_table(_field_rows(report["fields"]), FIELD_HEADERS),
+        f"  corrupt    {printable(name)}: {printable(message)}"
+        for name, message in report["corrupt"].items()
     ]
 
 
@@ -395,10 +416,7 @@ def _render_directory(report: dict[str, Any]) -> list[str]:
         f"{printable(report['path'])}: {count(len(report['files']), 'payload file')} "
         f"({format_bytes(report['bytes'])}), versions {report['versions'] or 'none'}",
         render_table(rows, ("file", "version", "size", "fields")),
-        *[
-            f"  corrupt    {printable(name)}: {printable(message)}"
-            for name, message in report["corrupt"].items()
-        ],
+        *_corrupt_lines(report),
         *[
             f"  not a payload file: {printable(other['file'])}"
             for other in report["not_payload_files"]
