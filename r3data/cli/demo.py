@@ -182,14 +182,14 @@ def summary(report: StepReport) -> str:
         ),
         (
             f"layout ({grid})",
-            f"{report.micro_batches} micro-batches, "
+            f"{count(report.micro_batches, 'micro-batch', 'micro-batches')}, "
             f"{local // max(len(report.ranks), 1):,} tokens per rank "
             f"({_percent(padding, local)} padding): "
             + _verdict(report.layout_errors, "every token on exactly one rank"),
         ),
         (
             "retention",
-            f"{len(served.files)} files written, {report.files_deleted} deleted "
+            f"{count(len(served.files), 'file')} written, {report.files_deleted} deleted "
             f"({format_bytes(report.bytes_deleted)}), {report.files_left} left",
         ),
     ]

@@ -112,3 +112,13 @@ def test_the_demo_prints_no_third_party_warnings():
     assert done.returncode == 0, done.stderr
     assert done.stderr == ""
     assert "Warning" not in done.stdout
+
+
+def test_the_summary_counts_one_of_a_thing_in_the_singular(tmp_path):
+    """'1 micro-batches', '1 files written'."""
+    shape = MODEL_SHAPES["qwen3-30b-a3b"]
+    report = play_step(shape, tmp_path / "p", rollouts=2, micro_batches=1, max_len=64, replay=False)
+    assert (report.micro_batches, len(report.served.files)) == (1, 1)
+    text = summary(report)
+    assert "  1 micro-batch, " in text
+    assert "  1 file written, 1 deleted " in text
