@@ -17,12 +17,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from r3data.errors import PackedError
+from r3data.errors import PackedError, PackedIndexError
 from r3data.packed import PackedTensor
 from r3data.packed_ragged import PackedRagged
 from r3data.segmented import check_count, pick_indices
 from r3data.tensor_buffer import bit_view, rebuild_tensor, tensor_buffer
-from r3data.validate import checked_int
+from r3data.validate import checked_int, slice_bounds
 
 Field = torch.Tensor | PackedTensor | PackedRagged | list
 _PACKED = (PackedTensor, PackedRagged)
@@ -197,7 +197,8 @@ class TensorBatch(MutableMapping[str, Field]):
         self, start: int | None = None, stop: int | None = None, step: int | None = None
     ) -> TensorBatch:
         """Samples ``start:stop:step``; with step 1 every field is a view."""
-        start, stop, step = slice(start, stop, step).indices(self.batch_size)
+        picked = slice(start, stop, step)
+        start, stop, step = slice_bounds(picked, self.batch_size, error=PackedIndexError)
         if step != 1:
             return self.gather(np.arange(start, stop, step))
         stop = max(start, stop)

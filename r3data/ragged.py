@@ -15,8 +15,8 @@ from typing import Any
 
 import numpy as np
 
-from r3data.errors import PackedError
-from r3data.validate import checked_fill, checked_int
+from r3data.errors import PackedError, PackedIndexError
+from r3data.validate import checked_fill, checked_int, slice_bounds
 
 __all__ = [
     "DEFAULT_MAX_CELLS",
@@ -169,7 +169,7 @@ class RaggedRows:
         """Rows ``rows`` (a step-1 slice), sharing memory."""
         if not isinstance(rows, slice):
             raise PackedError(f"ragged rows take step-1 slices, found {type(rows).__name__}")
-        start, stop, step = rows.indices(self.rows)
+        start, stop, step = slice_bounds(rows, self.rows, error=PackedIndexError)
         if step != 1:
             raise PackedError(f"ragged rows take step-1 slices, found step {step}")
         view = object.__new__(RaggedRows)

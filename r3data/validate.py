@@ -16,7 +16,7 @@ import torch
 
 from r3data.errors import ConfigError, R3DataError
 
-__all__ = ["checked_fill", "checked_int", "nonnegative_int"]
+__all__ = ["checked_fill", "checked_int", "nonnegative_int", "slice_bounds"]
 
 
 def checked_int(
@@ -39,6 +39,15 @@ def checked_int(
         bound = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
         raise error(f"{name}: expected an int {bound}, found {value!r:.40}")
     return int(value)
+
+
+def slice_bounds(
+    index: slice, length: int, *, error: type[R3DataError] = ConfigError
+) -> tuple[int, int, int]:
+    """``index.indices(length)``; a zero step (Python's bare ValueError) is ``error``."""
+    if index.step is not None and index.step == 0:
+        raise error(f"slice step must not be zero, found {index!r:.60}")
+    return index.indices(length)
 
 
 def nonnegative_int(name: str, value: object, error: type[R3DataError] = ConfigError) -> int:

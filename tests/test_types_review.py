@@ -650,3 +650,12 @@ def test_pool_memory_is_private_to_the_process():
     _, status = os.waitpid(child, 0)
     assert os.waitstatus_to_exitcode(status) == 0
     assert int(batch.min()) == int(batch.max()) == 5
+
+
+def test_a_zero_slice_step_is_a_typed_error():
+    """``[::0]`` was Python's bare ValueError from ``slice.indices``."""
+    packed = PackedTensor.from_lengths(torch.arange(3), [1, 2])
+    ragged = RaggedRows.from_rows([[1], [2, 3]])
+    for sliced in (packed, TensorBatch({"p": packed}), ragged, PackedRagged.from_samples([ragged])):
+        with pytest.raises(PackedIndexError, match="slice step must not be zero"):
+            sliced[::0]
