@@ -137,42 +137,44 @@ def test_times_are_tabled_in_microseconds_and_ratios_as_ratios():
     assert lines[3].split()[2:] == ["2.00x", "<=", "1.5x", "NO"]
 
 
+def run_scripts(tmp_path: Path, capsys, scripts: dict[str, str]):
+    """``r3data bench`` over ``bench_<name>.py`` scripts of these texts: exit code, stdout,
+    stderr, the summary and the results folder."""
+    folder = tmp_path / "benchmarks"
+    folder.mkdir()
+    for name, text in scripts.items():
+        (folder / f"bench_{name}.py").write_text(text)
+    results = tmp_path / "results"
+    code = main(["bench", "--benchmarks", str(folder), "--results", str(results), "--no-plots"])
+    out, err = capsys.readouterr()
+    return code, out, err, json.loads((results / "summary.json").read_text()), results
+
+
 def test_each_benchmark_runs_in_its_own_process_and_a_failure_is_reported(tmp_path, capsys):
     """A benchmark that raises is named with its last line, and the others' reports count."""
-    scripts = tmp_path / "benchmarks"
-    scripts.mkdir()
-    (scripts / "bench_broken.py").write_text("raise SystemExit('broken: no such device')\n")
-    (scripts / "bench_pid.py").write_text(
+    pid = (
         "import json, os, sys\n"
         "out = sys.argv[sys.argv.index('--out') + 1]\n"
         "report = {'pid': os.getpid(), 'x': 2.0, 'targets': {'x': 1.0}, 'met': {'x': True}}\n"
         "open(out, 'w').write(json.dumps(report))\n"
         "print('measured', flush=True)\n"
     )
-    results = tmp_path / "results"
-    code = main(["bench", "--benchmarks", str(scripts), "--results", str(results), "--no-plots"])
-    out, err = capsys.readouterr()
+    scripts = {"broken": "raise SystemExit('broken: no such device')\n", "pid": pid}
+    code, out, err, summary, results = run_scripts(tmp_path, capsys, scripts)
     assert code == 1
     assert "broken: FAILED: broken: no such device" in out
     assert "r3data bench: broken failed: broken: no such device" in err
     assert "measured" in out
-    summary = json.loads((results / "summary.json").read_text())
     assert summary["errors"] == {"broken": "broken: no such device"}
     assert json.loads((results / "bench_pid.json").read_text())["pid"] != os.getpid()
 
 
 def test_a_report_that_is_no_json_object_fails_that_benchmark_only(tmp_path, capsys):
     """A script writing a JSON list ended the run with an AttributeError traceback."""
-    scripts = tmp_path / "benchmarks"
-    scripts.mkdir()
     writes = "import sys\nopen(sys.argv[sys.argv.index('--out') + 1], 'w').write({!r})\n"
-    (scripts / "bench_list.py").write_text(writes.format("[1, 2]"))
-    (scripts / "bench_ok.py").write_text(writes.format('{"x": 2.0, "met": {"x": true}}'))
-    results = tmp_path / "results"
-    code = main(["bench", "--benchmarks", str(scripts), "--results", str(results), "--no-plots"])
-    out, err = capsys.readouterr()
+    scripts = {"list": writes.format("[1, 2]"), "ok": writes.format('{"x": 2.0, "met": {"x": 1}}')}
+    code, out, err, summary, _ = run_scripts(tmp_path, capsys, scripts)
     assert code == 1
     assert "list: FAILED: " in out
     assert "expected a JSON object, found a list" in err
-    summary = json.loads((results / "summary.json").read_text())
     assert [c["name"] for c in summary["checks"]] == ["x"]
