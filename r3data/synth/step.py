@@ -178,6 +178,8 @@ def play_step(
     routes must come out as placeholders, never valid.
     """
     checked_int("rollouts", rollouts, minimum=1)
+    checked_int("micro_batches", micro_batches, minimum=1)
+    checked_int("engine_bugs", engine_bugs)
     router = SyntheticRouter(shape, seed=seed)
     rolls = synth_rollouts(router, rollouts, seed=seed, max_turns=max_turns, max_len=max_len)
     retention = PayloadRetention(os.fspath(payload_root), max_off_policy_steps=1, fresh=True)
