@@ -37,6 +37,8 @@ def draw_lengths(kind: str, count: int, max_len: int, rng: np.random.Generator) 
     ``uniform``: anywhere in the range; ``mild``: the top quarter; ``typical_rl``: the shortest
     1/16 of the longest; ``heavy_tail``: Pareto, most short and a few near ``max_len``.
     """
+    checked_int("count", count)
+    checked_int("max_len", max_len, minimum=1)
     if kind == "uniform":
         lengths = rng.integers(1, max_len + 1, count)
     elif kind == "mild":

@@ -103,6 +103,16 @@ def test_an_unknown_length_distribution_is_refused():
         draw_lengths("bimodal", 3, 10, np.random.default_rng(0))
 
 
+@pytest.mark.parametrize("kind", LENGTH_DISTRIBUTIONS)
+def test_length_counts_are_checked_before_drawing(kind):
+    """numpy's bare ValueErrors, and heavy_tail's lengths of 0 for max_len 0."""
+    rng = np.random.default_rng(0)
+    with pytest.raises(ConfigError, match="max_len: expected an int >= 1, found 0"):
+        draw_lengths(kind, 3, 0, rng)
+    with pytest.raises(ConfigError, match="count: expected an int >= 0, found -1"):
+        draw_lengths(kind, -1, 5, rng)
+
+
 @pytest.mark.parametrize("producer", INLINE_PRODUCERS)
 def test_each_producer_body_decodes_to_the_engine_rows(producer):
     shape = MODEL_SHAPES["kimi-k2"]
