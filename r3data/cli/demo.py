@@ -42,7 +42,8 @@ def register(commands: argparse._SubParsersAction) -> None:
         "--micro-batches",
         type=int_at_least(1),
         default=4,
-        help="micro-batches the step's batch is split into (default 4)",
+        help="micro-batches the step's batch is split into, ceil(rollouts / M) rollouts each "
+        "(fewer where the rollouts run out first; default 4)",
     )
     parser.add_argument(
         "--max-turns",
