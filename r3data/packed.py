@@ -60,7 +60,12 @@ def _offsets_from_lengths(lengths: Any) -> np.ndarray:
     lengths = _host_offsets(lengths)
     if lengths.size and lengths.min() < 0:
         raise PackedError(f"lengths must be >= 0, found {int(lengths.min())}")
-    return np.concatenate(([0], np.cumsum(lengths, dtype=np.int64)))
+    offsets = np.concatenate(([0], np.cumsum(lengths, dtype=np.int64)))
+    if (offsets[1:] < offsets[:-1]).any():  # lengths >= 0: only a sum past int64 falls
+        raise PackedError(
+            f"lengths must sum to at most 2**63 - 1 rows, found {sum(map(int, lengths))}"
+        )
+    return offsets
 
 
 def aranges(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:

@@ -309,3 +309,10 @@ def test_to_takes_a_dtype_first_as_torch_does():
         packed.to(torch.int32, torch.int64)
     ragged = PackedRagged.from_samples([RaggedRows.from_rows([[1, 2], [3]])])
     assert ragged.to(torch.int64).dtype == torch.int64
+
+
+def test_lengths_whose_sum_wraps_around_int64_are_named():
+    """The running sum wrapped to a negative total: "must end at the number of rows 3, found
+    -9223372036854775805", as if the lengths had summed to that."""
+    with pytest.raises(PackedError, match=r"lengths must sum to at most 2\*\*63 - 1 rows"):
+        PackedTensor.from_lengths(torch.zeros(3), [2**62, 2**62, 3])
