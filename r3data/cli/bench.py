@@ -137,14 +137,30 @@ def run_benchmark(script: Path, out: Path, *, quick: bool) -> dict[str, Any]:
     return report
 
 
+def _kept_reports(results: Path, names: list[str]) -> dict[str, dict[str, Any]]:
+    """The reports of benchmarks ``names`` (not run now) already in ``results``, whose checks
+    the summary keeps: a run of some benchmarks never drops the others' results."""
+    kept = {}
+    for name in names:
+        try:
+            report = json.loads((results / f"bench_{name}.json").read_text())
+        except (OSError, ValueError):  # none there, or unreadable: nothing to keep
+            continue
+        if isinstance(report, dict):
+            kept[name] = report
+    return kept
+
+
 def run(args: argparse.Namespace) -> int:
     scripts = find_benchmarks(args.benchmarks)
+    skipped: list[str] = []
     if args.only:
         unknown = sorted(set(args.only) - {bench_name(s) for s in scripts})
         if unknown:
             raise ConfigError(
                 f"--only: no benchmark named {unknown}; found {[bench_name(s) for s in scripts]}"
             )
+        skipped = [bench_name(s) for s in scripts if bench_name(s) not in args.only]
         scripts = [s for s in scripts if bench_name(s) in args.only]
     if args.results is not None:
         results = args.results
@@ -165,18 +181,23 @@ def run(args: argparse.Namespace) -> int:
             errors[name] = str(exc)
             print(f"r3data bench: {name} failed: {errors[name]}", file=sys.stderr)
     found = [c for name, report in reports.items() for c in checks(name, report)]
+    kept = _kept_reports(results, skipped)
+    every = found + [c for name, report in kept.items() for c in checks(name, report)]
     summary = {
         "quick": args.quick,
         "machine": machine(),
-        "checks": [asdict(c) for c in found],
+        "checks": [asdict(c) for c in every],
         "errors": errors,
+        "kept": sorted(kept),
     }
     (results / f"{SUMMARY}.json").write_text(json.dumps(summary, indent=2) + "\n")
-    plots = [] if args.no_plots else write_plots(reports, found, results)
+    plots = [] if args.no_plots else write_plots(reports, every, results)
     print()
     print(table(found))
     for name, message in errors.items():
         print(f"{name}: FAILED: {message}")
+    if kept:
+        print(f"summary: checks kept from the reports already there: {', '.join(sorted(kept))}")
     print(f"results in {results}" + (f" ({len(plots)} plots)" if plots else ""))
     missed = not args.quick and not all(c.met for c in found)
     return EXIT_PROBLEMS if errors or missed else 0

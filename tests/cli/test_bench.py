@@ -178,3 +178,24 @@ def test_a_report_that_is_no_json_object_fails_that_benchmark_only(tmp_path, cap
     assert "list: FAILED: " in out
     assert "expected a JSON object, found a list" in err
     assert [c["name"] for c in summary["checks"]] == ["x"]
+
+
+def test_a_run_of_some_benchmarks_keeps_the_others_checks_in_the_summary(tmp_path, capsys):
+    """``--only wire`` into the committed results rewrote summary.json and summary.png with
+    wire's checks alone, though every other benchmark's report was still there."""
+    writes = "import sys\nopen(sys.argv[sys.argv.index('--out') + 1], 'w').write({!r})\n"
+    scripts = {
+        "new": writes.format('{"x": 0.5, "targets": {"x": 1.0}, "met": {"x": false}}'),
+        "old": writes.format('{"y": 3.0, "targets": {"y": 1.0}, "met": {"y": true}}'),
+    }
+    code, *_ = run_scripts(tmp_path, capsys, scripts)
+    assert code == 1
+    folder, results = tmp_path / "benchmarks", tmp_path / "results"
+    (folder / "bench_new.py").write_text(writes.format('{"x": 2.0, "met": {"x": true}}'))
+    argv = ["bench", "--benchmarks", str(folder), "--results", str(results), "--no-plots"]
+    assert main([*argv, "--only", "new"]) == 0
+    out = capsys.readouterr().out
+    summary = json.loads((results / "summary.json").read_text())
+    assert [(c["benchmark"], c["value"]) for c in summary["checks"]] == [("new", 2.0), ("old", 3.0)]
+    assert summary["kept"] == ["old"]
+    assert "kept from the reports already there: old" in out
