@@ -2,10 +2,12 @@
 
 Benchmarks are scripts in the repository's ``benchmarks/`` folder, not part of the installed
 package: each ``bench_*.py`` runs in a fresh interpreter (one benchmark's heap, page cache and
-huge pages never slow the next) with ``--out <results>/<name>.json`` (and ``--quick``), and
-its report is read back from that file. Reports state their targets as
-``targets`` (name -> number) and ``met`` (name -> bool) next to the measured values, at the top
-level or per entry of ``results``; a report whose ``targets`` are booleans gives pass/fail only.
+huge pages never slow the next) with ``--out`` a temporary name next to
+``<results>/bench_<name>.json`` (and ``--quick``); its report is read back from there and then
+replaces that file, so a benchmark that fails leaves the report before it in place. Reports
+state their targets as ``targets`` (name -> number) and ``met`` (name -> bool) next to the
+measured values, at the top level or per entry of ``results``; a report whose ``targets`` are
+booleans gives pass/fail only.
 """
 
 from __future__ import annotations
@@ -120,20 +122,31 @@ class BenchmarkFailed(Exception):
 
 
 def run_benchmark(script: Path, out: Path, *, quick: bool) -> dict[str, Any]:
-    """Run ``script`` in a fresh interpreter writing its report to ``out``, its output passed
-    on as it comes; the report."""
-    out.unlink(missing_ok=True)  # a stale report never passes for this run's
-    argv = [sys.executable, str(script), "--out", str(out)] + (["--quick"] if quick else [])
+    """Run ``script`` in a fresh interpreter, its output passed on as it comes; its report,
+    which then replaces ``out``. The script writes to a temporary name next to ``out``, so
+    a benchmark that fails leaves the report before it in place (and never passes it for
+    this run's)."""
+    partial = out.with_name(f".{out.name}.partial")
+    partial.unlink(missing_ok=True)
+    argv = [sys.executable, str(script), "--out", str(partial)] + (["--quick"] if quick else [])
     last = ""
-    with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as p:
-        for line in p.stdout:  # type: ignore[union-attr]
-            print(line, end="", flush=True)
-            last = line.strip() or last
-    if p.returncode != 0:
-        raise BenchmarkFailed(last or f"exit code {p.returncode}")
-    report = json.loads(out.read_text())
-    if not isinstance(report, dict):
-        raise BenchmarkFailed(f"{out}: expected a JSON object, found a {type(report).__name__}")
+    try:
+        with subprocess.Popen(
+            argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        ) as p:
+            for line in p.stdout:  # type: ignore[union-attr]
+                print(line, end="", flush=True)
+                last = line.strip() or last
+        if p.returncode != 0:
+            raise BenchmarkFailed(last or f"exit code {p.returncode}")
+        if not partial.exists():
+            raise BenchmarkFailed(f"exit code 0 but no report written to --out {partial}")
+        report = json.loads(partial.read_text())
+        if not isinstance(report, dict):
+            raise BenchmarkFailed(f"{out}: expected a JSON object, found a {type(report).__name__}")
+        os.replace(partial, out)
+    finally:
+        partial.unlink(missing_ok=True)
     return report
 
 

@@ -199,3 +199,21 @@ def test_a_run_of_some_benchmarks_keeps_the_others_checks_in_the_summary(tmp_pat
     assert [(c["benchmark"], c["value"]) for c in summary["checks"]] == [("new", 2.0), ("old", 3.0)]
     assert summary["kept"] == ["old"]
     assert "kept from the reports already there: old" in out
+
+
+def test_a_benchmark_that_fails_leaves_the_report_before_it_in_place(tmp_path, capsys):
+    """The report was deleted before the script ran, so a crash mid-run (a full run killed
+    for memory, say) lost the committed one; a report that fails to read back did too."""
+    writes = "import sys\nopen(sys.argv[sys.argv.index('--out') + 1], 'w').write({!r})\n"
+    good = '{"x": 2.0, "met": {"x": true}}'
+    code, *_, results = run_scripts(tmp_path, capsys, {"flaky": writes.format(good)})
+    assert code == 0
+    before = (results / "bench_flaky.json").read_bytes()
+    folder = tmp_path / "benchmarks"
+    argv = ["bench", "--benchmarks", str(folder), "--results", str(results), "--no-plots"]
+    for broken in (writes.format('{"x": 2.0') + "raise SystemExit('killed')\n", writes.format("{")):
+        (folder / "bench_flaky.py").write_text(broken)
+        assert main(argv) == 1
+        assert "flaky: FAILED: " in capsys.readouterr().out
+        assert (results / "bench_flaky.json").read_bytes() == before
+        assert sorted(p.name for p in results.iterdir()) == ["bench_flaky.json", "summary.json"]
