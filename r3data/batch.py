@@ -78,9 +78,15 @@ def merge_metadata(parts: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
 
 
 def _same(a: Any, b: Any) -> bool:
+    """Whether two metadata values are equal: arrays and tensors by type, shape and value
+    (``==`` compares them elementwise)."""
+    if isinstance(a, np.ndarray | torch.Tensor) or isinstance(b, np.ndarray | torch.Tensor):
+        if type(a) is not type(b) or a.dtype != b.dtype or a.shape != b.shape:
+            return False
+        return bool(np.array_equal(a, b)) if isinstance(a, np.ndarray) else _field_equal(a, b)
     try:
         return bool(a == b)
-    except Exception:  # arrays and tensors compare elementwise
+    except Exception:  # a value whose == answers no bool
         return a is b
 
 
@@ -292,7 +298,8 @@ class TensorBatch(MutableMapping[str, Field]):
             self.batch_size == other.batch_size
             and list(self) == list(other)
             and all(_field_equal(self[k], other[k]) for k in self)
-            and self.metadata == other.metadata
+            and self.metadata.keys() == other.metadata.keys()
+            and all(_same(v, other.metadata[k]) for k, v in self.metadata.items())
         )
 
     __hash__ = None  # type: ignore[assignment]
