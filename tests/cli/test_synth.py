@@ -20,6 +20,7 @@ from r3data.synth import (
     draw_lengths,
     model_shape,
     request_source,
+    serve_rollouts,
     synth_rollouts,
 )
 from r3data.synth.expert_load import expert_load
@@ -183,3 +184,18 @@ def test_a_negative_seed_is_a_config_error_naming_it():
         SyntheticRouter(shape, seed=-1)
     with pytest.raises(ConfigError, match="seed: expected an int >= 0, found -2"):
         synth_rollouts(SyntheticRouter(shape), 1, seed=-2)
+
+
+def test_inline_route_bytes_count_every_row_a_format_without_a_prompt_start_resends():
+    """Such a format sends every row from position 0 in each turn; only the new rows were
+    counted, as if it were incremental."""
+    shape = MODEL_SHAPES["qwen3-30b-a3b"]
+    rollouts = synth_rollouts(SyntheticRouter(shape), 3, seed=3, max_turns=3, max_len=2048)
+    assert any(len(r.requests) > 1 for r in rollouts)
+    for producer, incremental in (("nemo-rl", False), ("vllm", True)):
+        served = serve_rollouts(rollouts, producers=(producer,))
+        spans = [(r, r.route_span(j)) for r in rollouts for j in range(len(r.requests))]
+        sent = sum(
+            r.routes[start if incremental else 0 : stop].nbytes for r, (start, stop) in spans
+        )
+        assert served.inline_route_bytes == sent
