@@ -17,12 +17,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from r3data.errors import PackedError
+from r3data.errors import PackedError, PackedIndexError
 from r3data.packed import PackedTensor
 from r3data.packed_ragged import PackedRagged
 from r3data.segmented import check_count, pick_indices
 from r3data.tensor_buffer import bit_view, rebuild_tensor, tensor_buffer
-from r3data.validate import checked_int
+from r3data.validate import checked_int, slice_bounds
 
 Field = torch.Tensor | PackedTensor | PackedRagged | list
 _PACKED = (PackedTensor, PackedRagged)
@@ -78,9 +78,15 @@ def merge_metadata(parts: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
 
 
 def _same(a: Any, b: Any) -> bool:
+    """Whether two metadata values are equal: arrays and tensors by type, shape and value
+    (``==`` compares them elementwise)."""
+    if isinstance(a, np.ndarray | torch.Tensor) or isinstance(b, np.ndarray | torch.Tensor):
+        if type(a) is not type(b) or a.dtype != b.dtype or a.shape != b.shape:
+            return False
+        return bool(np.array_equal(a, b)) if isinstance(a, np.ndarray) else _field_equal(a, b)
     try:
         return bool(a == b)
-    except Exception:  # arrays and tensors compare elementwise
+    except Exception:  # a value whose == answers no bool
         return a is b
 
 
@@ -197,7 +203,8 @@ class TensorBatch(MutableMapping[str, Field]):
         self, start: int | None = None, stop: int | None = None, step: int | None = None
     ) -> TensorBatch:
         """Samples ``start:stop:step``; with step 1 every field is a view."""
-        start, stop, step = slice(start, stop, step).indices(self.batch_size)
+        picked = slice(start, stop, step)
+        start, stop, step = slice_bounds(picked, self.batch_size, error=PackedIndexError)
         if step != 1:
             return self.gather(np.arange(start, stop, step))
         stop = max(start, stop)
@@ -291,7 +298,8 @@ class TensorBatch(MutableMapping[str, Field]):
             self.batch_size == other.batch_size
             and list(self) == list(other)
             and all(_field_equal(self[k], other[k]) for k in self)
-            and self.metadata == other.metadata
+            and self.metadata.keys() == other.metadata.keys()
+            and all(_same(v, other.metadata[k]) for k, v in self.metadata.items())
         )
 
     __hash__ = None  # type: ignore[assignment]

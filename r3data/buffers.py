@@ -32,7 +32,9 @@ class _Region:
     __slots__ = ("in_use", "mapping")
 
     def __init__(self, nbytes: int) -> None:
-        self.mapping = mmap.mmap(-1, nbytes)
+        # private: a forked child never writes into this process's batches, and huge pages
+        # follow the anonymous-memory setting (shared anonymous memory is shmem: none)
+        self.mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE)
         if hasattr(mmap, "MADV_HUGEPAGE"):
             self.mapping.madvise(mmap.MADV_HUGEPAGE)  # fewer faults where the kernel allows
         self.in_use: weakref.ref | None = None

@@ -86,8 +86,10 @@ def checked_keywords(
     (named, with the closest valid one, or where ``moved`` says a former one went)."""
 
     def decorate(function: Callable[..., T]) -> Callable[..., T]:
-        code = function.__code__
-        valid = code.co_varnames[code.co_argcount : code.co_argcount + code.co_kwonlyargcount]
+        code = function.__code__  # every parameter a caller may name: all but positional-only
+        valid = code.co_varnames[
+            code.co_posonlyargcount : code.co_argcount + code.co_kwonlyargcount
+        ]
 
         @functools.wraps(function)
         def checked(*args: Any, **kwargs: Any) -> T:

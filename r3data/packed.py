@@ -60,7 +60,12 @@ def _offsets_from_lengths(lengths: Any) -> np.ndarray:
     lengths = _host_offsets(lengths)
     if lengths.size and lengths.min() < 0:
         raise PackedError(f"lengths must be >= 0, found {int(lengths.min())}")
-    return np.concatenate(([0], np.cumsum(lengths, dtype=np.int64)))
+    offsets = np.concatenate(([0], np.cumsum(lengths, dtype=np.int64)))
+    if (offsets[1:] < offsets[:-1]).any():  # lengths >= 0: only a sum past int64 falls
+        raise PackedError(
+            f"lengths must sum to at most 2**63 - 1 rows, found {sum(map(int, lengths))}"
+        )
+    return offsets
 
 
 def aranges(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
@@ -243,11 +248,13 @@ class PackedTensor(Segmented):
 
     def to(
         self,
-        device: torch.device | str | None = None,
+        device: torch.device | str | torch.dtype | None = None,
         dtype: torch.dtype | None = None,
         non_blocking: bool = False,
     ) -> PackedTensor:
-        """Move or cast ``values``; the host offsets travel without a copy."""
+        """Move or cast ``values`` (a dtype alone may come first, as in ``Tensor.to``); the
+        host offsets travel without a copy."""
+        device, dtype = device_and_dtype(device, dtype)
         values = self.values.to(device=device, dtype=dtype, non_blocking=non_blocking)
         return self._with_values(values)
 
@@ -323,6 +330,17 @@ class PackedTensor(Segmented):
 
 def _rebuild_packed(values: Any, offsets: list[int]) -> PackedTensor:
     return PackedTensor(rebuild_tensor(values), offsets)
+
+
+def device_and_dtype(
+    device: torch.device | str | torch.dtype | None, dtype: torch.dtype | None
+) -> tuple[torch.device | str | None, torch.dtype | None]:
+    """``to``'s arguments: ``to(torch.int32)`` casts, as ``Tensor.to`` does."""
+    if isinstance(device, torch.dtype):
+        if dtype is not None:
+            raise PackedError(f"to: dtype given twice, found {device} and {dtype}")
+        return None, device
+    return device, dtype
 
 
 def _is_device_int32(cu_seqlens: Any, values: torch.Tensor) -> bool:

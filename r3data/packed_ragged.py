@@ -21,6 +21,7 @@ from r3data.ragged import (
     RaggedRows,
     check_cells,
     checked_width,
+    common_dtype,
     exact_cast,
     row_offsets,
 )
@@ -59,10 +60,11 @@ class PackedRagged(Segmented):
         samples' common one, int32 for none) must hold every value exactly."""
         compact = [s.compact() for s in samples]
         if dtype is None:
-            dtype = np.result_type(*[v.dtype for v, _ in compact]) if compact else np.int32
-        values = np.concatenate([v for v, _ in compact]) if compact else np.empty(0, dtype)
+            dtype = common_dtype([v.dtype for v, _ in compact]) if compact else np.int32
+        # each cast on its own: joined first, int64 and uint64 ids would pass through float64
+        cast = [exact_cast(v, dtype, "PackedRagged samples") for v, _ in compact]
+        values = np.concatenate(cast) if compact else np.empty(0, dtype)
         lengths = np.concatenate([np.diff(o) for _, o in compact]) if compact else np.zeros(0)
-        values = exact_cast(values, dtype, "PackedRagged samples")
         rows = PackedTensor.from_lengths(as_tensor(values), lengths)
         return cls(
             rows, np.concatenate(([0], np.cumsum([s.rows for s in samples], dtype=np.int64)))
@@ -127,7 +129,7 @@ class PackedRagged(Segmented):
 
     def to(
         self,
-        device: torch.device | str | None = None,
+        device: torch.device | str | torch.dtype | None = None,
         dtype: torch.dtype | None = None,
         non_blocking: bool = False,
     ) -> PackedRagged:

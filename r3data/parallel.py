@@ -22,6 +22,9 @@ from r3data.errors import ConfigError
 T = TypeVar("T")
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
+SELF_CGROUP = Path("/proc/self/cgroup")
+"""Where the kernel says which cgroup this process is in (``hierarchy:controllers:path``)."""
+V1_CPU_FOLDERS = ("cpu", "cpu,cpuacct", "cpuacct,cpu")
 WORKERS_ENV = "R3DATA_WORKERS"
 IO_WORKERS_ENV = "R3DATA_IO_WORKERS"
 IO_WORKERS_PER_CPU = 4
@@ -61,34 +64,62 @@ def _cgroup_v2_cpus(root: Path) -> float | None:
     return int(quota) / int(period)
 
 
-def _cgroup_v1_cpus(root: Path) -> float | None:
-    for folder in ("cpu", "cpu,cpuacct", "cpuacct,cpu"):
-        quota = _read(root / folder / "cpu.cfs_quota_us")
-        period = _read(root / folder / "cpu.cfs_period_us")
-        if quota and period and quota.isdigit() and period.isdigit() and int(period) > 0:
-            return int(quota) / int(period) or None
+def _cgroup_v1_cpus(folder: Path) -> float | None:
+    quota = _read(folder / "cpu.cfs_quota_us")
+    period = _read(folder / "cpu.cfs_period_us")
+    if quota and period and quota.isdigit() and period.isdigit() and int(period) > 0:
+        return int(quota) / int(period) or None
     return None
 
 
-def permitted_cpus(cgroup_root: Path | str = CGROUP_ROOT) -> int:
-    """CPUs this process may use: min(affinity, cgroup v2 quota, cgroup v1 quota), at least 1.
+def _own_paths(self_cgroup: Path) -> tuple[str, str]:
+    """This process's cgroup path in the v2 hierarchy and in v1's ``cpu`` one ("/" if none)."""
+    v2 = v1 = "/"
+    for line in (_read(self_cgroup) or "").splitlines():
+        hierarchy, _, rest = line.partition(":")
+        controllers, _, path = rest.partition(":")
+        if hierarchy == "0" and not controllers:
+            v2 = path or "/"
+        elif "cpu" in controllers.split(","):
+            v1 = path or "/"
+    return v2, v1
+
+
+def _lineage(mount: Path, path: str) -> list[Path]:
+    """``mount/path`` and each of its parents up to ``mount``, those that exist: a quota on
+    any of them limits the process. A path the mount does not show (the mount is already the
+    process's own cgroup, as inside a container) leaves the mount alone."""
+    folders = [mount]
+    for part in (p for p in path.split("/") if p):
+        folders.append(folders[-1] / part)
+    return [f for f in folders[1:] if f.is_dir()] + [mount]
+
+
+def permitted_cpus(
+    cgroup_root: Path | str = CGROUP_ROOT, self_cgroup: Path | str = SELF_CGROUP
+) -> int:
+    """CPUs this process may use: min(affinity, cgroup v2 quota, cgroup v1 quota), at least 1;
+    the quotas of the process's own cgroup (``self_cgroup`` names it) and of every parent
+    below ``cgroup_root`` count.
 
     The machine's own count (``CGROUP_ROOT``) is kept for ``PERMITTED_CPUS_TTL_S`` seconds.
     """
     global _permitted
-    if Path(cgroup_root) != CGROUP_ROOT:
-        return _read_permitted_cpus(Path(cgroup_root))
+    if Path(cgroup_root) != CGROUP_ROOT or Path(self_cgroup) != SELF_CGROUP:
+        return _read_permitted_cpus(Path(cgroup_root), Path(self_cgroup))
     now = time.monotonic()
     if _permitted is None or now - _permitted[0] > PERMITTED_CPUS_TTL_S:
         _permitted = (now, _read_permitted_cpus(CGROUP_ROOT))
     return _permitted[1]
 
 
-def _read_permitted_cpus(root: Path) -> int:
+def _read_permitted_cpus(root: Path, self_cgroup: Path = SELF_CGROUP) -> int:
     limits = [float(_affinity_cpus())]
-    for quota in (_cgroup_v2_cpus(root), _cgroup_v1_cpus(root)):
-        if quota is not None:
-            limits.append(quota)
+    v2, v1 = _own_paths(self_cgroup)
+    quotas = [_cgroup_v2_cpus(folder) for folder in _lineage(root, v2)]
+    for name in V1_CPU_FOLDERS:
+        quotas += [_cgroup_v1_cpus(folder) for folder in _lineage(root / name, v1)]
+    limits += [quota for quota in quotas if quota is not None]
     return max(1, math.ceil(min(limits)))
 
 

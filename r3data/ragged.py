@@ -15,8 +15,8 @@ from typing import Any
 
 import numpy as np
 
-from r3data.errors import PackedError
-from r3data.validate import checked_fill, checked_int
+from r3data.errors import PackedError, PackedIndexError
+from r3data.validate import checked_fill, checked_int, slice_bounds
 
 __all__ = [
     "DEFAULT_MAX_CELLS",
@@ -24,6 +24,7 @@ __all__ = [
     "RaggedRows",
     "check_cells",
     "checked_width",
+    "common_dtype",
     "exact_cast",
     "row_offsets",
 ]
@@ -43,6 +44,15 @@ def row_offsets(offsets: Any, what: str) -> np.ndarray:
             f"{array.shape} of {array.dtype}"
         )
     return array.astype(np.int64, copy=False)
+
+
+def common_dtype(dtypes: Sequence[np.dtype]) -> np.dtype:
+    """The dtype that holds values of every one of ``dtypes``: numpy's, except that integers
+    stay integers (numpy's int64 with uint64 is float64, which rounds ids above 2**53)."""
+    common = np.result_type(*dtypes)
+    if common.kind == "f" and all(np.dtype(d).kind in "biu" for d in dtypes):
+        return np.dtype(np.int64)  # exact_cast refuses what it cannot hold
+    return common
 
 
 def exact_cast(values: np.ndarray, dtype: Any, what: str) -> np.ndarray:
@@ -102,9 +112,10 @@ class RaggedRows:
     def from_rows(cls, rows: Sequence[Any], dtype: Any = np.int32) -> RaggedRows:
         """One row per 1-D array in ``rows``."""
         arrays = [np.asarray(row).reshape(-1) for row in rows]
-        filled = [a for a in arrays if a.size]  # an empty row is float64 to numpy: no promotion
+        # each cast on its own: joined first, int64 and uint64 rows would pass through float64
+        filled = [exact_cast(a, dtype, "ragged rows") for a in arrays if a.size]
         values = np.concatenate(filled) if filled else np.empty(0, dtype)
-        return cls.from_lengths(exact_cast(values, dtype, "ragged rows"), [a.size for a in arrays])
+        return cls.from_lengths(values, [a.size for a in arrays])
 
     @classmethod
     def from_padded(cls, padded: Any, *, fill: int = MASK_FILL, what: str = "padded rows"):
@@ -158,7 +169,7 @@ class RaggedRows:
         """Rows ``rows`` (a step-1 slice), sharing memory."""
         if not isinstance(rows, slice):
             raise PackedError(f"ragged rows take step-1 slices, found {type(rows).__name__}")
-        start, stop, step = rows.indices(self.rows)
+        start, stop, step = slice_bounds(rows, self.rows, error=PackedIndexError)
         if step != 1:
             raise PackedError(f"ragged rows take step-1 slices, found step {step}")
         view = object.__new__(RaggedRows)

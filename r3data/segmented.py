@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from r3data.errors import PackedError, PackedIndexError
-from r3data.validate import checked_int
+from r3data.validate import checked_int, slice_bounds
 
 __all__ = ["Segmented", "check_count", "pick_indices"]
 
@@ -47,7 +47,7 @@ class Segmented:
         if isinstance(index, (int, np.integer)) and not isinstance(index, bool):
             return self.segment(int(index))
         if isinstance(index, slice):
-            start, stop, step = index.indices(len(self))
+            start, stop, step = slice_bounds(index, len(self), error=PackedIndexError)
             if step == 1:
                 return self._view(start, max(start, stop))
             return self.gather(np.arange(start, stop, step))

@@ -26,13 +26,13 @@ def as_tensor(data: torch.Tensor | np.ndarray) -> torch.Tensor:
         return data
     if not isinstance(data, np.ndarray):
         raise PackedError(f"expected a torch.Tensor or numpy.ndarray, found {type(data).__name__}")
-    if data.dtype.kind not in "biuf":
-        raise PackedError(f"expected a numeric or bool array, found dtype {data.dtype}")
+    if data.dtype.kind not in "biuf" or data.dtype.itemsize > 8:  # no complex, no longdouble
+        raise PackedError(f"expected a numeric or bool array torch holds, found dtype {data.dtype}")
     if (
         not data.flags.writeable
-        or any(stride < 0 for stride in data.strides)
+        or any(stride < 0 or stride % data.itemsize for stride in data.strides)
         or data.dtype.byteorder == ">"
-    ):  # torch takes neither read-only memory, reversed strides nor big-endian data
+    ):  # torch takes neither read-only memory, reversed or unaligned strides nor big-endian data
         data = np.array(data, dtype=data.dtype.newbyteorder("="))
     return torch.from_numpy(data)
 

@@ -8,6 +8,7 @@ a fill value, which must be one the array's dtype holds exactly.
 
 from __future__ import annotations
 
+import math
 import numbers
 
 import numpy as np
@@ -15,7 +16,7 @@ import torch
 
 from r3data.errors import ConfigError, R3DataError
 
-__all__ = ["checked_fill", "checked_int", "nonnegative_int"]
+__all__ = ["checked_fill", "checked_int", "nonnegative_int", "slice_bounds"]
 
 
 def checked_int(
@@ -40,6 +41,15 @@ def checked_int(
     return int(value)
 
 
+def slice_bounds(
+    index: slice, length: int, *, error: type[R3DataError] = ConfigError
+) -> tuple[int, int, int]:
+    """``index.indices(length)``; a zero step (Python's bare ValueError) is ``error``."""
+    if index.step is not None and index.step == 0:
+        raise error(f"slice step must not be zero, found {index!r:.60}")
+    return index.indices(length)
+
+
 def nonnegative_int(name: str, value: object, error: type[R3DataError] = ConfigError) -> int:
     """``value`` as an int >= 0 (a length or a position), else ``error`` naming ``name``."""
     return checked_int(name, value, error=error)
@@ -53,22 +63,35 @@ def checked_fill(
     error: type[R3DataError] = ConfigError,
 ) -> object:
     """``value`` if ``dtype`` (numpy or torch) holds it exactly, else ``error`` naming ``name``:
-    ``-1`` is no ``uint8`` (it would be 255, a valid expert id), ``0.5`` no integer."""
+    ``-1`` is no ``uint8`` (it would be 255, a valid expert id), ``0.5`` no integer, ``1e10``
+    no ``float16`` (past its largest finite value: torch refuses it, numpy makes it inf)."""
     if isinstance(dtype, torch.dtype):
         floating = dtype.is_floating_point or dtype.is_complex
         bounds = (0, 1) if dtype == torch.bool else None if floating else torch.iinfo(dtype)
+        largest = torch.finfo(dtype).max if dtype.is_floating_point else math.inf
     else:
         kind = np.dtype(dtype).kind
         floating = kind in "fc"
         bounds = (0, 1) if kind == "b" else None if floating else np.iinfo(dtype)
+        largest = float(np.finfo(dtype).max) if kind == "f" else math.inf
     if isinstance(value, numbers.Real | np.bool_):
         if floating:
-            return value
-        low, high = bounds if isinstance(bounds, tuple) else (bounds.min, bounds.max)
-        try:
-            exact = int(value) == value
-        except (OverflowError, ValueError):  # inf, nan
-            exact = False
-        if exact and low <= value <= high:
+            held = _within(value, largest)
+        else:
+            low, high = bounds if isinstance(bounds, tuple) else (bounds.min, bounds.max)
+            try:
+                held = int(value) == value and low <= value <= high
+            except (OverflowError, ValueError):  # inf, nan
+                held = False
+        if held:
             return value
     raise error(f"{name}: expected a value {dtype} holds exactly, found {value!r:.40}")
+
+
+def _within(value: numbers.Real | np.bool_, largest: float) -> bool:
+    """Whether a float type whose largest finite value is ``largest`` holds ``value`` (inf
+    and nan included)."""
+    try:
+        return not math.isfinite(value) or abs(value) <= largest
+    except OverflowError:  # an int too large for any float
+        return False

@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from r3data.batch import PerSample, TensorBatch
+from r3data.batch import PerSample, TensorBatch, merge_metadata
 from r3data.errors import PackedError
 from r3data.packed import PackedTensor
 from r3data.trace import StitchStats
@@ -216,3 +216,19 @@ def test_chunk_splits_per_sample_metadata_and_cat_puts_it_back(batch_size, parts
 def test_per_sample_metadata_must_match_the_batch_size():
     with pytest.raises(PackedError, match="metadata 'index' is per sample"):
         TensorBatch({"x": torch.zeros(2)}, {"index": PerSample([0])})
+
+
+def test_array_metadata_compares_and_merges_by_value():
+    """Equal arrays in metadata: ``==`` on two batches raised numpy's "truth value of an
+    array is ambiguous", and ``cat`` dropped the value as if the parts disagreed."""
+
+    def batch(scale):
+        values = torch.arange(2)
+        return TensorBatch({"x": values}, {"scale": np.array([1.0, scale]), "w": torch.ones(2)})
+
+    assert batch(2.0) == batch(2.0)
+    assert batch(2.0) != batch(3.0)
+    merged = merge_metadata([batch(2.0).metadata, batch(2.0).metadata])
+    assert np.array_equal(merged["scale"], [1.0, 2.0])
+    assert torch.equal(merged["w"], torch.ones(2))
+    assert "scale" not in merge_metadata([batch(2.0).metadata, batch(3.0).metadata])

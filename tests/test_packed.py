@@ -12,6 +12,8 @@ from hypothesis import strategies as st
 
 from r3data.errors import PackedError, PackedIndexError
 from r3data.packed import PackedTensor
+from r3data.packed_ragged import PackedRagged
+from r3data.ragged import RaggedRows
 
 DTYPES = [torch.uint8, torch.uint16, torch.int32, torch.int64, torch.float32, torch.bool]
 
@@ -281,3 +283,36 @@ def test_padded_is_bounded_like_the_ragged_views_before_allocating():
     assert small.padded(max_cells=8).shape == (2, 2, 2)
     with pytest.raises(PackedError, match=r"\[2, 2, 2\] has 8 cells, more than max_cells 7"):
         small.padded(max_cells=7)
+
+
+def test_numpy_arrays_torch_cannot_wrap_are_copied_or_refused_typed():
+    """torch.from_numpy refuses strides that are no multiple of the item size (a field of a
+    structured array) with a bare ValueError, and extended precision with a TypeError."""
+    records = np.zeros(4, dtype=[("tag", "u1"), ("ids", "<i4")])
+    records["ids"] = [3, 1, 4, 1]
+    packed = PackedTensor.from_lengths(records["ids"], [1, 3])
+    assert packed.values.tolist() == [3, 1, 4, 1]
+    with pytest.raises(PackedError, match="expected a numeric or bool array torch holds"):
+        PackedTensor.from_segments([np.zeros((2, 3), np.longdouble)])
+
+
+def test_to_takes_a_dtype_first_as_torch_does():
+    """``values.to(torch.int32)`` is torch's; ``packed.to(torch.int32)`` handed the dtype to
+    torch as a device (a TypeError about ``device=torch.dtype``)."""
+    packed = PackedTensor.from_lengths(torch.arange(6, dtype=torch.uint8).reshape(3, 2), [1, 2])
+    cast = packed.to(torch.int32)
+    assert cast.dtype == torch.int32
+    assert cast.offsets is packed.offsets
+    assert cast.values.tolist() == packed.values.int().tolist()
+    assert packed.to("cpu", torch.int64).dtype == torch.int64
+    with pytest.raises(PackedError, match="dtype given twice"):
+        packed.to(torch.int32, torch.int64)
+    ragged = PackedRagged.from_samples([RaggedRows.from_rows([[1, 2], [3]])])
+    assert ragged.to(torch.int64).dtype == torch.int64
+
+
+def test_lengths_whose_sum_wraps_around_int64_are_named():
+    """The running sum wrapped to a negative total: "must end at the number of rows 3, found
+    -9223372036854775805", as if the lengths had summed to that."""
+    with pytest.raises(PackedError, match=r"lengths must sum to at most 2\*\*63 - 1 rows"):
+        PackedTensor.from_lengths(torch.zeros(3), [2**62, 2**62, 3])

@@ -150,3 +150,31 @@ def test_the_machines_own_count_is_read_again_only_after_its_ttl(monkeypatch):
     clock[0] += parallel.PERMITTED_CPUS_TTL_S + 1
     assert permitted_cpus() == 3
     assert len(reads) == 2
+
+
+def test_the_quota_of_the_process_own_cgroup_and_its_parents_counts(tmp_path):
+    """Without a cgroup namespace (a systemd service's CPUQuota=, a batch job's step, a
+    container runtime sharing the host's view) the process sits below the mount's root, whose
+    cpu.max does not exist or says max: only the root's quota was read."""
+    own = cgroup(tmp_path, {"self": "0::/system.slice/trainer.service\n"}) / "self"
+    service = {"cpu.max": "max 100000", "system.slice/cpu.max": "max 100000"}
+    service["system.slice/trainer.service/cpu.max"] = "50000 100000"
+    assert permitted_cpus(cgroup(tmp_path / "a", service), self_cgroup=own) == 1
+    parent = {"system.slice/cpu.max": "100000 100000"}
+    parent["system.slice/trainer.service/cpu.max"] = "max 100000"
+    assert permitted_cpus(cgroup(tmp_path / "b", parent), self_cgroup=own) == 1
+    v1 = cgroup(
+        tmp_path / "v1",
+        {
+            "cpu,cpuacct/cpu.cfs_quota_us": "-1",
+            "cpu,cpuacct/cpu.cfs_period_us": "100000",
+            "cpu,cpuacct/kubepods/pod1/cpu.cfs_quota_us": "100000",
+            "cpu,cpuacct/kubepods/pod1/cpu.cfs_period_us": "100000",
+        },
+    )
+    own_v1 = cgroup(tmp_path, {"self-v1": "4:memory:/elsewhere\n2:cpu,cpuacct:/kubepods/pod1\n"})
+    assert permitted_cpus(v1, self_cgroup=own_v1 / "self-v1") == 1
+    # a path the mount does not show (it is the container's own cgroup): its root counts
+    moved = cgroup(tmp_path, {"self-moved": "0::/docker/abc\n"}) / "self-moved"
+    assert permitted_cpus(tmp_path / "a", self_cgroup=moved) == AFFINITY
+    assert permitted_cpus(tmp_path / "a", self_cgroup=tmp_path / "absent") == AFFINITY

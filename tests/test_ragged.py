@@ -128,3 +128,23 @@ def test_packed_ragged_offsets_that_wrap_around_int64_are_refused():
     rows = PackedTensor(torch.arange(3), [0, 1, 2, 3])
     with pytest.raises(PackedError, match="expected non-decreasing offsets from 0 to the 3"):
         PackedRagged(rows, [0, 2**62, -(2**63), -(2**62), 3])
+
+
+ODD = 2**53 + 1
+"""An int64 id that float64 cannot hold: numpy joins int64 and uint64 arrays as float64."""
+
+
+def test_rows_of_mixed_integer_dtypes_keep_every_id_exactly():
+    """Joined first, then cast, int64 and uint64 rows went through float64: 2**53 + 1 came
+    out as 2**53 with no error, and with no dtype given the batch's ids were floats."""
+    mixed = [np.array([ODD], np.int64), np.array([5], np.uint64)]
+    assert RaggedRows.from_rows(mixed, dtype=np.int64).values.tolist() == [ODD, 5]
+    samples = [RaggedRows.from_rows(mixed[:1], np.int64), RaggedRows(mixed[1], [0, 1])]
+    assert PackedRagged.from_samples(samples, dtype=np.int64).values.tolist() == [ODD, 5]
+    joined = PackedRagged.from_samples(samples)
+    assert joined.dtype == torch.int64
+    assert joined.values.tolist() == [ODD, 5]
+    with pytest.raises(PackedError, match="do not fit int64 exactly: found 18446744073709551615"):
+        PackedRagged.from_samples(
+            [samples[0], RaggedRows(np.array([2**64 - 1], np.uint64), [0, 1])]
+        )

@@ -8,6 +8,7 @@ import copy
 import enum
 import gc
 import itertools
+import os
 import pickle
 import threading
 
@@ -17,6 +18,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from r3data import loader
 from r3data.batch import PerSample, TensorBatch, merge_metadata
 from r3data.buffers import POOL_MIN_BYTES, BufferPool, empty_rows
 from r3data.errors import ConfigError, PackedError, PackedIndexError
@@ -414,6 +416,10 @@ def test_checked_int_accepts_ints_only(value, expected):
         (torch.uint64, [2**64 - 1], [2**64, -1]),
         (torch.bool, [0, 1, False, np.bool_(True)], [-1, 2, 0.5]),
         (torch.float16, [0.5, float("nan"), -1], ["0", None, torch.tensor(1.0)]),
+        # beyond the largest finite value: torch's RuntimeError, or numpy's silent inf
+        (torch.float16, [65504, -65504.0, float("-inf")], [1e10, -70000, 10**400]),
+        (torch.bfloat16, [3e38], [1e39]),
+        (np.dtype(np.float32), [np.float64(3e38)], [1e39]),
     ],
 )
 def test_checked_fill_matches_what_the_dtype_holds(dtype, good, bad):
@@ -448,6 +454,21 @@ def test_options_refuse_positional_and_misspelt_names():
     assert call(1, new=2) == 3
     with pytest.raises(ConfigError, match=r"unknown option 'old' \(now new=\.\.\.\)"):
         call(1, old=2)
+
+
+def test_checked_keywords_take_positional_parameters_by_name():
+    """``loader(samples=..., batch_size=...)`` is a legal call; only keyword-only parameters
+    counted as valid, so it was refused: "unknown option 'samples'"."""
+
+    @checked_keywords()
+    def call(only, /, first, second=0, *, new=0):
+        return only + first + second + new
+
+    assert call(1, first=2, second=3, new=4) == 10
+    assert call(1, 2, new=1) == 4
+    with pytest.raises(ConfigError, match=r"unknown option 'only'"):
+        call(only=1, first=2)  # positional-only: not a keyword
+    assert loader(samples=[], batch_size=1) is not None
 
 
 # --- batches: copies, pickles, iteration ---------------------------------------------------
@@ -610,3 +631,31 @@ def test_pool_threads_never_share_a_live_buffer():
         thread.join()
     assert not failures
     assert pool.nbytes <= 4 * int((POOL_MIN_BYTES + 8192) * pool.slack)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_pool_memory_is_private_to_the_process():
+    """Pool mappings were MAP_SHARED: a forked child (a checkpoint writer, a worker) that
+    wrote into its copy of a batch, or filled a mapping its copy of the pool took as free,
+    wrote into the parent's batch. Shared anonymous memory is also shmem, whose huge pages
+    ``madvise`` does not turn on (shmem_enabled is never by default)."""
+    pool = BufferPool()
+    batch = pool.empty(SHAPE, torch.uint8)
+    batch.fill_(5)
+    rows = batch.numpy()
+    child = os.fork()
+    if child == 0:  # the child writes its copy with numpy (torch's threads do not fork)
+        rows.fill(7)
+        os._exit(0)
+    _, status = os.waitpid(child, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert int(batch.min()) == int(batch.max()) == 5
+
+
+def test_a_zero_slice_step_is_a_typed_error():
+    """``[::0]`` was Python's bare ValueError from ``slice.indices``."""
+    packed = PackedTensor.from_lengths(torch.arange(3), [1, 2])
+    ragged = RaggedRows.from_rows([[1], [2, 3]])
+    for sliced in (packed, TensorBatch({"p": packed}), ragged, PackedRagged.from_samples([ragged])):
+        with pytest.raises(PackedIndexError, match="slice step must not be zero"):
+            sliced[::0]

@@ -2,10 +2,12 @@
 
 Benchmarks are scripts in the repository's ``benchmarks/`` folder, not part of the installed
 package: each ``bench_*.py`` runs in a fresh interpreter (one benchmark's heap, page cache and
-huge pages never slow the next) with ``--out <results>/<name>.json`` (and ``--quick``), and
-its report is read back from that file. Reports state their targets as
-``targets`` (name -> number) and ``met`` (name -> bool) next to the measured values, at the top
-level or per entry of ``results``; a report whose ``targets`` are booleans gives pass/fail only.
+huge pages never slow the next) with ``--out`` a temporary name next to
+``<results>/bench_<name>.json`` (and ``--quick``); its report is read back from there and then
+replaces that file, so a benchmark that fails leaves the report before it in place. Reports
+state their targets as ``targets`` (name -> number) and ``met`` (name -> bool) next to the
+measured values, at the top level or per entry of ``results``; a report whose ``targets`` are
+booleans gives pass/fail only.
 """
 
 from __future__ import annotations
@@ -120,28 +122,58 @@ class BenchmarkFailed(Exception):
 
 
 def run_benchmark(script: Path, out: Path, *, quick: bool) -> dict[str, Any]:
-    """Run ``script`` in a fresh interpreter writing its report to ``out``, its output passed
-    on as it comes; the report."""
-    out.unlink(missing_ok=True)  # a stale report never passes for this run's
-    argv = [sys.executable, str(script), "--out", str(out)] + (["--quick"] if quick else [])
+    """Run ``script`` in a fresh interpreter, its output passed on as it comes; its report,
+    which then replaces ``out``. The script writes to a temporary name next to ``out``, so
+    a benchmark that fails leaves the report before it in place (and never passes it for
+    this run's)."""
+    partial = out.with_name(f".{out.name}.partial")
+    partial.unlink(missing_ok=True)
+    argv = [sys.executable, str(script), "--out", str(partial)] + (["--quick"] if quick else [])
     last = ""
-    with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as p:
-        for line in p.stdout:  # type: ignore[union-attr]
-            print(line, end="", flush=True)
-            last = line.strip() or last
-    if p.returncode != 0:
-        raise BenchmarkFailed(last or f"exit code {p.returncode}")
-    return json.loads(out.read_text())
+    try:
+        with subprocess.Popen(
+            argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        ) as p:
+            for line in p.stdout:  # type: ignore[union-attr]
+                print(line, end="", flush=True)
+                last = line.strip() or last
+        if p.returncode != 0:
+            raise BenchmarkFailed(last or f"exit code {p.returncode}")
+        if not partial.exists():
+            raise BenchmarkFailed(f"exit code 0 but no report written to --out {partial}")
+        report = json.loads(partial.read_text())
+        if not isinstance(report, dict):
+            raise BenchmarkFailed(f"{out}: expected a JSON object, found a {type(report).__name__}")
+        os.replace(partial, out)
+    finally:
+        partial.unlink(missing_ok=True)
+    return report
+
+
+def _kept_reports(results: Path, names: list[str]) -> dict[str, dict[str, Any]]:
+    """The reports of benchmarks ``names`` (not run now) already in ``results``, whose checks
+    the summary keeps: a run of some benchmarks never drops the others' results."""
+    kept = {}
+    for name in names:
+        try:
+            report = json.loads((results / f"bench_{name}.json").read_text())
+        except (OSError, ValueError):  # none there, or unreadable: nothing to keep
+            continue
+        if isinstance(report, dict):
+            kept[name] = report
+    return kept
 
 
 def run(args: argparse.Namespace) -> int:
     scripts = find_benchmarks(args.benchmarks)
+    skipped: list[str] = []
     if args.only:
         unknown = sorted(set(args.only) - {bench_name(s) for s in scripts})
         if unknown:
             raise ConfigError(
                 f"--only: no benchmark named {unknown}; found {[bench_name(s) for s in scripts]}"
             )
+        skipped = [bench_name(s) for s in scripts if bench_name(s) not in args.only]
         scripts = [s for s in scripts if bench_name(s) in args.only]
     if args.results is not None:
         results = args.results
@@ -162,18 +194,23 @@ def run(args: argparse.Namespace) -> int:
             errors[name] = str(exc)
             print(f"r3data bench: {name} failed: {errors[name]}", file=sys.stderr)
     found = [c for name, report in reports.items() for c in checks(name, report)]
+    kept = _kept_reports(results, skipped)
+    every = found + [c for name, report in kept.items() for c in checks(name, report)]
     summary = {
         "quick": args.quick,
         "machine": machine(),
-        "checks": [asdict(c) for c in found],
+        "checks": [asdict(c) for c in every],
         "errors": errors,
+        "kept": sorted(kept),
     }
     (results / f"{SUMMARY}.json").write_text(json.dumps(summary, indent=2) + "\n")
-    plots = [] if args.no_plots else write_plots(reports, found, results)
+    plots = [] if args.no_plots else write_plots(reports, every, results)
     print()
     print(table(found))
     for name, message in errors.items():
         print(f"{name}: FAILED: {message}")
+    if kept:
+        print(f"summary: checks kept from the reports already there: {', '.join(sorted(kept))}")
     print(f"results in {results}" + (f" ({len(plots)} plots)" if plots else ""))
     missed = not args.quick and not all(c.met for c in found)
     return EXIT_PROBLEMS if errors or missed else 0

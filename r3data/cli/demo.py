@@ -42,7 +42,8 @@ def register(commands: argparse._SubParsersAction) -> None:
         "--micro-batches",
         type=int_at_least(1),
         default=4,
-        help="micro-batches the step's batch is split into (default 4)",
+        help="micro-batches the step's batch is split into, ceil(rollouts / M) rollouts each "
+        "(fewer where the rollouts run out first; default 4)",
     )
     parser.add_argument(
         "--max-turns",
@@ -70,7 +71,7 @@ def register(commands: argparse._SubParsersAction) -> None:
         help="inline multi-turn rollouts whose last response has all-zero routes, a known "
         "engine bug that must never be replayed (default 1)",
     )
-    parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    parser.add_argument("--seed", type=int_at_least(0), default=0, help="random seed (default 0)")
     parser.add_argument(
         "--workers", type=int_at_least(1), help="loader threads (default: the permitted CPUs)"
     )
@@ -182,14 +183,14 @@ def summary(report: StepReport) -> str:
         ),
         (
             f"layout ({grid})",
-            f"{report.micro_batches} micro-batches, "
+            f"{count(report.micro_batches, 'micro-batch', 'micro-batches')}, "
             f"{local // max(len(report.ranks), 1):,} tokens per rank "
             f"({_percent(padding, local)} padding): "
             + _verdict(report.layout_errors, "every token on exactly one rank"),
         ),
         (
             "retention",
-            f"{len(served.files)} files written, {report.files_deleted} deleted "
+            f"{count(len(served.files), 'file')} written, {report.files_deleted} deleted "
             f"({format_bytes(report.bytes_deleted)}), {report.files_left} left",
         ),
     ]

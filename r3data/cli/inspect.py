@@ -34,6 +34,10 @@ from r3data.wire.producers import FORMATS, Lengths, ProducerFormat, detect, prod
 from r3data.wire.producers.base import ROUTES_FIELD, option_names
 from r3data.wire.producers.common import is_stream
 
+SNIFF_BYTES = 4096
+"""Bytes read to tell a payload file from a response: JSON and event streams may open with
+whitespace."""
+
 
 def register(commands: argparse._SubParsersAction) -> None:
     parser = commands.add_parser(
@@ -86,16 +90,16 @@ def run(args: argparse.Namespace) -> int:
         report = _directory(fs, path, args)
     else:
         with open_file(path, fs) as f:  # refuses a FIFO or device before opening it
-            head = bytearray(len(MAGIC))
+            head = bytearray(SNIFF_BYTES)
             head = bytes(head[: f.read_at(0, memoryview(head))])
-        if head == MAGIC:
-            report = _payload_file(fs, path, args.path)
+        if head[: len(MAGIC)] == MAGIC:
+            report = _payload_file(fs, path, args)
         elif head.lstrip()[:1] in (b"{", b"[") or is_stream(head):
             report = _response(fs.cat_file(path), args)
         else:
             raise PayloadFormatError(
                 f"{args.path}: expected a payload file (starting with {MAGIC!r}), a JSON "
-                f"response or a stream of them, found {head!r}"
+                f"response or a stream of them, found {head[: len(MAGIC)]!r}"
             )
     if args.json:
         print(json.dumps(report, indent=2, default=_json_default))
@@ -129,18 +133,33 @@ def _read_routes(
     return [_kept(reader.read([s])[s.field]) for s in wanted]
 
 
-def _payload_file(fs: AbstractFileSystem, path: str, shown: str) -> dict[str, Any]:
-    info = inspect_file(path, fs=fs)
-    segments = info.header.segments()
-    return {
-        "kind": "payload file",
-        "path": shown,
-        "size": info.size,
-        "format_version": info.header.format_version,
-        "version": info.header.version,
-        "fields": [{**e.segment.to_dict(), "nbytes": e.nbytes} for e in info.header.fields],
-        "expert_load": load_summary(_read_routes(fs, path, segments)),
-    }
+def _experts(args: argparse.Namespace) -> int | None:
+    """The expert count ``--model-shape`` gives (None: the largest id seen, plus one)."""
+    return MODEL_SHAPES[args.model_shape].num_experts if args.model_shape else None
+
+
+def _payload_file(fs: AbstractFileSystem, path: str, args: argparse.Namespace) -> dict[str, Any]:
+    """The header of the payload file at ``path`` and the expert load of its routes; a header
+    or routes that fail their checks make it corrupt (as in a directory), not an error."""
+    report: dict[str, Any] = {"kind": "payload file", "path": args.path, "corrupt": {}}
+    try:
+        info = inspect_file(path, fs=fs)
+    except PayloadFormatError as exc:
+        return {**report, "corrupt": {args.path: str(exc)}, "expert_load": None}
+    report.update(
+        size=info.size,
+        format_version=info.header.format_version,
+        version=info.header.version,
+        fields=[{**e.segment.to_dict(), "nbytes": e.nbytes} for e in info.header.fields],
+        expert_load=None,
+    )
+    try:
+        routes = _read_routes(fs, path, info.header.segments())
+    except PayloadError as exc:
+        report["corrupt"][args.path] = str(exc)
+    else:
+        report["expert_load"] = load_summary(routes, _experts(args))
+    return report
 
 
 def _starts_like_payload(fs: AbstractFileSystem, path: str) -> bool:
@@ -202,7 +221,7 @@ def _directory(fs: AbstractFileSystem, path: str, args: argparse.Namespace) -> d
         "bytes": sum(f["size"] for f in files),
         "versions": sorted({f["version"] for f in files}),
         "expert_load_files": min(len(files), args.max_files),
-        "expert_load": load_summary(routes),
+        "expert_load": load_summary(routes, _experts(args)),
     }
 
 
@@ -276,10 +295,13 @@ def _replayable(rows: RowSource) -> np.ndarray:
 
 
 def _kept(array: np.ndarray) -> np.ndarray:
-    """The route rows of ``array`` with no negative id (-1 is no route)."""
-    if array.dtype.kind == "i" and array.size:
-        array = array[array.reshape(array.shape[0], -1).min(axis=1) >= 0]
-    return array
+    """The route rows of ``array`` the loader's screen keeps: none zero in every entry (the
+    engine bug), none holding a negative id (-1 is no route)."""
+    if not array.size:
+        return array
+    flags = screen_rows(np.ascontiguousarray(array), ScreenOptions())
+    missing = [f for f in (flags.zero, flags.negative) if f is not None]
+    return array[~np.logical_or.reduce(missing)] if missing else array
 
 
 def _fields(raw: bytes, matches: list[ProducerFormat], args: argparse.Namespace):
@@ -320,7 +342,6 @@ def _response(raw: bytes, args: argparse.Namespace) -> dict[str, Any]:
     sources = [s for field_sources in found.values() for s in field_sources]
     routes = [s for s in sources if not isinstance(s, PayloadSegment) and s.field == ROUTES_FIELD]
     others = [s for s in sources if not isinstance(s, PayloadSegment) and s.field != ROUTES_FIELD]
-    experts = MODEL_SHAPES[args.model_shape].num_experts if args.model_shape else None
     return {
         "kind": "response",
         "path": args.path,
@@ -333,7 +354,7 @@ def _response(raw: bytes, args: argparse.Namespace) -> dict[str, Any]:
         "missing": missing,
         "notes": notes,
         "warnings": [w for r in routes for w in _screened(r)],
-        "expert_load": load_summary([_replayable(r) for r in routes], experts),
+        "expert_load": load_summary([_replayable(r) for r in routes], _experts(args)),
     }
 
 
@@ -360,10 +381,21 @@ FIELD_HEADERS = ("field", "pos", "rows", "dtype", "row shape", "offset", "bytes"
 
 
 def _render_file(report: dict[str, Any]) -> list[str]:
+    if "fields" in report:
+        lines = [
+            f"{printable(report['path'])}: payload file (format {report['format_version']}), "
+            f"policy version {report['version']}, {format_bytes(report['size'])}",
+            render_table(_field_rows(report["fields"]), FIELD_HEADERS),
+        ]
+    else:  # its header failed its checks
+        lines = [f"{printable(report['path'])}: payload file, corrupt"]
+    return lines + _corrupt_lines(report)
+
+
+def _corrupt_lines(report: dict[str, Any]) -> list[str]:
     return [
-        f"{printable(report['path'])}: payload file (format {report['format_version']}), policy "
-        f"version {report['version']}, {format_bytes(report['size'])}",
-        render_table(_field_rows(report["fields"]), FIELD_HEADERS),
+        f"  corrupt    {printable(name)}: {printable(message)}"
+        for name, message in report["corrupt"].items()
     ]
 
 
@@ -384,10 +416,7 @@ def _render_directory(report: dict[str, Any]) -> list[str]:
         f"{printable(report['path'])}: {count(len(report['files']), 'payload file')} "
         f"({format_bytes(report['bytes'])}), versions {report['versions'] or 'none'}",
         render_table(rows, ("file", "version", "size", "fields")),
-        *[
-            f"  corrupt    {printable(name)}: {printable(message)}"
-            for name, message in report["corrupt"].items()
-        ],
+        *_corrupt_lines(report),
         *[
             f"  not a payload file: {printable(other['file'])}"
             for other in report["not_payload_files"]

@@ -37,6 +37,8 @@ def draw_lengths(kind: str, count: int, max_len: int, rng: np.random.Generator) 
     ``uniform``: anywhere in the range; ``mild``: the top quarter; ``typical_rl``: the shortest
     1/16 of the longest; ``heavy_tail``: Pareto, most short and a few near ``max_len``.
     """
+    checked_int("count", count)
+    checked_int("max_len", max_len, minimum=1)
     if kind == "uniform":
         lengths = rng.integers(1, max_len + 1, count)
     elif kind == "mild":
@@ -69,7 +71,7 @@ class SyntheticRouter:
             raise ConfigError(
                 f"topk must be <= num_experts, found {shape.topk} > {shape.num_experts}"
             )
-        rng = np.random.default_rng(seed)
+        rng = np.random.default_rng(checked_int("seed", seed))
         experts, moe = shape.num_experts, len(shape.moe_layer_ids)
         self.shape = shape
         weights = (np.arange(experts) + 1.0) ** -skew
@@ -147,7 +149,7 @@ def synth_rollouts(
     checked_int("count", count)
     checked_int("max_turns", max_turns, minimum=1)
     checked_int("max_len", max_len, minimum=2)
-    rng = np.random.default_rng(seed)
+    rng = np.random.default_rng(checked_int("seed", seed))
     rollouts = []
     for i in range(count):
         requests: list[tuple[int, int]] = []
@@ -161,7 +163,8 @@ def synth_rollouts(
             if tokens + user + completion > max_len:
                 if turn:
                     break
-                user, completion = max(1, max_len // 4), max(1, max_len - max_len // 4)
+                user = max(1, max_len // 4)
+                completion = max_len - user
             requests.append((tokens + user, completion))
             tokens += user + completion
         loss_mask = np.zeros(tokens, dtype=bool)

@@ -176,7 +176,8 @@ def serve_rollouts(
                 producer = producers[served.inline_rollouts % len(producers)]
                 zero = i in zero_routes and j == len(rollout.requests) - 1
                 source = request_source(producer, rollout, j, zero_routes=zero)
-                served.inline_route_bytes += rows.nbytes
+                sent = start if producer_format(producer).prompt_start else 0  # else every row
+                served.inline_route_bytes += rollout.routes[sent:stop].nbytes
                 served.inline_body_bytes += len(source["response"])
                 if zero:
                     served.zero_route_rollouts.append(rollout.rollout_id)

@@ -178,6 +178,8 @@ def play_step(
     routes must come out as placeholders, never valid.
     """
     checked_int("rollouts", rollouts, minimum=1)
+    checked_int("micro_batches", micro_batches, minimum=1)
+    checked_int("engine_bugs", engine_bugs)
     router = SyntheticRouter(shape, seed=seed)
     rolls = synth_rollouts(router, rollouts, seed=seed, max_turns=max_turns, max_len=max_len)
     retention = PayloadRetention(os.fspath(payload_root), max_off_policy_steps=1, fresh=True)
@@ -188,16 +190,17 @@ def play_step(
         zero_routes=_bug_rollouts(rolls, engine_bugs),
         progress=lambda items: progress(items, "serve", rollouts),
     )
+    size = -(-rollouts // micro_batches)  # M micro-batches, or fewer where rollouts run out
     pipeline = loader(
         served.samples,
         batch_size=rollouts,
-        micro_batches=MicroBatches(size=-(-rollouts // micro_batches)),
+        micro_batches=MicroBatches(size=size),
         num_experts=shape.num_experts,
         retention=retention,
         collate=CollateOptions(workers=workers),
     )
     started = time.perf_counter()
-    micro = list(progress(pipeline, "load", micro_batches))
+    micro = list(progress(pipeline, "load", -(-rollouts // size)))
     load_seconds = time.perf_counter() - started
     batch = TensorBatch.cat(micro)
 

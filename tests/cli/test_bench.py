@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -59,6 +60,7 @@ def test_a_quick_run_leaves_the_committed_results_alone(monkeypatch, capsys):
     written = Path(out.split("results in ")[-1].split()[0])
     assert written != CHECKOUT_BENCHMARKS / "results"
     assert sorted(p.name for p in written.iterdir()) == ["bench_wire.json", "summary.json"]
+    shutil.rmtree(written)  # the user's to read and remove; a test run leaves nothing behind
     assert "benchmark  check" in out
     assert "wire" in out.split("benchmark  check", 1)[1]
 
@@ -135,25 +137,83 @@ def test_times_are_tabled_in_microseconds_and_ratios_as_ratios():
     assert lines[3].split()[2:] == ["2.00x", "<=", "1.5x", "NO"]
 
 
+def run_scripts(tmp_path: Path, capsys, scripts: dict[str, str]):
+    """``r3data bench`` over ``bench_<name>.py`` scripts of these texts: exit code, stdout,
+    stderr, the summary and the results folder."""
+    folder = tmp_path / "benchmarks"
+    folder.mkdir()
+    for name, text in scripts.items():
+        (folder / f"bench_{name}.py").write_text(text)
+    results = tmp_path / "results"
+    code = main(["bench", "--benchmarks", str(folder), "--results", str(results), "--no-plots"])
+    out, err = capsys.readouterr()
+    return code, out, err, json.loads((results / "summary.json").read_text()), results
+
+
 def test_each_benchmark_runs_in_its_own_process_and_a_failure_is_reported(tmp_path, capsys):
     """A benchmark that raises is named with its last line, and the others' reports count."""
-    scripts = tmp_path / "benchmarks"
-    scripts.mkdir()
-    (scripts / "bench_broken.py").write_text("raise SystemExit('broken: no such device')\n")
-    (scripts / "bench_pid.py").write_text(
+    pid = (
         "import json, os, sys\n"
         "out = sys.argv[sys.argv.index('--out') + 1]\n"
         "report = {'pid': os.getpid(), 'x': 2.0, 'targets': {'x': 1.0}, 'met': {'x': True}}\n"
         "open(out, 'w').write(json.dumps(report))\n"
         "print('measured', flush=True)\n"
     )
-    results = tmp_path / "results"
-    code = main(["bench", "--benchmarks", str(scripts), "--results", str(results), "--no-plots"])
-    out, err = capsys.readouterr()
+    scripts = {"broken": "raise SystemExit('broken: no such device')\n", "pid": pid}
+    code, out, err, summary, results = run_scripts(tmp_path, capsys, scripts)
     assert code == 1
     assert "broken: FAILED: broken: no such device" in out
     assert "r3data bench: broken failed: broken: no such device" in err
     assert "measured" in out
-    summary = json.loads((results / "summary.json").read_text())
     assert summary["errors"] == {"broken": "broken: no such device"}
     assert json.loads((results / "bench_pid.json").read_text())["pid"] != os.getpid()
+
+
+def test_a_report_that_is_no_json_object_fails_that_benchmark_only(tmp_path, capsys):
+    """A script writing a JSON list ended the run with an AttributeError traceback."""
+    writes = "import sys\nopen(sys.argv[sys.argv.index('--out') + 1], 'w').write({!r})\n"
+    scripts = {"list": writes.format("[1, 2]"), "ok": writes.format('{"x": 2.0, "met": {"x": 1}}')}
+    code, out, err, summary, _ = run_scripts(tmp_path, capsys, scripts)
+    assert code == 1
+    assert "list: FAILED: " in out
+    assert "expected a JSON object, found a list" in err
+    assert [c["name"] for c in summary["checks"]] == ["x"]
+
+
+def test_a_run_of_some_benchmarks_keeps_the_others_checks_in_the_summary(tmp_path, capsys):
+    """``--only wire`` into the committed results rewrote summary.json and summary.png with
+    wire's checks alone, though every other benchmark's report was still there."""
+    writes = "import sys\nopen(sys.argv[sys.argv.index('--out') + 1], 'w').write({!r})\n"
+    scripts = {
+        "new": writes.format('{"x": 0.5, "targets": {"x": 1.0}, "met": {"x": false}}'),
+        "old": writes.format('{"y": 3.0, "targets": {"y": 1.0}, "met": {"y": true}}'),
+    }
+    code, *_ = run_scripts(tmp_path, capsys, scripts)
+    assert code == 1
+    folder, results = tmp_path / "benchmarks", tmp_path / "results"
+    (folder / "bench_new.py").write_text(writes.format('{"x": 2.0, "met": {"x": true}}'))
+    argv = ["bench", "--benchmarks", str(folder), "--results", str(results), "--no-plots"]
+    assert main([*argv, "--only", "new"]) == 0
+    out = capsys.readouterr().out
+    summary = json.loads((results / "summary.json").read_text())
+    assert [(c["benchmark"], c["value"]) for c in summary["checks"]] == [("new", 2.0), ("old", 3.0)]
+    assert summary["kept"] == ["old"]
+    assert "kept from the reports already there: old" in out
+
+
+def test_a_benchmark_that_fails_leaves_the_report_before_it_in_place(tmp_path, capsys):
+    """The report was deleted before the script ran, so a crash mid-run (a full run killed
+    for memory, say) lost the committed one; a report that fails to read back did too."""
+    writes = "import sys\nopen(sys.argv[sys.argv.index('--out') + 1], 'w').write({!r})\n"
+    good = '{"x": 2.0, "met": {"x": true}}'
+    code, *_, results = run_scripts(tmp_path, capsys, {"flaky": writes.format(good)})
+    assert code == 0
+    before = (results / "bench_flaky.json").read_bytes()
+    folder = tmp_path / "benchmarks"
+    argv = ["bench", "--benchmarks", str(folder), "--results", str(results), "--no-plots"]
+    for broken in (writes.format('{"x": 2.0') + "raise SystemExit('killed')\n", writes.format("{")):
+        (folder / "bench_flaky.py").write_text(broken)
+        assert main(argv) == 1
+        assert "flaky: FAILED: " in capsys.readouterr().out
+        assert (results / "bench_flaky.json").read_bytes() == before
+        assert sorted(p.name for p in results.iterdir()) == ["bench_flaky.json", "summary.json"]

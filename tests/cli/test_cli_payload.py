@@ -223,3 +223,35 @@ def test_fsspec_urls_work_like_local_paths(capsys):
     assert (code, report["files"]) == (0, [segment.file])
     code, report = run_json(capsys, "verify", root)
     assert (code, report["files_checked"]) == (0, 0)
+
+
+def test_inspect_a_corrupt_payload_file_reports_it_with_exit_code_1(written_root, capsys):
+    """A payload file whose routes fail their checksum, or whose header table does, is a
+    problem found (exit 1, as for a directory holding it), not a bad argument: it ended
+    with one error line and exit code 2, its header unshown."""
+    data_victim, header_victim = written_root.segments[2], written_root.segments[0].file
+    path = written_root.root / data_victim.file
+    data = bytearray(path.read_bytes())
+    data[data_victim.offset + 5] ^= 0xFF
+    path.write_bytes(bytes(data))
+    code, report = run_json(capsys, "inspect", str(path))
+    assert code == 1
+    assert [f["field"] for f in report["fields"]] == ["routed_experts", "sampling_mask"]
+    assert "expected crc32c" in report["corrupt"][str(path)]
+    assert report["expert_load"] is None
+    assert main(["inspect", str(path)]) == 1
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith(f"{path}: payload file (format 1), policy version 1")
+    assert any(line.startswith(f"  corrupt    {path}: ") for line in lines)
+    assert lines[-1] == "problems: 1 corrupt file"
+    path = written_root.root / header_victim
+    data = bytearray(path.read_bytes())
+    data[30] ^= 0x01
+    path.write_bytes(bytes(data))
+    code, report = run_json(capsys, "inspect", str(path))
+    assert code == 1
+    assert "header table checksum mismatch" in report["corrupt"][str(path)]
+    assert main(["inspect", str(path)]) == 1
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == f"{path}: payload file, corrupt"
+    assert lines[-1] == "problems: 1 corrupt file"

@@ -12,6 +12,7 @@ import pytest
 
 from r3data.cli import main
 from r3data.payload import PayloadWriter
+from r3data.synth import vllm_response
 
 ROUTES = np.array([[[1, 2], [3, 0]], [[2, 3], [1, 0]], [[0, 1], [2, 0]]], np.uint8)
 """Three rows of two MoE layers, top-2, experts 0..3."""
@@ -140,3 +141,43 @@ def test_an_error_naming_a_hostile_path_stays_one_printable_line(tmp_path, capsy
     (line,) = captured.err.splitlines()
     assert line.isprintable()
     assert line == f"r3data: error: {tmp_path}/\\x1b[31mred\\udcff: no such file or directory"
+
+
+def test_inspect_reads_a_json_response_after_leading_whitespace(tmp_path, capsys):
+    """JSON may open with whitespace; a body with more than eight bytes of it (a saved file
+    that starts with blank lines) was refused as neither a payload file nor JSON, because
+    only the magic's eight bytes were looked at."""
+    body = vllm_response(ROUTES, prompt_ids=[1, 2], completion_ids=[3, 4])
+    path = tmp_path / "response.json"
+    path.write_bytes(b"\n" * 12 + b"  \t" + body)
+    assert main(["inspect", str(path), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["producer"] == "vllm"
+    assert [r["rows"] for r in report["routes"]] == [3]
+
+
+def test_inspect_leaves_all_zero_engine_rows_out_of_the_expert_load(tmp_path, capsys):
+    """A row zero in every layer is a known engine bug the loader treats as missing; counted,
+    it made expert 0 look hot in every MoE layer (the rows the loader keeps were meant)."""
+    routes = np.concatenate([ROUTES, np.zeros((5, 2, 2), np.uint8)])
+    body = vllm_response(routes, prompt_ids=[1, 2], completion_ids=list(range(7)))
+    path = tmp_path / "response.json"
+    path.write_bytes(body)
+    assert main(["inspect", str(path), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert any("5 of 8 route rows are zero" in w for w in report["warnings"])
+    load = report["expert_load"]
+    assert load["assignments"] == ROUTES.size
+    assert load["per_expert"] == np.bincount(ROUTES.reshape(-1), minlength=4).tolist()
+
+
+def test_inspect_counts_every_expert_of_the_model_shape_in_payload_files(tmp_path, capsys):
+    """--model-shape gives the expert count; payload files and directories ignored it, so
+    experts above the largest id seen (never picked: the coolest) were left out."""
+    (segment,) = PayloadWriter(tmp_path).write(1, {"routed_experts": ROUTES})
+    for path in (tmp_path / segment.file, tmp_path):
+        assert main(["inspect", str(path), "--json", "--model-shape", "qwen3-30b-a3b"]) == 0
+        load = json.loads(capsys.readouterr().out)["expert_load"]
+        assert load["experts"] == 128
+        assert len(load["per_expert"]) == 128
+        assert load["per_expert"][4:] == [0] * 124

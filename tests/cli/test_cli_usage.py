@@ -80,6 +80,7 @@ BAD = {
     "zero rollouts": ["demo", "--rollouts", "0"],
     "unknown model shape": ["demo", "--model-shape", "gpt-2"],
     "max-len below 2": ["demo", "--max-len", "1"],
+    "negative seed": ["demo", "--seed", "-1"],
     "missing path": ["inspect", "{missing}"],
     "unknown protocol": ["inspect", "nope://somewhere/file.bin"],
     "neither payload nor JSON": ["inspect", "{text}"],

@@ -11,6 +11,7 @@ import pytest
 
 from r3data.cli import main
 from r3data.cli.demo import summary
+from r3data.errors import ConfigError
 from r3data.synth import MODEL_SHAPES, play_step
 
 MEGATRON = importlib.util.find_spec("megatron") is not None
@@ -112,3 +113,26 @@ def test_the_demo_prints_no_third_party_warnings():
     assert done.returncode == 0, done.stderr
     assert done.stderr == ""
     assert "Warning" not in done.stdout
+
+
+def test_the_summary_counts_one_of_a_thing_in_the_singular(tmp_path):
+    """'1 micro-batches', '1 files written'."""
+    shape = MODEL_SHAPES["qwen3-30b-a3b"]
+    report = play_step(shape, tmp_path / "p", rollouts=2, micro_batches=1, max_len=64, replay=False)
+    assert (report.micro_batches, len(report.served.files)) == (1, 1)
+    text = summary(report)
+    assert "  1 micro-batch, " in text
+    assert "  1 file written, 1 deleted " in text
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "message"),
+    [
+        ("micro_batches", 0, r"micro_batches: expected an int >= 1, found 0"),  # ZeroDivisionError
+        ("engine_bugs", -1, r"engine_bugs: expected an int >= 0, found -1"),  # all but one zeroed
+    ],
+)
+def test_play_step_checks_its_counts_before_serving(tmp_path, option, value, message):
+    with pytest.raises(ConfigError, match=message):
+        play_step(MODEL_SHAPES["qwen3-30b-a3b"], tmp_path / "p", rollouts=2, **{option: value})
+    assert not (tmp_path / "p").exists()

@@ -20,6 +20,7 @@ from r3data.synth import (
     draw_lengths,
     model_shape,
     request_source,
+    serve_rollouts,
     synth_rollouts,
 )
 from r3data.synth.expert_load import expert_load
@@ -103,6 +104,16 @@ def test_an_unknown_length_distribution_is_refused():
         draw_lengths("bimodal", 3, 10, np.random.default_rng(0))
 
 
+@pytest.mark.parametrize("kind", LENGTH_DISTRIBUTIONS)
+def test_length_counts_are_checked_before_drawing(kind):
+    """numpy's bare ValueErrors, and heavy_tail's lengths of 0 for max_len 0."""
+    rng = np.random.default_rng(0)
+    with pytest.raises(ConfigError, match="max_len: expected an int >= 1, found 0"):
+        draw_lengths(kind, 3, 0, rng)
+    with pytest.raises(ConfigError, match="count: expected an int >= 0, found -1"):
+        draw_lengths(kind, -1, 5, rng)
+
+
 @pytest.mark.parametrize("producer", INLINE_PRODUCERS)
 def test_each_producer_body_decodes_to_the_engine_rows(producer):
     shape = MODEL_SHAPES["kimi-k2"]
@@ -153,3 +164,38 @@ def test_expert_load_counts_like_a_plain_loop(data):
 def test_expert_load_refuses_ids_past_the_expert_count():
     with pytest.raises(WireFormatError, match=r"\[0, 4\)"):
         expert_load(np.full((2, 1, 2), 7, np.uint8), 4)
+
+
+@settings(max_examples=25, deadline=None)
+@given(max_len=st.integers(2, 40), max_turns=st.integers(1, 4), seed=st.integers(0, 99))
+def test_no_rollout_is_longer_than_max_len(max_len, max_turns, seed):
+    """With max_len 2 or 3 a first turn that did not fit was cut to a quarter-length prompt
+    (at least 1) and a three-quarter completion rounded the other way: 3 or 4 tokens."""
+    router = SyntheticRouter(ModelShape("test", 2, 4, 2))
+    for rollout in synth_rollouts(router, 4, seed=seed, max_turns=max_turns, max_len=max_len):
+        assert 2 <= rollout.tokens <= max_len
+        assert sum(rollout.requests[-1]) == rollout.tokens
+
+
+def test_a_negative_seed_is_a_config_error_naming_it():
+    """numpy refuses a negative seed with a bare ValueError (a traceback from r3data demo)."""
+    shape = MODEL_SHAPES["qwen3-30b-a3b"]
+    with pytest.raises(ConfigError, match="seed: expected an int >= 0, found -1"):
+        SyntheticRouter(shape, seed=-1)
+    with pytest.raises(ConfigError, match="seed: expected an int >= 0, found -2"):
+        synth_rollouts(SyntheticRouter(shape), 1, seed=-2)
+
+
+def test_inline_route_bytes_count_every_row_a_format_without_a_prompt_start_resends():
+    """Such a format sends every row from position 0 in each turn; only the new rows were
+    counted, as if it were incremental."""
+    shape = MODEL_SHAPES["qwen3-30b-a3b"]
+    rollouts = synth_rollouts(SyntheticRouter(shape), 3, seed=3, max_turns=3, max_len=2048)
+    assert any(len(r.requests) > 1 for r in rollouts)
+    for producer, incremental in (("nemo-rl", False), ("vllm", True)):
+        served = serve_rollouts(rollouts, producers=(producer,))
+        spans = [(r, r.route_span(j)) for r in rollouts for j in range(len(r.requests))]
+        sent = sum(
+            r.routes[start if incremental else 0 : stop].nbytes for r, (start, stop) in spans
+        )
+        assert served.inline_route_bytes == sent

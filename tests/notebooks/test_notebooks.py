@@ -69,6 +69,7 @@ def test_layout_and_replay(tmp_path):
     assert summary["replay"] == ("verified" if MEGATRON else "skipped")
     assert summary["loop_steps"] == 2
     assert summary["loop_files_left"] == 0
+    assert summary["loop_root_left"] is False  # was a mkdtemp folder left behind every run
     assert plots == 2
 
 
