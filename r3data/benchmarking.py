@@ -10,6 +10,7 @@ import gc
 import importlib.util
 import json
 import sys
+import tempfile
 import time
 import tracemalloc
 from collections.abc import Callable
@@ -58,6 +59,17 @@ def write_report(report: dict[str, Any], out: Path) -> None:
     """Write a benchmark's report as JSON (the folder is created)."""
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2, default=str) + "\n")
+
+
+def report_path(out: Path | None, quick: bool, default: Path) -> Path:
+    """Where a benchmark writes its report: ``out`` when given, else ``default`` (the committed
+    results); a ``--quick`` smoke run goes to a new temporary folder instead, so that it never
+    replaces full-size results with ratios that mean nothing."""
+    if out is not None:
+        return out
+    if quick:
+        return Path(tempfile.mkdtemp(prefix="r3data-bench-quick-")) / default.name
+    return default
 
 
 CHECKOUT_BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"

@@ -65,6 +65,23 @@ def test_a_quick_run_leaves_the_committed_results_alone(monkeypatch, capsys):
     assert "wire" in out.split("benchmark  check", 1)[1]
 
 
+def test_a_quick_script_run_directly_leaves_the_committed_results_alone(monkeypatch, tmp_path):
+    """``python benchmarks/bench_wire.py --quick`` writes its report to a temporary folder."""
+    import tempfile
+
+    from r3data.benchmarking import CHECKOUT_BENCHMARKS, load_benchmark, report_path
+
+    committed = CHECKOUT_BENCHMARKS / "results" / "bench_wire.json"
+    before = committed.read_bytes() if committed.exists() else None
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    report = load_benchmark(CHECKOUT_BENCHMARKS / "bench_wire.py").main(["--quick"])
+    assert (committed.read_bytes() if committed.exists() else None) == before
+    (written,) = tmp_path.glob("r3data-bench-quick-*/bench_wire.json")
+    assert json.loads(written.read_text())["met"] == report["met"]
+    assert report_path(None, False, committed) == committed  # a full run: the committed one
+    assert report_path(committed, True, committed) == committed  # --out given wins
+
+
 def test_the_expand_report_holds_every_layout_and_arm(quick_run):
     _, results = quick_run
     result = json.loads((results / "bench_expand.json").read_text())
