@@ -17,8 +17,9 @@ megatron-core 0.16 applies, verified against its source; see ``docs/megatron.md`
   token ``s * B + b`` is sample b at local sequence index s (THD has batch 1).
 
 ``pad_multiple`` defaults to ``tp_size * 2 * cp_size`` with CP, else ``tp_size``; an override
-(e.g. for FP8 alignment) must stay a multiple of ``2 * cp_size`` (with CP) times ``tp_size``
-(with SP), so every chunk and slice is whole.
+(e.g. for FP8 alignment) must stay a multiple of ``2 * cp_size`` (with CP) and of
+``cp_size * tp_size`` (with SP), so every chunk and slice is whole: their least common
+multiple, as megatron needs (``cp_size * tp_size`` itself when TP is even).
 
 Positions below are sample-relative: position p of sample b is row ``offsets[b] + p`` of the
 packed batch.
@@ -27,6 +28,7 @@ packed batch.
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -125,8 +127,8 @@ class TokenLayout:
         need = self.required_multiple
         if self.pad_multiple is not None and not _is_multiple(self.pad_multiple, need, 1):
             raise LayoutError(
-                f"pad_multiple must be a positive multiple of {need} (2*CP with CP, times TP with "
-                f"SP) and at most 2**31-1, found {self.pad_multiple!r}"
+                f"pad_multiple must be a positive multiple of {need} (2*CP with CP, and CP*TP "
+                f"with SP) and at most 2**31-1, found {self.pad_multiple!r}"
             )
         if self.seq_length is not None and not _is_multiple(self.seq_length, need, 0):
             raise LayoutError(
@@ -160,8 +162,9 @@ class TokenLayout:
 
     @property
     def required_multiple(self) -> int:
-        """The least multiple every padded length must be: 2*CP (with CP) times TP (with SP)."""
-        return (2 * self.cp_size if self.cp_size > 1 else 1) * self.sp_size
+        """The least multiple every padded length must be: of 2*CP (with CP: whole chunks) and
+        of CP*TP (with SP: whole slices of each rank's CP-local sequence)."""
+        return math.lcm(2 * self.cp_size if self.cp_size > 1 else 1, self.cp_size * self.sp_size)
 
     @property
     def per_sample(self) -> bool:

@@ -23,6 +23,7 @@ GRIDS = st.fixed_dictionaries(
         "sequence_parallel": st.booleans(),
         "packed": st.booleans(),
         "padding_side": st.sampled_from(["left", "right"]),
+        "least_multiple": st.booleans(),  # pad to the least multiple megatron allows
     }
 )
 LENGTHS = st.lists(st.integers(0, 40), min_size=0, max_size=6)
@@ -33,6 +34,8 @@ def layouts_of(grid: dict, **extra) -> list[TokenLayout]:
     grid = dict(grid)
     if grid["packed"]:
         grid["padding_side"] = "right"
+    if grid.pop("least_multiple", False) and "seq_length" not in extra:
+        grid["pad_multiple"] = TokenLayout(**grid).required_multiple
     return [
         TokenLayout(tp_rank=t, cp_rank=c, **grid, **extra)
         for c in range(grid["cp_size"])
@@ -259,6 +262,8 @@ def test_left_padding_keeps_the_last_tokens_at_the_end():
         ({"seq_length": 8}, "seq_length is for BSHD"),
         ({"cp_size": 2, "pad_multiple": 6}, "multiple of 4 .* found 6"),
         ({"tp_size": 2, "sequence_parallel": True, "pad_multiple": 3}, "multiple of 2 .* found 3"),
+        # 2*CP and CP*TP: lcm(4, 6) = 12 at CP 2 x TP 3 with SP
+        ({"cp_size": 2, "tp_size": 3, "sequence_parallel": True, "pad_multiple": 6}, "of 12 .*6"),
         ({"packed": False, "cp_size": 2, "seq_length": 6}, "seq_length must be .* multiple of 4"),
         ({"layers": 4}, "layers must be a ModelLayers, found int"),
     ],
@@ -266,6 +271,15 @@ def test_left_padding_keeps_the_last_tokens_at_the_end():
 def test_invalid_layouts_raise(kwargs, message):
     with pytest.raises(LayoutError, match=message):
         TokenLayout(**kwargs)
+
+
+def test_the_least_multiple_is_megatrons():
+    """CP 2 x TP 2 with SP needs whole chunks (4) and whole SP slices of each rank's half (4):
+    NeMo-RL pads BSHD to 4 there, which megatron takes."""
+    layout = TokenLayout(cp_size=2, tp_size=2, sequence_parallel=True, pad_multiple=4)
+    assert layout.required_multiple == 4
+    assert TokenLayout(cp_size=2, tp_size=3, sequence_parallel=True).required_multiple == 12
+    assert TokenLayout(cp_size=3, tp_size=2).required_multiple == 6  # no SP: chunks only
 
 
 def test_vpp_of_one_is_accepted():

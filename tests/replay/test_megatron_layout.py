@@ -9,6 +9,7 @@ multi-process groups run in ``test_replay_distributed.py``).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import pytest
@@ -113,7 +114,7 @@ def test_each_router_place_holds_the_token_megatron_puts_there(router, case):
     total = sum(lengths)
     rows = distinct_routes(total, TOPK, EXPERTS, generator)
     routes = PackedTensor.from_lengths(rows[:, None], lengths)
-    multiple = scale * tp * (2 * cp if cp > 1 else 1)
+    multiple = scale * math.lcm(2 * cp if cp > 1 else 1, cp * (tp if sp else 1))  # the least
     starts = [sum(lengths[:b]) for b in range(len(lengths))]
     if packed:  # one stream: every sample padded on the right to its own multiple
         stream = [
