@@ -46,23 +46,24 @@ class RolloutSample:
         return int(self.token_ids.shape[0])
 
 
-def _get(obj: Any, *names: str, default: Any = None) -> Any:
+def _get(obj: Any, name: str, alias: str | None = None) -> Any:
+    """``obj``'s ``name`` (or, when it has none, its ``alias``): a key of a mapping, else an
+    attribute; None when it has neither."""
     if type(obj) is dict:  # the usual sample: no ABC check
-        for name in names:
-            if name in obj:
-                return obj[name]
-        return default
+        return obj.get(name if alias is None or name in obj else alias)
     mapping = isinstance(obj, Mapping)
-    for name in names:
+    for key in (name,) if alias is None else (name, alias):
         if mapping:
-            if name in obj:
-                return obj[name]
-        elif hasattr(obj, name):
-            return getattr(obj, name)
-    return default
+            if key in obj:
+                return obj[key]
+        elif hasattr(obj, key):
+            return getattr(obj, key)
+    return None
 
 
 _INT64_MAX = np.iinfo(np.int64).max
+_ALL_TRUE = np.ones(1, bool)
+"""The loss mask of a sample without one is this, repeated (a new writable array)."""
 _KINDS = {np.int64: "iu", bool: "biu", np.float32: "biuf"}
 """The dtype kinds each sample vector accepts."""
 
@@ -113,16 +114,17 @@ def _trace_of(
     obj: Any, sample_id: str, trace_options: TraceOptions
 ) -> tuple[Trace, tuple[str, ...]]:
     trace = _get(obj, "trace")
-    if isinstance(trace, TraceBuilder):
-        trace = trace.build()
-    if isinstance(trace, Trace):
-        return trace, _files(p for pieces in trace.pieces.values() for p in pieces)
+    if trace is not None:
+        if isinstance(trace, TraceBuilder):
+            trace = trace.build()
+        if isinstance(trace, Trace):
+            return trace, _files(p for pieces in trace.pieces.values() for p in pieces)
     requests = _get(obj, "requests")
     if requests is None:
         raise TraceError("expected a 'trace' or 'requests', found neither")
     builder = TraceBuilder(sample_id, **trace_options.builder_options)
     files: set[str] = set()
-    for number, request in enumerate(_iterable("'requests'", "requests", requests)):
+    for number, request in enumerate(_iterable(requests, "requests")):
         if not (
             (type(request) is dict or isinstance(request, Mapping))
             and "prompt_len" in request
@@ -134,9 +136,7 @@ def _trace_of(
             )
         prompt_len, completion_len = request["prompt_len"], request["completion_len"]
         sources: list[Source] = []
-        for source in _iterable(
-            f"request {number} 'sources'", "sources", request.get("sources", ())
-        ):
+        for source in _iterable(request.get("sources", ()), "sources", number):
             sources += source_rows(source, prompt_len=prompt_len, completion_len=completion_len)
         builder.add_request(prompt_len, completion_len, sources)
         for row in sources:
@@ -145,9 +145,13 @@ def _trace_of(
     return builder.build(), tuple(sorted(files)) if files else ()
 
 
-def _iterable(what: str, items_name: str, items: object) -> Iterable[Any]:
-    """``items``, which a sample lists: anything iterable but a string, bytes or a number."""
+def _iterable(items: object, items_name: str, request: int | None = None) -> Iterable[Any]:
+    """``items``, which a sample lists (its requests, or the sources of its ``request``th):
+    anything iterable but a string, bytes or a number."""
+    if type(items) is list:  # the usual sample: no ABC check
+        return items
     if not isinstance(items, Iterable) or isinstance(items, str | bytes):
+        what = f"'{items_name}'" if request is None else f"request {request} '{items_name}'"
         raise TraceError(f"{what}: expected a list of {items_name}, found {type(items).__name__}")
     return items
 
@@ -273,7 +277,9 @@ def _rollout(obj: Any, sample_id: str, trace: TraceOptions) -> RolloutSample:
     token_ids = _vector("token_ids", tokens, None, np.int64)
     n = token_ids.shape[0]
     loss_mask = _get(obj, "loss_mask")
-    loss_mask = np.ones(n, bool) if loss_mask is None else _vector("loss_mask", loss_mask, n, bool)
+    loss_mask = (
+        _ALL_TRUE.repeat(n) if loss_mask is None else _vector("loss_mask", loss_mask, n, bool)
+    )
     logprobs = _get(obj, "logprobs")
     if logprobs is not None:
         logprobs = _vector("logprobs", logprobs, n, np.float32)

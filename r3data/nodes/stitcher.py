@@ -31,7 +31,7 @@ class StitchedRollout:
 
 def covered_tokens(trace: Trace) -> int:
     """Tokens the trace's requests cover: the longest ``prompt_len + completion_len``."""
-    return max((p + c for p, c in trace.requests), default=0)
+    return max(map(sum, trace.requests), default=0)
 
 
 @dataclass(frozen=True)
@@ -53,6 +53,7 @@ class StitchRollout:
         trace = self.trace
         options = check_stitch_options(self.fields, trace.placeholder, trace.on_gap, trace.topk)
         object.__setattr__(self, "_options", options)  # checked once, for every sample
+        object.__setattr__(self, "_field_names", frozenset(options[0]))
 
     def __call__(self, item: tuple[int, Any], step: int | None = None) -> StitchedRollout:
         index, raw = item
@@ -70,8 +71,9 @@ class StitchRollout:
             self.retention.claim(step, sample.files, delete_on_release=False)
         warnings = self._length_warnings(sample, index)
         trace = sample.trace
-        empty = [f for f in self.fields if f not in trace.info and f not in trace.ragged_fields]
+        empty = self._field_names.difference(trace.info, trace.ragged_fields)
         if empty and self.trace.on_gap != "raise":
+            empty = [f for f in self._options[0] if f in empty]
             # No row of the field anywhere (e.g. every turn's routes were an engine bug):
             # nothing to replay and no row shape for placeholders, so the sample is dropped.
             warning = name_sample(

@@ -19,6 +19,7 @@ import itertools
 from bisect import bisect_left, bisect_right
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from functools import lru_cache
 from types import MappingProxyType
 
 import numpy as np
@@ -95,9 +96,10 @@ class Trace:
         routes = field == self.routes_field
         spans = self._expected.get(routes)
         if spans is None:
-            if routes:
-                last = self.last_token_row
-                spans = merge((0, routes_end(p, c, last_token_row=last)) for p, c in self.requests)
+            if routes:  # every request's routes start at 0: their union ends with the longest's
+                tokens = max(map(sum, self.requests), default=0)
+                end = routes_end(tokens, 0, last_token_row=self.last_token_row)
+                spans = [(0, end)] if end else []
             else:
                 spans = merge((p, p + c) for p, c in self.requests)
             self._expected[routes] = spans
@@ -136,6 +138,12 @@ class _Track:
             replacement.append(piece)
         self.pieces[first:stop] = replacement
         self.starts[first:stop] = [p.pos for p in replacement]
+
+
+@lru_cache(maxsize=256)
+def _first_info(dtype: np.dtype, row_shape: tuple[int, ...], ragged: bool) -> FieldInfo:
+    """The info of a field's first rows (one shared instance per form: traces repeat a few)."""
+    return FieldInfo(dtype, row_shape, ragged)
 
 
 def _without_decode_prompt(source: Source, prompt_len: int) -> Source | None:
@@ -201,8 +209,10 @@ class TraceBuilder:
     ) -> None:
         """Add one request's rows; ``sources`` carry their own positions. Validates every
         source before changing anything, so a refused request leaves the trace as it was."""
-        prompt_len = nonnegative_int("prompt_len", prompt_len, TraceError)
-        completion_len = nonnegative_int("completion_len", completion_len, TraceError)
+        if type(prompt_len) is not int or prompt_len < 0:
+            prompt_len = nonnegative_int("prompt_len", prompt_len, TraceError)
+        if type(completion_len) is not int or completion_len < 0:
+            completion_len = nonnegative_int("completion_len", completion_len, TraceError)
         request_sources: list[Source] = []
         sources = sources if type(sources) is list else list(sources)
         for source in sources:
@@ -219,7 +229,7 @@ class TraceBuilder:
             self._check_span(source, prompt_len, completion_len)
         if len(request_sources) > 1:
             self._check_disjoint(request_sources)
-        info = self._info
+        info = self._info  # copied before a change: built traces share the one they saw
         for source in request_sources:
             known = info.get(source.field)
             merged = self._merged_info(known, source)
@@ -260,19 +270,19 @@ class TraceBuilder:
         """Routes end by the last forwarded token (or the last token with
         ``last_token_row``); any other field by the last token."""
         tokens = prompt_len + completion_len
-        lengths = f"prompt_len {prompt_len} + completion_len {completion_len}"
         if source.end > tokens:
             raise TraceError(
                 f"trace {self.trace_id!r} field {source.field!r}: rows cover positions "
                 f"[{source.pos}, {source.end}), past the {tokens} tokens of this request "
-                f"({lengths})"
+                f"(prompt_len {prompt_len} + completion_len {completion_len})"
             )
         if source.field == self.routes_field and source.end > routes_end(
             prompt_len, completion_len, last_token_row=self.last_token_row
         ):
             raise TraceError(
                 f"trace {self.trace_id!r} field {source.field!r}: expected routes ending by "
-                f"position {tokens - 1} ({lengths} - 1: the last token is never forwarded), "
+                f"position {tokens - 1} (prompt_len {prompt_len} + completion_len "
+                f"{completion_len} - 1: the last token is never forwarded), "
                 f"found rows for [{source.pos}, {source.end}) (shifted by +1?); pass "
                 f"last_token_row=True for an engine that sends a row for the last token"
             )
@@ -302,7 +312,6 @@ class TraceBuilder:
             and known.ragged == source_ragged
         ):
             return known
-        where = {"trace_id": self.trace_id, "field": source.field, "pos": source.pos}
         ragged = source_ragged or source.field in self.ragged_fields
         if known is not None and known.ragged != ragged:
             if not known.ragged:
@@ -323,9 +332,8 @@ class TraceBuilder:
                 f"position {source.pos}"
             )
         if known is None:
-            return FieldInfo(
-                dtype, check_row_shape(None, row_shape, ragged=ragged, **where), ragged
-            )
+            return _first_info(dtype, row_shape, ragged)
+        where = {"trace_id": self.trace_id, "field": source.field, "pos": source.pos}
         return FieldInfo(
             widened_dtype(known.dtype, dtype, **where),
             check_row_shape(known.row_shape, row_shape, ragged=known.ragged, **where),

@@ -18,11 +18,13 @@ the engine produced no row, which are ``valid`` False:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from bisect import bisect_left
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import Literal
 
 import numpy as np
@@ -123,10 +125,18 @@ class StitchStats:
     def total(cls, samples: Iterable[StitchedSample | None]) -> StitchStats:
         """Batch statistics; a None (a sample dropped by ``on_gap="drop_sample"``) counts as
         one dropped sample."""
-        out = cls()
-        for sample in samples:
-            out += cls(samples=1, samples_dropped=1) if sample is None else sample.stats
-        return out
+        samples = list(samples)
+        kept = [sample.stats for sample in samples if sample is not None]
+        sums = [*map(sum, zip(*map(_COUNTS, kept), strict=True))] if kept else [0] * _FIELDS
+        dropped = len(samples) - len(kept)
+        sums[0] += dropped
+        sums[1] += dropped
+        return cls(*sums)
+
+
+_COUNTS = attrgetter(*(f.name for f in dataclasses.fields(StitchStats)))
+"""Every count of a :class:`StitchStats`, in field order."""
+_FIELDS = len(dataclasses.fields(StitchStats))
 
 
 class StitchedField:

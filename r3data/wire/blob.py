@@ -36,8 +36,8 @@ __all__ = [
 Base64Data = str | bytes | bytearray | memoryview
 
 _PAD = ord("=")
-_PADDING = ("=", _PAD)
-"""The padding character as a str's item and as a byte's."""
+_PADDING = (_PAD, "=")
+"""The padding character as a byte's item and as a str's."""
 _DIRECT_KINDS = frozenset({str, bytes, bytearray})
 _CHUNK_GROUPS = (1 << 20) // 3
 """Base64 groups (3 decoded bytes each) per bounce: about 1 MiB, L2-sized."""
@@ -100,11 +100,9 @@ def decoded_length(data: Base64Data, what: str = "data") -> int:
         raise WireFormatError(
             f"{what}: base64 must be padded to a multiple of 4 characters, found {size}"
         )
-    if size == 0:
-        return 0
-    last, before = data[-1], data[-2]  # a str's characters, or bytes as ints
-    pad = (last in _PADDING) + (last in _PADDING and before in _PADDING)
-    return size // 4 * 3 - pad
+    if not size or data[-1] not in _PADDING:  # a str's characters, or bytes as ints
+        return size // 4 * 3
+    return size // 4 * 3 - 1 - (data[-2] in _PADDING)
 
 
 def _decode(chunk: Base64Data, what: str, at: int) -> bytes:
@@ -213,7 +211,7 @@ def decode_base64_into(
                     f"before the end)"
                 )
             take = min(len(piece) - drop, remaining)
-            np.copyto(out[written : written + take], np.frombuffer(piece, np.uint8, take, drop))
+            out[written : written + take] = np.frombuffer(piece, np.uint8, take, drop)
         written += take
         group += groups
         drop = 0

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import re
 import struct
+from functools import lru_cache
 
 import numpy as np
 
@@ -61,7 +62,7 @@ def npy_header_length(prefix: bytes, what: str) -> int:
 
 
 def parse_npy_header(
-    head: bytes, what: str, allowed: tuple[DTypeLike, ...] | None = None
+    head: bytes | bytearray, what: str, allowed: tuple[DTypeLike, ...] | None = None
 ) -> tuple[np.dtype, tuple[int, ...], bool, int]:
     """``(dtype, shape, fortran_order, data_offset)`` of the ``.npy`` file whose first bytes
     are ``head`` (at least :func:`npy_header_length` of them)."""
@@ -71,17 +72,22 @@ def parse_npy_header(
             f"{what}: expected a .npy file with a header of {offset} bytes, found {len(head)} "
             f"bytes in all"
         )
-    text = head[10 if head[6] == 1 else 12 : offset]
-    match = _HEADER.fullmatch(text)
+    start = 10 if head[6] == 1 else 12
+    match = _HEADER.fullmatch(head, start, offset)
     if match is None:
         raise WireFormatError(
             f"{what}: expected a .npy file whose header is as np.save writes it "
             f"({{'descr': ..., 'fortran_order': False, 'shape': (rows, layers, topk), }}), "
-            f"found {bytes(text[:120])!r}"
+            f"found {bytes(head[start:offset][:120])!r}"
         )
     descr, fortran, dims = match.groups()
     extents = dims.split(b",")  # only the last can be blank: "(7,)" or "()"
     if not extents[-1].strip():
         extents.pop()
-    shape = tuple(map(int, extents))
-    return parse_dtype(descr.decode("latin-1"), allowed), shape, fortran == b"True", offset
+    return _descr_dtype(descr, allowed), tuple(map(int, extents)), fortran == b"True", offset
+
+
+@lru_cache(maxsize=64)
+def _descr_dtype(descr: bytes, allowed: tuple[DTypeLike, ...] | None) -> np.dtype:
+    """The dtype a header's ``descr`` names (headers of a run repeat a few)."""
+    return parse_dtype(descr.decode("latin-1"), allowed)

@@ -16,6 +16,7 @@ from r3data import loader
 from r3data.errors import TraceError
 from r3data.nodes.options import TraceOptions
 from r3data.nodes.sample import as_rollout, field_forms, sample_files
+from r3data.nodes.stitcher import StitchRollout
 from r3data.payload import PayloadWriter
 from r3data.trace import TraceBuilder
 from r3data.wire.rows import InlineRows
@@ -219,3 +220,15 @@ def test_requests_or_sources_that_are_no_list_are_a_trace_error(sample, match):
     }
     forms = field_forms([(0, bad), (1, good)], (ROUTES,), TraceOptions())
     assert forms[ROUTES].row_shape == (LAYERS, TOPK)
+
+
+def test_a_stitch_stage_given_one_field_as_a_string_stitches_that_field():
+    """``StitchRollout(fields="routed_experts")`` is one field, as ``stitch`` reads it: the
+    check for fields without rows read the string letter by letter and dropped every sample."""
+    rows = InlineRows("routed_experts", np.ones((7, 2, 2), np.uint8), 0)
+    request = {"prompt_len": 4, "completion_len": 4, "sources": [rows]}
+    sample = {"id": "s", "token_ids": np.arange(8), "requests": [request]}
+    out = StitchRollout(fields="routed_experts")((0, sample))
+    assert out.warnings == ()
+    assert out.stitched is not None
+    assert list(out.stitched.fields) == ["routed_experts"]

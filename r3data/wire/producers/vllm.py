@@ -88,17 +88,18 @@ _HEAD_CHARS = 172
 
 def _header_of(
     blob: bytes | bytearray | memoryview, chars: memoryview | str | None, what: str
-) -> bytes:
-    """The ``.npy`` header bytes of a blob, decoding only the first characters of ``chars``
-    (its base64, :func:`~.common.encoded_chars`) if encoded."""
+) -> bytes | bytearray:
+    """The first bytes of a ``.npy`` blob, its whole header at least (unless the blob is
+    shorter), decoding only the first characters of ``chars`` (its base64,
+    :func:`~.common.encoded_chars`) if encoded."""
     if chars is None:
         view = memoryview(blob).cast("B")
         return bytes(view[: npy_header_length(view[:NPY_PREFIX_BYTES].tobytes(), what)])
-    head = bytes(decode_base64(chars[:_HEAD_CHARS], what=what))
-    length = npy_header_length(head[:NPY_PREFIX_BYTES], what)
+    head = decode_base64(chars[:_HEAD_CHARS], what=what)
+    length = npy_header_length(head, what)
     if length > len(head):
-        head = bytes(decode_base64(chars[: 4 * -(-length // 3)], what=what))
-    return head[:length]
+        head = decode_base64(chars[: 4 * -(-length // 3)], what=what)
+    return head
 
 
 def npy_routes(
