@@ -106,7 +106,8 @@ def test_the_rows_start_where_the_envelope_says_and_counts_are_checked():
     [
         # Dynamo before PR #10529: base85 {data, shape}, neither start nor dtype
         ({"data": base64.b85encode(b"\0" * 48).decode(), "shape": [6, 4, 2]}, "base85"),
-        ("AAAA", r"expected \{data, shape, start, dtype\}"),
+        # the SGLang worker's: SGLang's bare base64 of flat int32 ids, no shape
+        ("AAAAAAAAAAA=", r"expected \{data, shape, start, dtype\} .*, found str"),
         (_envelope(dtype="float32"), "float32"),
         (_envelope(shape=[48]), "shape"),
         (_envelope(start=-1), "start"),
@@ -164,3 +165,18 @@ def _chunk(index: int, finish: str | None, envelope: object = None, *, more: int
 def test_streams_dynamo_does_not_send_are_refused(raw, match):
     with pytest.raises(WireFormatError, match=match):
         _decode(raw)
+
+
+def test_the_loader_reads_a_dynamo_source():
+    import r3data
+
+    raw = (BODIES / "chat_uint8.body").read_bytes()
+    (want,) = EXPECTED["chat_uint8"]["choices"]
+    P, C = want["P"], want["C"]
+    source = {"producer": "dynamo-vllm", "response": raw}
+    request = {"prompt_len": P, "completion_len": C, "sources": [source]}
+    sample = {"id": "s", "token_ids": np.arange(P + C), "requests": [request]}
+    (batch,) = r3data.loader([sample], batch_size=1, num_experts=8)
+    routes = batch["routed_experts"].values.numpy()
+    np.testing.assert_array_equal(routes[: P + C - 1], np.asarray(want["rows"]))
+    assert batch["routed_experts_valid"].values.numpy().tolist() == [True] * (P + C - 1) + [False]

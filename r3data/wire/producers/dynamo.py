@@ -24,9 +24,10 @@ lib/llm/src/protocols/openai/nvext.rs ``NvExtResponseFieldSelection::build_respo
   (stream it, or send ``n = 1``).
 - The body carries no token ids unless asked (``nvext.completion_token_ids``, one choice
   only); ``usage`` gives the lengths when the response has one choice.
-- Earlier Dynamo (PR #9657 / #9651, 2026-05) sent ``{"data": base85, "shape"}`` with neither
-  ``start`` nor ``dtype``: refused. The SGLang and TRT-LLM workers send other payloads under
-  the same key (SGLang's flat int32 string): not this format.
+- Earlier Dynamo (PR #9651, merged 2026-05) sent ``{"data": base85, "shape"}`` with neither
+  ``start`` nor ``dtype``: refused. The SGLang worker sends SGLang's own base64 of flat int32
+  ids under the same key (request_handlers/llm/decode_handler.py): not this format; the
+  TRT-LLM worker's payload was not checked.
 """
 
 from __future__ import annotations
