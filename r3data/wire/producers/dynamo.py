@@ -59,7 +59,7 @@ from r3data.wire.producers.common import (
     stream_events,
     token_counts,
 )
-from r3data.wire.producers.primerl import _route_rows as envelope_route_rows
+from r3data.wire.producers.primerl import envelope_route_rows
 
 __all__ = ["FORMAT", "DynamoVllmFormat"]
 

@@ -125,9 +125,11 @@ def kept_tokens_rows(
     return InlineRows(MASK_FIELD, RaggedRows.from_lengths(ids, counts, what=what), prompt, meta)
 
 
-def _route_rows(
+def envelope_route_rows(
     envelope: object, prompt: int | None, completion: int | None, meta: dict[str, Any], what: str
 ) -> RowSource:
+    """The route rows of a ``{data, shape, start, dtype}`` envelope (prime-rl's, which Dynamo's
+    vLLM worker writes too), anchored at its ``start`` and checked against the lengths."""
     if not isinstance(envelope, Mapping):
         raise WireFormatError(
             f"{what}: expected an envelope {{data, shape, start, dtype}}, found "
@@ -222,7 +224,7 @@ class PrimeRlFormat(ProducerFormat):
             routes = entry.get(ROUTES_FIELD)
             if routes is not None:
                 sources.append(
-                    _route_rows(routes, prompt, completion, meta, f"{what}.{ROUTES_FIELD}")
+                    envelope_route_rows(routes, prompt, completion, meta, f"{what}.{ROUTES_FIELD}")
                 )
             elif not any(s.field == ROUTES_FIELD for s in sources):
                 missing.append(f"{what}.{ROUTES_FIELD}")
