@@ -13,6 +13,7 @@ import pytest
 
 from r3data.errors import WireFormatError
 from r3data.wire.producers import FORMATS, Lengths, detect
+from r3data.wire.producers.sglang import flat_int32_base64
 
 BODIES = Path(__file__).parent / "producer_bodies" / "sglang_0_5_23"
 EXPECTED = json.loads((BODIES / "expected.json").read_text())
@@ -76,3 +77,32 @@ def test_incremental_mask_rows_must_follow_the_earlier_chunks():
     options = entry.make_options({"num_layers": 4, "topk": 2})
     with pytest.raises(WireFormatError, match=r"1 output_token_sampling_mask rows of 4 .*follow 1"):
         entry.decode(lost, options)
+
+
+def _other_chat(routes_rows: int | None) -> bytes:
+    """The Kimi-K3 meta_info chat body as another model's response would be: a prompt of 4
+    (3 short of the request's 7) whose routes cover that prompt (or no routes)."""
+    body = json.loads((BODIES / "chat_kimi_k3_meta_info.body").read_bytes())
+    meta = body["choices"][0]["meta_info"]
+    if routes_rows is None:
+        del meta["routed_experts"]
+    else:
+        meta["routed_experts"] = flat_int32_base64(np.zeros((routes_rows, 4, 2), np.int32))
+    return json.dumps(body).encode()
+
+
+@pytest.mark.parametrize(
+    "fields", [None, frozenset({"sampling_mask"})], ids=["every field", "mask alone"]
+)
+@pytest.mark.parametrize("routes_rows", [4, None], ids=["own routes", "no routes"])
+def test_a_chat_prompt_3_short_whose_routes_do_not_cover_the_stub_is_another_response(
+    fields, routes_rows
+):
+    """The Kimi-K3 reading holds only where the routes cover the whole input: a chat response
+    whose prompt is 3 short and whose routes cover that prompt (4 + 3 - 1 - start 2 rows), or
+    that has none, is another request's, refused whichever fields are decoded (the mask was
+    placed 3 positions late)."""
+    entry = FORMATS["sglang-openai"]
+    options = entry.make_options({"num_layers": 4, "topk": 2, "start": 2})
+    with pytest.raises(WireFormatError, match="4 prompt tokens, the request 7"):
+        entry.decode(_other_chat(routes_rows), options, Lengths(7, 3), fields)
