@@ -158,24 +158,33 @@ def _reported(
     routes: object,
     options: SglangOptions,
     start: int,
+    what: str,
 ) -> tuple[int | None, int | None]:
     """The ``(prompt_tokens, completion_tokens)`` a response reports, as counts of the model
     input: a chat response's prompt count :data:`KIMI_K3_STUB_TOKENS` short of the request's
     is the request's (Kimi-K3's stub, which SGLang does not report) where its ``routes`` (the
-    flat ids it carries, decoded or not) cover the request's whole input, stub included; any
-    other difference (another response's prompt 3 short, whose routes cover that prompt or
-    that has none) stays one for :func:`~.common.placed_lengths` to refuse."""
+    flat ids it carries, decoded or not; ``options`` shape them) cover the request's whole
+    input from ``start``; routes of another size are refused (another request's response, whose
+    prompt is 3 shorter), and any other difference, or no routes to tell by, stays one for
+    :func:`~.common.placed_lengths` to refuse."""
     prompt, completion = counts
     chat = str(response.get("object", "")).startswith("chat.completion")
     if not (chat and prompt is not None and prompt + KIMI_K3_STUB_TOKENS == lengths.prompt_len):
         return prompt, completion
     sampled = lengths.completion_len if completion is None else completion
-    if routes is None or sampled is None:
+    rows = None if sampled is None else routes_end(lengths.prompt_len, sampled) - start
+    if routes is None or rows is None or rows < 0:  # nothing to tell by (a bad start: refused)
         return prompt, completion
     per_row = options.num_layers * options.topk * INT32.itemsize
-    covered = (routes_end(lengths.prompt_len, sampled) - start) * per_row
-    if blob_nbytes(routes, f"{EXT}.{ROUTES_FIELD}") != covered:
-        return prompt, completion
+    nbytes = blob_nbytes(routes, what)
+    if nbytes != rows * per_row:
+        raise WireFormatError(
+            f"{what}: the response has {prompt} prompt tokens, the request {lengths.prompt_len} "
+            f"(Kimi-K3's {KIMI_K3_STUB_TOKENS}-token stub left out?), but its routes are not "
+            f"the whole input's: expected {rows} rows (prompt {lengths.prompt_len} + completion "
+            f"{sampled} - 1 - start {start}) of {per_row} bytes, found {nbytes} bytes; "
+            f"is this the request's response?"
+        )
     return lengths.prompt_len, completion
 
 
@@ -216,10 +225,10 @@ class SglangOpenaiFormat(ProducerFormat):
         if meta_info is not None:
             where = f"{self.name} choices[{choice.index}].meta_info"
             counts = token_counts(meta_info, f"{where}.{ROUTES_FIELD}: ")
-            routes = meta_info.get(ROUTES_FIELD)
-            start = self.start_of(choice.options)
+            routes, start = meta_info.get(ROUTES_FIELD), self.start_of(choice.options)
+            what = f"{where}.{ROUTES_FIELD}"
             counts = _reported(
-                choice.response, counts, choice.lengths, routes, choice.options, start
+                choice.response, counts, choice.lengths, routes, choice.options, start, what
             )
             return meta_info_rows(self, choice, meta_info, where, counts)
         what = f"{self.name} {EXT}.{ROUTES_FIELD}"
@@ -231,12 +240,11 @@ class SglangOpenaiFormat(ProducerFormat):
         found = _ext_lengths(choice.response, choice.index)
         usage = choice.response.get("usage")
         one_choice = len(choice.response["choices"]) == 1
-        value = _ext_routes(choice.response)
-        start = self.start_of(choice.options)
+        value, start = _ext_routes(choice.response), self.start_of(choice.options)
         if found == (None, None) and isinstance(usage, Mapping) and one_choice:
             reported = token_counts(usage, "usage.")
             found = _reported(
-                choice.response, reported, choice.lengths, value, choice.options, start
+                choice.response, reported, choice.lengths, value, choice.options, start, what
             )
         if value is None:
             return ChoiceRows(choice.index, (), (what,))
