@@ -13,6 +13,7 @@ import pytest
 
 from r3data.errors import WireFormatError
 from r3data.wire.producers import FORMATS, Lengths, detect
+from r3data.wire.producers.sglang import flat_int32_base64
 
 BODIES = Path(__file__).parent / "producer_bodies" / "sglang_0_5_23"
 EXPECTED = json.loads((BODIES / "expected.json").read_text())
@@ -76,3 +77,52 @@ def test_incremental_mask_rows_must_follow_the_earlier_chunks():
     options = entry.make_options({"num_layers": 4, "topk": 2})
     with pytest.raises(WireFormatError, match=r"1 output_token_sampling_mask rows of 4 .*follow 1"):
         entry.decode(lost, options)
+
+
+def _other_chat(routes_rows: int | None) -> bytes:
+    """The Kimi-K3 meta_info chat body as another model's response would be: a prompt of 4
+    (3 short of the request's 7) whose routes cover that prompt (or no routes)."""
+    body = json.loads((BODIES / "chat_kimi_k3_meta_info.body").read_bytes())
+    meta = body["choices"][0]["meta_info"]
+    if routes_rows is None:
+        del meta["routed_experts"]
+    else:
+        meta["routed_experts"] = flat_int32_base64(np.zeros((routes_rows, 4, 2), np.int32))
+    return json.dumps(body).encode()
+
+
+@pytest.mark.parametrize(
+    "fields", [None, frozenset({"sampling_mask"})], ids=["every field", "mask alone"]
+)
+@pytest.mark.parametrize(
+    ("routes_rows", "message"),
+    [
+        (4, r"4 prompt tokens, the request 7 \(Kimi-K3.*expected 7 rows .*found 128 bytes"),
+        (None, r"4 prompt tokens, the request 7; is this the request's response"),
+    ],
+    ids=["own routes", "no routes"],
+)
+def test_a_chat_prompt_3_short_whose_routes_do_not_cover_the_stub_is_another_response(
+    fields, routes_rows, message
+):
+    """The Kimi-K3 reading holds only where the routes cover the whole input: a chat response
+    whose prompt is 3 short and whose routes cover that prompt (4 + 3 - 1 - start 2 rows), or
+    that has none, is another request's, refused whichever fields are decoded (its mask was
+    placed 3 positions late, and with routes the refusal named only their row count)."""
+    entry = FORMATS["sglang-openai"]
+    options = entry.make_options({"num_layers": 4, "topk": 2, "start": 2})
+    with pytest.raises(WireFormatError, match=message):
+        entry.decode(_other_chat(routes_rows), options, Lengths(7, 3), fields)
+
+
+def test_a_chat_prompt_3_short_is_not_taken_for_the_stub_without_a_completion_count():
+    """With no completion count (none in usage, none in the request) the routes' size cannot
+    tell the stub from a shorter prompt: the count was taken as the request's, and then no row
+    count was checked at all (another request's 4 rows were placed from the start)."""
+    body = json.loads((BODIES / "chat_kimi_k3_sglext.body").read_bytes())
+    del body["usage"]["completion_tokens"]
+    body["sglext"]["routed_experts"] = flat_int32_base64(np.zeros((4, 4, 2), np.int32))
+    entry = FORMATS["sglang-openai"]
+    options = entry.make_options({"num_layers": 4, "topk": 2, "start": 2})
+    with pytest.raises(WireFormatError, match="4 prompt tokens, the request 7; is this"):
+        entry.decode(json.dumps(body).encode(), options, Lengths(7, None))

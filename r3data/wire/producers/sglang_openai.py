@@ -22,7 +22,8 @@ serving_chat.py ``_generate_chat_stream``):
   ``completion_tokens``, with ``return_sampling_mask`` its ``output_token_sampling_mask``),
   so every choice has its routes, ``n > 1`` included.
 - Serving Kimi-K3, the chat endpoints report every prompt count 3 short of the model input
-  (:data:`KIMI_K3_STUB_TOKENS`); the rows cover the whole input.
+  (:data:`KIMI_K3_STUB_TOKENS`); the rows cover the whole input, and only routes that do
+  (checked by their size) tell the stub from another response's shorter prompt.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ import orjson
 
 from r3data.errors import WireFormatError
 from r3data.validate import nonnegative_int
-from r3data.wire.anchors import anchored_pos
+from r3data.wire.anchors import anchored_pos, routes_end
 from r3data.wire.producers.base import (
     MASK_FIELD,
     ROUTES_FIELD,
@@ -46,6 +47,7 @@ from r3data.wire.producers.base import (
 )
 from r3data.wire.producers.common import (
     any_choice,
+    blob_nbytes,
     check_stream_choices,
     documents,
     is_stream,
@@ -55,6 +57,7 @@ from r3data.wire.producers.common import (
     token_counts,
 )
 from r3data.wire.producers.sglang import (
+    INT32,
     SglangOptions,
     flat_int32_base64,
     flat_int32_rows,
@@ -149,17 +152,40 @@ def _ext_lengths(response: Mapping[str, Any], index: int) -> tuple[int | None, i
 
 
 def _reported(
-    response: Mapping[str, Any], counts: tuple[int | None, int | None], lengths: Lengths
+    response: Mapping[str, Any],
+    counts: tuple[int | None, int | None],
+    lengths: Lengths,
+    routes: object,
+    options: SglangOptions,
+    start: int,
+    what: str,
 ) -> tuple[int | None, int | None]:
     """The ``(prompt_tokens, completion_tokens)`` a response reports, as counts of the model
     input: a chat response's prompt count :data:`KIMI_K3_STUB_TOKENS` short of the request's
-    is the request's (Kimi-K3's stub, which SGLang does not report); any other difference
-    stays one for :func:`~.common.placed_lengths` to refuse."""
+    is the request's (Kimi-K3's stub, which SGLang does not report) where its ``routes`` (the
+    flat ids it carries, decoded or not; ``options`` shape them) cover the request's whole
+    input from ``start``; routes of another size are refused (another request's response, whose
+    prompt is 3 shorter), and any other difference, or no routes to tell by, stays one for
+    :func:`~.common.placed_lengths` to refuse."""
     prompt, completion = counts
     chat = str(response.get("object", "")).startswith("chat.completion")
-    if chat and prompt is not None and prompt + KIMI_K3_STUB_TOKENS == lengths.prompt_len:
-        return lengths.prompt_len, completion
-    return prompt, completion
+    if not (chat and prompt is not None and prompt + KIMI_K3_STUB_TOKENS == lengths.prompt_len):
+        return prompt, completion
+    sampled = lengths.completion_len if completion is None else completion
+    rows = None if sampled is None else routes_end(lengths.prompt_len, sampled) - start
+    if routes is None or rows is None or rows < 0:  # nothing to tell by (a bad start: refused)
+        return prompt, completion
+    per_row = options.num_layers * options.topk * INT32.itemsize
+    nbytes = blob_nbytes(routes, what)
+    if nbytes != rows * per_row:
+        raise WireFormatError(
+            f"{what}: the response has {prompt} prompt tokens, the request {lengths.prompt_len} "
+            f"(Kimi-K3's {KIMI_K3_STUB_TOKENS}-token stub left out?), but its routes are not "
+            f"the whole input's: expected {rows} rows (prompt {lengths.prompt_len} + completion "
+            f"{sampled} - 1 - start {start}) of {per_row} bytes, found {nbytes} bytes; "
+            f"is this the request's response?"
+        )
+    return lengths.prompt_len, completion
 
 
 def _ids_length(ids: object, what: str) -> int | None:
@@ -199,7 +225,11 @@ class SglangOpenaiFormat(ProducerFormat):
         if meta_info is not None:
             where = f"{self.name} choices[{choice.index}].meta_info"
             counts = token_counts(meta_info, f"{where}.{ROUTES_FIELD}: ")
-            counts = _reported(choice.response, counts, choice.lengths)
+            routes, start = meta_info.get(ROUTES_FIELD), self.start_of(choice.options)
+            what = f"{where}.{ROUTES_FIELD}"
+            counts = _reported(
+                choice.response, counts, choice.lengths, routes, choice.options, start, what
+            )
             return meta_info_rows(self, choice, meta_info, where, counts)
         what = f"{self.name} {EXT}.{ROUTES_FIELD}"
         if not choice.wants(ROUTES_FIELD):  # sglext holds routes only
@@ -210,13 +240,15 @@ class SglangOpenaiFormat(ProducerFormat):
         found = _ext_lengths(choice.response, choice.index)
         usage = choice.response.get("usage")
         one_choice = len(choice.response["choices"]) == 1
+        value, start = _ext_routes(choice.response), self.start_of(choice.options)
         if found == (None, None) and isinstance(usage, Mapping) and one_choice:
-            found = _reported(choice.response, token_counts(usage, "usage."), choice.lengths)
-        value = _ext_routes(choice.response)
+            reported = token_counts(usage, "usage.")
+            found = _reported(
+                choice.response, reported, choice.lengths, value, choice.options, start, what
+            )
         if value is None:
             return ChoiceRows(choice.index, (), (what,))
         prompt, completion = choice.placed(what, found)
-        start = self.start_of(choice.options)
         meta = self.rows_meta(choice, prompt, completion)
         rows = flat_int32_rows(value, choice.options, start, meta, what)
         anchored_pos(rows.rows, prompt, completion, start, what=what)
