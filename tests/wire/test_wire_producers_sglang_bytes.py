@@ -79,6 +79,20 @@ def test_incremental_mask_rows_must_follow_the_earlier_chunks():
         entry.decode(lost, options)
 
 
+def test_an_incremental_mask_missing_from_the_last_chunk_is_refused():
+    """Rows the earlier chunks sent are never dropped because the final chunk left its mask out
+    (read as no mask at all, the item's sampling mask was silently lost)."""
+    events = (BODIES / "generate_stream_incremental_mask.body").read_bytes().split(b"\n\n")
+    events = [e for e in events if e.strip() and e.strip() != b"data: [DONE]"]
+    chunk = json.loads(events[-1].removeprefix(b"data: "))
+    del chunk["meta_info"]["output_token_sampling_mask"]
+    events[-1] = b"data: " + json.dumps(chunk).encode()
+    entry = FORMATS["sglang"]
+    options = entry.make_options({"num_layers": 4, "topk": 2})
+    with pytest.raises(WireFormatError, match=r"last chunk .* no output_token_sampling_mask"):
+        entry.decode(b"\n\n".join(events) + b"\n\n", options)
+
+
 def _other_chat(routes_rows: int | None) -> bytes:
     """The Kimi-K3 meta_info chat body as another model's response would be: a prompt of 4
     (3 short of the request's 7) whose routes cover that prompt (or no routes)."""

@@ -167,6 +167,11 @@ def _final_chunks(raw: Any, what: str) -> Any:
             masks[index] = _joined_mask(masks.get(index, []), meta_info, f"{what} event {number}")
             if number == last[index]:
                 meta_info[SAMPLING_MASK] = masks[index]
+        elif number == last[index] and index in masks:
+            raise WireFormatError(
+                f"{what}: item {index}'s last chunk (event {number}) has no {SAMPLING_MASK}, "
+                f"expected one after the {len(masks[index])} rows of its earlier chunks"
+            )
     count = check_stream_choices(last, what)
     batched = any(isinstance(c, Mapping) and "index" in c for c in chunks)
     finals = [chunks[last[index]] for index in range(count)]
