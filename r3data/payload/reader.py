@@ -287,14 +287,31 @@ class PayloadReader:
                 ends[name] = (end, s)
         claims = list(ends.items())
         workers = 1 if self.root.local_backed else self.workers  # an open is microseconds here
-        fill_rows(partial(self._check_size, claims, keep), len(claims), workers)
+        with self.root.held() as root_fd:  # the first look at every file: one root descriptor
+            fill_rows(partial(self._check_size, claims, keep, root_fd), len(claims), workers)
 
     def _check_size(
-        self, claims: list[tuple[str, tuple[int, PayloadSegment]]], keep: OpenFiles | None, i: int
+        self,
+        claims: list[tuple[str, tuple[int, PayloadSegment]]],
+        keep: OpenFiles | None,
+        root_fd: int | None,
+        i: int,
     ) -> None:
-        """Check claim ``i``: the furthest byte any segment claims of one file."""
+        """Check claim ``i``: the furthest byte any segment claims of one file, first looked at
+        beneath ``root_fd`` (:meth:`PayloadRoot.held`); any other look finds the root afresh."""
         name, (end, s) = claims[i]
         try:
+            if root_fd is not None:  # the common case in few calls; else looked at as below
+                try:
+                    handle = self.root.open_name(name, root_fd=root_fd)
+                except OSError:  # missing, unreadable, I/O: again, with the errors' retries
+                    handle = None
+                if handle is not None:
+                    if end <= handle.size:
+                        if keep is None or not keep.put(name, handle):
+                            handle.close()
+                        return
+                    handle.close()  # short: perhaps still growing, looked at again
             delay = self.backoff
             for attempt in range(1, self.retries + 2):
                 handle = self._open_retrying(name, s)
@@ -338,6 +355,8 @@ class PayloadReader:
         handle = None if opened is None else opened.take(name)
         run = ranges
         try:
+            if len(ranges) == 1 and handle is not None and _read_whole(handle, ranges[0]):
+                return
             several = len(ranges) > 1
             if several:
                 ranges.sort(key=_offset)
@@ -481,6 +500,27 @@ def _fill_run(handle: PayloadFile, run: list[RangeRead], done: int, size: int, t
         _landed(pieces, views, got)
         done += got
     return done
+
+
+def _read_whole(handle: PayloadFile, r: RangeRead) -> bool:
+    """The common case in few calls: ``r``, one chunk at most into its own destination (one
+    no screen watches), read whole from the descriptor ``handle`` holds and checked; False,
+    nothing accounted, when it does not fit that case or the read falls short or fails (the
+    general path then reads it from the start, with its retries)."""
+    fd, dest = handle.fd, r.dest
+    if fd is None or dest is None or r.on_bytes is not None or r.nbytes > CHUNK_BYTES:
+        return False
+    try:
+        got = os.preadv(fd, [dest], r.offset)
+    except OSError:
+        return False
+    if got != r.nbytes:
+        return False
+    if r.crc is not None:
+        r.crc_running = checksum(dest)
+    r.done = got
+    _check_crc(r, handle.url)
+    return True
 
 
 def _offset(r: RangeRead) -> int:
