@@ -217,15 +217,20 @@ class PayloadReader:
 
     def read_ranges(self, ranges: Iterable[RangeRead]) -> None:
         """Read every range: files in parallel, each opened once, adjacent ranges together."""
-        jobs = self.file_jobs(ranges)
-        fill_rows(lambda i: jobs[i](), len(jobs), self.workers)
+        with self.root.held() as root_fd:  # every file's first open: one root descriptor
+            jobs = self.file_jobs(ranges, root_fd=root_fd)
+            fill_rows(lambda i: jobs[i](), len(jobs), self.workers)
 
     def file_jobs(
-        self, ranges: Iterable[RangeRead], opened: OpenFiles | None = None
+        self,
+        ranges: Iterable[RangeRead],
+        opened: OpenFiles | None = None,
+        root_fd: int | None = None,
     ) -> list[Callable[[], None]]:
         """One job per file reading its ranges, for a caller that runs them on its own pool
         alongside other work (empty ranges are done at once); a file ``opened`` kept from
-        :meth:`check_sizes` is read without opening it again."""
+        :meth:`check_sizes` is read without opening it again, any other first opened beneath
+        ``root_fd`` (:meth:`PayloadRoot.held`, held until every job has run)."""
         by_file: dict[str, list[RangeRead]] = {}
         file_bytes: dict[str, int] = {}
         # handle -> root-relative name (ranges share files; the sizes check named them already)
@@ -250,7 +255,7 @@ class PayloadReader:
         # Largest first: lanes pulling the next job then finish together (a heavy tail of file
         # sizes otherwise leaves one lane reading the biggest file alone at the end).
         order = sorted(file_bytes, key=file_bytes.__getitem__, reverse=True)
-        return [partial(self._read_file, name, by_file[name], opened) for name in order]
+        return [partial(self._read_file, name, by_file[name], opened, root_fd) for name in order]
 
     def check_sizes(
         self, segments: Iterable[PayloadSegment], keep: OpenFiles | None = None
@@ -302,10 +307,7 @@ class PayloadReader:
         name, (end, s) = claims[i]
         try:
             if root_fd is not None:  # the common case in few calls; else looked at as below
-                try:
-                    handle = self.root.open_name(name, root_fd=root_fd)
-                except OSError:  # missing, unreadable, I/O: again, with the errors' retries
-                    handle = None
+                handle = self._first_open(name, root_fd)
                 if handle is not None:
                     if end <= handle.size:
                         if keep is None or not keep.put(name, handle):
@@ -334,6 +336,14 @@ class PayloadReader:
 
     # --- reading files --------------------------------------------------------------------------
 
+    def _first_open(self, name: str, root_fd: int) -> PayloadFile | None:
+        """``name`` opened beneath ``root_fd``; None when that fails with an OS error (missing,
+        unreadable, I/O), for the caller's retrying path to open it again and say why."""
+        try:
+            return self.root.open_name(name, root_fd=root_fd)
+        except OSError:
+            return None
+
     def _open_retrying(self, name: str, s: PayloadSegment) -> Any:
         """Open ``name``; a missing file or an I/O error is retried like a short read."""
         delay, failure = self.backoff, None
@@ -349,12 +359,21 @@ class PayloadReader:
                 delay = min(2 * delay, self.max_backoff)
         raise self._failed(name, s.offset, failure, attempt)
 
-    def _read_file(self, name: str, ranges: list[RangeRead], opened: OpenFiles | None) -> None:
-        """Read ``ranges`` of one file (the one kept ``opened``, if any); a failure carries the
-        range it happened in (``exc.r3data_range``), so a caller can name what needed it."""
+    def _read_file(
+        self,
+        name: str,
+        ranges: list[RangeRead],
+        opened: OpenFiles | None,
+        root_fd: int | None = None,
+    ) -> None:
+        """Read ``ranges`` of one file (the one kept ``opened``, if any, else first opened
+        beneath ``root_fd``); a failure carries the range it happened in
+        (``exc.r3data_range``), so a caller can name what needed it."""
         handle = None if opened is None else opened.take(name)
         run = ranges
         try:
+            if handle is None and root_fd is not None:
+                handle = self._first_open(name, root_fd)
             if len(ranges) == 1 and handle is not None and _read_whole(handle, ranges[0]):
                 return
             several = len(ranges) > 1
