@@ -6,12 +6,13 @@ Roots on filesystems whose paths no such check confines (HTTP, fsspec's generic 
 are refused. On a *local-backed* root (any filesystem whose paths are OS paths:
 ``LocalFileSystem``, its subclasses, a ``DirFileSystem``, a cache or an async adapter over
 one) every open, directory and deletion then goes through the kernel: the path is opened
-relative to a fresh descriptor of the root with ``openat2(RESOLVE_BENEATH)``, which refuses
-any resolution that leaves it; what it refuses (an absolute symlink, which may still lead
-inside), what it cannot decide (``EAGAIN``: a rename anywhere on the machine raced a ``..``)
-and everything on kernels without ``openat2`` is opened plainly, and the descriptor's
-own path, symlinks resolved as the kernel holds it, must then lie inside the root's,
-so nothing is remembered that a rename or a swapped symlink could invalidate. A file is opened
+relative to a fresh descriptor of the root (or one plan's, :meth:`PayloadRoot.held`) with
+``openat2(RESOLVE_BENEATH)``, which refuses any resolution that leaves it; what it refuses
+(an absolute symlink, which may still lead inside), what it cannot decide (``EAGAIN``: a
+rename anywhere on the machine raced a ``..``) and everything on kernels without ``openat2``
+is opened plainly, and the descriptor's own path, symlinks resolved as the kernel holds it,
+must then lie inside the root's, so nothing is remembered beyond one plan that a rename or
+a swapped symlink could invalidate. A file is opened
 ``O_PATH`` first and must be a regular file before it is opened to read, so a FIFO cannot
 block a read and a device is never opened. A deletion follows no symlink at all, so that no
 file has a second name whose release deletes it. This needs Linux's ``/proc/self/fd``.

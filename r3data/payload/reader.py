@@ -8,8 +8,9 @@ checksummed and handed to the caller's ``on_bytes`` while it is still in cache. 
 concurrently on the shared pool. A read that comes up short (a file not yet fully visible on a
 network filesystem, a flaky backend) closes the file, reopens it and resumes, with doubling
 backoff, before giving up; every file is closed exactly once. Files are opened through
-:meth:`PayloadRoot.open_name` (each handle normalised once per plan), confined to the root on
-every filesystem class.
+:meth:`PayloadRoot.open_name` (each handle normalised once per plan; a plan's first opens
+beneath one root descriptor, :meth:`PayloadRoot.held`), confined to the root on every
+filesystem class.
 """
 
 from __future__ import annotations
