@@ -6,12 +6,13 @@ Roots on filesystems whose paths no such check confines (HTTP, fsspec's generic 
 are refused. On a *local-backed* root (any filesystem whose paths are OS paths:
 ``LocalFileSystem``, its subclasses, a ``DirFileSystem``, a cache or an async adapter over
 one) every open, directory and deletion then goes through the kernel: the path is opened
-relative to a fresh descriptor of the root with ``openat2(RESOLVE_BENEATH)``, which refuses
-any resolution that leaves it; what it refuses (an absolute symlink, which may still lead
-inside), what it cannot decide (``EAGAIN``: a rename anywhere on the machine raced a ``..``)
-and everything on kernels without ``openat2`` is opened plainly, and the descriptor's
-own path, symlinks resolved as the kernel holds it, must then lie inside the root's,
-so nothing is remembered that a rename or a swapped symlink could invalidate. A file is opened
+relative to a fresh descriptor of the root (or one plan's, :meth:`PayloadRoot.held`) with
+``openat2(RESOLVE_BENEATH)``, which refuses any resolution that leaves it; what it refuses
+(an absolute symlink, which may still lead inside), what it cannot decide (``EAGAIN``: a
+rename anywhere on the machine raced a ``..``) and everything on kernels without ``openat2``
+is opened plainly, and the descriptor's own path, symlinks resolved as the kernel holds it,
+must then lie inside the root's, so nothing is remembered beyond one plan that a rename or
+a swapped symlink could invalidate. A file is opened
 ``O_PATH`` first and must be a regular file before it is opened to read, so a FIFO cannot
 block a read and a device is never opened. A deletion follows no symlink at all, so that no
 file has a second name whose release deletes it. This needs Linux's ``/proc/self/fd``.
@@ -537,11 +538,14 @@ class PayloadRoot:
         """
         return self.open_name(self.relative(handle), handle)
 
-    def open_name(self, name: str, handle: str | None = None) -> PayloadFile:
+    def open_name(
+        self, name: str, handle: str | None = None, root_fd: int | None = None
+    ) -> PayloadFile:
         """:meth:`open_read` of ``name``, what :meth:`relative` made of ``handle`` (default:
         ``name`` itself), for a caller that normalised its handles once; only ever a name
         :meth:`relative` returned (on a filesystem that is not local-backed, that is the
-        confinement). ``handle`` names the file in messages."""
+        confinement). ``handle`` names the file in messages; ``root_fd``, a descriptor from
+        :meth:`held`, is the root to open it beneath (default: a fresh one)."""
         shown = name if handle is None else handle
         # url_of(name), which on a local-backed root is a join that never replaces the root
         url = self.url_of(name) if self._os_dir is None else self._os_dir + name
@@ -552,7 +556,7 @@ class PayloadRoot:
         if self._os_dir is None:
             return _open_fsspec(self.fs, posixpath.join(self.path, name), what())
         try:
-            path_fd = self._open_beneath(name, _PATH, what)
+            path_fd = self._open_beneath(name, _PATH, what, root_fd)
             try:
                 size = _regular_size(path_fd, what)
                 fd = _reopen_to_read(path_fd)
@@ -650,11 +654,33 @@ class PayloadRoot:
             self._check_plain_key(name, f"payload file {name!r}")
         return name
 
-    def _open_beneath(self, rel: str, flags: int, what: Callable[[], str]) -> int:
-        """A descriptor of ``rel`` opened with ``flags`` relative to a fresh descriptor of the
-        root, refused unless the kernel's own path of what was opened lies inside the root's
-        (``what()`` names it); the caller closes it."""
-        root_fd = os.open(self._os_path, _ROOT)
+    @contextlib.contextmanager
+    def held(self) -> Iterator[int | None]:
+        """One descriptor of the root (None when it is not local-backed) for a caller opening
+        many files at once with :meth:`open_name`: each is opened beneath the directory that
+        was the root when the descriptor was taken. Hold it for one plan's opens, never across
+        calls: a later call must find the root by its path again (a root renamed away and
+        replaced is not read), and within one plan a rename racing the opens is no different
+        from one just after them, the files being held open for the reads anyway."""
+        try:
+            root_fd = None if self._os_path is None else os.open(self._os_path, _ROOT)
+        except OSError:  # each open then finds the root afresh and says why it cannot
+            root_fd = None
+        if root_fd is None:
+            yield None
+            return
+        try:
+            yield root_fd
+        finally:
+            os.close(root_fd)
+
+    def _open_beneath(
+        self, rel: str, flags: int, what: Callable[[], str], held: int | None = None
+    ) -> int:
+        """A descriptor of ``rel`` opened with ``flags`` relative to ``held`` or else a fresh
+        descriptor of the root, refused unless the kernel's own path of what was opened lies
+        inside the root's (``what()`` names it); the caller closes it."""
+        root_fd = os.open(self._os_path, _ROOT) if held is None else held
         try:
             try:
                 fd = _openat2(root_fd, rel, flags)
@@ -678,4 +704,5 @@ class PayloadRoot:
                     raise
             return fd
         finally:
-            os.close(root_fd)
+            if held is None:
+                os.close(root_fd)

@@ -8,8 +8,9 @@ checksummed and handed to the caller's ``on_bytes`` while it is still in cache. 
 concurrently on the shared pool. A read that comes up short (a file not yet fully visible on a
 network filesystem, a flaky backend) closes the file, reopens it and resumes, with doubling
 backoff, before giving up; every file is closed exactly once. Files are opened through
-:meth:`PayloadRoot.open_name` (each handle normalised once per plan), confined to the root on
-every filesystem class.
+:meth:`PayloadRoot.open_name` (each handle normalised once per plan; a plan's first opens
+beneath one root descriptor, :meth:`PayloadRoot.held`), confined to the root on every
+filesystem class.
 """
 
 from __future__ import annotations
@@ -217,15 +218,20 @@ class PayloadReader:
 
     def read_ranges(self, ranges: Iterable[RangeRead]) -> None:
         """Read every range: files in parallel, each opened once, adjacent ranges together."""
-        jobs = self.file_jobs(ranges)
-        fill_rows(lambda i: jobs[i](), len(jobs), self.workers)
+        with self.root.held() as root_fd:  # every file's first open: one root descriptor
+            jobs = self.file_jobs(ranges, root_fd=root_fd)
+            fill_rows(lambda i: jobs[i](), len(jobs), self.workers)
 
     def file_jobs(
-        self, ranges: Iterable[RangeRead], opened: OpenFiles | None = None
+        self,
+        ranges: Iterable[RangeRead],
+        opened: OpenFiles | None = None,
+        root_fd: int | None = None,
     ) -> list[Callable[[], None]]:
         """One job per file reading its ranges, for a caller that runs them on its own pool
         alongside other work (empty ranges are done at once); a file ``opened`` kept from
-        :meth:`check_sizes` is read without opening it again."""
+        :meth:`check_sizes` is read without opening it again, any other first opened beneath
+        ``root_fd`` (:meth:`PayloadRoot.held`, held until every job has run)."""
         by_file: dict[str, list[RangeRead]] = {}
         file_bytes: dict[str, int] = {}
         # handle -> root-relative name (ranges share files; the sizes check named them already)
@@ -250,7 +256,7 @@ class PayloadReader:
         # Largest first: lanes pulling the next job then finish together (a heavy tail of file
         # sizes otherwise leaves one lane reading the biggest file alone at the end).
         order = sorted(file_bytes, key=file_bytes.__getitem__, reverse=True)
-        return [partial(self._read_file, name, by_file[name], opened) for name in order]
+        return [partial(self._read_file, name, by_file[name], opened, root_fd) for name in order]
 
     def check_sizes(
         self, segments: Iterable[PayloadSegment], keep: OpenFiles | None = None
@@ -287,14 +293,28 @@ class PayloadReader:
                 ends[name] = (end, s)
         claims = list(ends.items())
         workers = 1 if self.root.local_backed else self.workers  # an open is microseconds here
-        fill_rows(partial(self._check_size, claims, keep), len(claims), workers)
+        with self.root.held() as root_fd:  # the first look at every file: one root descriptor
+            fill_rows(partial(self._check_size, claims, keep, root_fd), len(claims), workers)
 
     def _check_size(
-        self, claims: list[tuple[str, tuple[int, PayloadSegment]]], keep: OpenFiles | None, i: int
+        self,
+        claims: list[tuple[str, tuple[int, PayloadSegment]]],
+        keep: OpenFiles | None,
+        root_fd: int | None,
+        i: int,
     ) -> None:
-        """Check claim ``i``: the furthest byte any segment claims of one file."""
+        """Check claim ``i``: the furthest byte any segment claims of one file, first looked at
+        beneath ``root_fd`` (:meth:`PayloadRoot.held`); any other look finds the root afresh."""
         name, (end, s) = claims[i]
         try:
+            if root_fd is not None:  # the common case in few calls; else looked at as below
+                handle = self._first_open(name, root_fd)
+                if handle is not None:
+                    if end <= handle.size:
+                        if keep is None or not keep.put(name, handle):
+                            handle.close()
+                        return
+                    handle.close()  # short: perhaps still growing, looked at again
             delay = self.backoff
             for attempt in range(1, self.retries + 2):
                 handle = self._open_retrying(name, s)
@@ -317,6 +337,14 @@ class PayloadReader:
 
     # --- reading files --------------------------------------------------------------------------
 
+    def _first_open(self, name: str, root_fd: int) -> PayloadFile | None:
+        """``name`` opened beneath ``root_fd``; None when that fails with an OS error (missing,
+        unreadable, I/O), for the caller's retrying path to open it again and say why."""
+        try:
+            return self.root.open_name(name, root_fd=root_fd)
+        except OSError:
+            return None
+
     def _open_retrying(self, name: str, s: PayloadSegment) -> Any:
         """Open ``name``; a missing file or an I/O error is retried like a short read."""
         delay, failure = self.backoff, None
@@ -332,12 +360,23 @@ class PayloadReader:
                 delay = min(2 * delay, self.max_backoff)
         raise self._failed(name, s.offset, failure, attempt)
 
-    def _read_file(self, name: str, ranges: list[RangeRead], opened: OpenFiles | None) -> None:
-        """Read ``ranges`` of one file (the one kept ``opened``, if any); a failure carries the
-        range it happened in (``exc.r3data_range``), so a caller can name what needed it."""
+    def _read_file(
+        self,
+        name: str,
+        ranges: list[RangeRead],
+        opened: OpenFiles | None,
+        root_fd: int | None = None,
+    ) -> None:
+        """Read ``ranges`` of one file (the one kept ``opened``, if any, else first opened
+        beneath ``root_fd``); a failure carries the range it happened in
+        (``exc.r3data_range``), so a caller can name what needed it."""
         handle = None if opened is None else opened.take(name)
         run = ranges
         try:
+            if handle is None and root_fd is not None:
+                handle = self._first_open(name, root_fd)
+            if len(ranges) == 1 and handle is not None and _read_whole(handle, ranges[0]):
+                return
             several = len(ranges) > 1
             if several:
                 ranges.sort(key=_offset)
@@ -481,6 +520,27 @@ def _fill_run(handle: PayloadFile, run: list[RangeRead], done: int, size: int, t
         _landed(pieces, views, got)
         done += got
     return done
+
+
+def _read_whole(handle: PayloadFile, r: RangeRead) -> bool:
+    """The common case in few calls: ``r``, one chunk at most into its own destination (one
+    no screen watches), read whole from the descriptor ``handle`` holds and checked; False,
+    nothing accounted, when it does not fit that case or the read falls short or fails (the
+    general path then reads it from the start, with its retries)."""
+    fd, dest = handle.fd, r.dest
+    if fd is None or dest is None or r.on_bytes is not None or r.nbytes > CHUNK_BYTES:
+        return False
+    try:
+        got = os.preadv(fd, [dest], r.offset)
+    except OSError:
+        return False
+    if got != r.nbytes:
+        return False
+    if r.crc is not None:
+        r.crc_running = checksum(dest)
+    r.done = got
+    _check_crc(r, handle.url)
+    return True
 
 
 def _offset(r: RangeRead) -> int:

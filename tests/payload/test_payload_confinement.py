@@ -22,6 +22,7 @@ import r3data.payload.reader as reader_module
 from r3data.cli import main
 from r3data.errors import (
     PayloadHandleError,
+    PayloadNotFoundError,
     PayloadPermissionError,
     PayloadReadError,
     PayloadWriteError,
@@ -34,6 +35,7 @@ from r3data.payload import (
     inspect,
     verify,
 )
+from r3data.payload.reader import OpenFiles
 
 ROUTES = np.arange(64 * 48 * 8, dtype=np.uint32).astype(np.uint8).reshape(64, 48, 8)
 
@@ -106,6 +108,24 @@ def test_a_version_directory_swapped_for_a_symlink_is_refused_by_the_same_reader
     (base / "v2").symlink_to(outside)
     with pytest.raises(PayloadHandleError, match="outside the root"):
         reader.read([s])
+
+
+def test_the_sizes_check_finds_the_root_by_its_path_on_every_call(tmp_path):
+    """One root descriptor serves one call's opens (``PayloadRoot.held``), never the next: a
+    root renamed away and replaced between calls is looked up again, its old tree not read."""
+    root = tmp_path / "payloads"
+    s = PayloadWriter(root).write(0, {"routes": ROUTES})[0]
+    reader = PayloadReader(root, retries=0)
+    kept = OpenFiles()
+    reader.check_sizes([s], kept)
+    kept.close()
+    root.rename(tmp_path / "old")
+    root.mkdir()  # the same path, another directory, without the file
+    with pytest.raises(PayloadNotFoundError):
+        reader.check_sizes([s], OpenFiles())
+    (tmp_path / "old").rename(tmp_path / "gone")  # the old root moves again: still not read
+    with pytest.raises(PayloadNotFoundError):
+        reader.check_sizes([s], OpenFiles())
 
 
 @pytest.mark.parametrize("kind", LOCAL_CLASSES)

@@ -56,9 +56,9 @@ def test_one_open_per_file_however_handles_spell_it(tmp_path):
     opened: list[str] = []
     real_open = reader.root.open_name
 
-    def counting_open(name: str, handle: str | None = None):
+    def counting_open(name: str, handle: str | None = None, root_fd: int | None = None):
         opened.append(name)
-        return real_open(name, handle)
+        return real_open(name, handle, root_fd)
 
     reader.root.open_name = counting_open  # type: ignore[method-assign]
     half = s.rows // 2
