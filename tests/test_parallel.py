@@ -152,10 +152,11 @@ def test_the_machines_own_count_is_read_again_only_after_its_ttl(monkeypatch):
     assert len(reads) == 2
 
 
-def test_the_quota_of_the_process_own_cgroup_and_its_parents_counts(tmp_path):
+def test_the_quota_of_the_process_own_cgroup_and_its_parents_counts(tmp_path, monkeypatch):
     """Without a cgroup namespace (a systemd service's CPUQuota=, a batch job's step, a
     container runtime sharing the host's view) the process sits below the mount's root, whose
     cpu.max does not exist or says max: only the root's quota was read."""
+    monkeypatch.setattr(parallel, "_affinity_cpus", lambda: 8)  # a quota of 1 must show
     own = cgroup(tmp_path, {"self": "0::/system.slice/trainer.service\n"}) / "self"
     service = {"cpu.max": "max 100000", "system.slice/cpu.max": "max 100000"}
     service["system.slice/trainer.service/cpu.max"] = "50000 100000"
@@ -176,5 +177,5 @@ def test_the_quota_of_the_process_own_cgroup_and_its_parents_counts(tmp_path):
     assert permitted_cpus(v1, self_cgroup=own_v1 / "self-v1") == 1
     # a path the mount does not show (it is the container's own cgroup): its root counts
     moved = cgroup(tmp_path, {"self-moved": "0::/docker/abc\n"}) / "self-moved"
-    assert permitted_cpus(tmp_path / "a", self_cgroup=moved) == AFFINITY
-    assert permitted_cpus(tmp_path / "a", self_cgroup=tmp_path / "absent") == AFFINITY
+    assert permitted_cpus(tmp_path / "a", self_cgroup=moved) == 8
+    assert permitted_cpus(tmp_path / "a", self_cgroup=tmp_path / "absent") == 8
