@@ -17,23 +17,26 @@ from r3data.errors import PackedError
 from r3data.ragged import DEFAULT_MAX_CELLS, check_cells
 from r3data.segmented import Segmented, check_count, pick_indices
 from r3data.tensor_buffer import as_tensor, bit_view, rebuild_tensor, tensor_buffer
-from r3data.validate import checked_fill, checked_int
+from r3data.validate import INT64_MAX, checked_fill, checked_int
 
 Side = Literal["left", "right"]
 
 
-def _host_offsets(cu_seqlens: Any) -> np.ndarray:
-    """Host int64 copy of offsets given as a tensor, array or sequence (reads a device tensor once)."""
-    if isinstance(cu_seqlens, torch.Tensor):
-        if cu_seqlens.dtype.is_floating_point or cu_seqlens.dtype == torch.bool:
-            raise PackedError(f"cu_seqlens must hold integers, found dtype {cu_seqlens.dtype}")
-        cu_seqlens = cu_seqlens.detach().cpu().numpy()
-    offsets = np.asarray(cu_seqlens)
-    if offsets.dtype.kind not in "iu" and not (offsets.size == 0 and offsets.dtype.kind == "f"):
-        raise PackedError(f"cu_seqlens must hold integers, found dtype {offsets.dtype}")
-    if offsets.ndim != 1:
-        raise PackedError(f"cu_seqlens must be 1-D, found shape {tuple(offsets.shape)}")
-    return offsets.astype(np.int64)
+def _host_offsets(values: Any, name: str = "cu_seqlens") -> np.ndarray:
+    """Host int64 copy of offsets (or lengths: ``name``) given as a tensor, array or sequence
+    (reads a device tensor once)."""
+    if isinstance(values, torch.Tensor):
+        if values.dtype.is_floating_point or values.dtype == torch.bool:
+            raise PackedError(f"{name} must hold integers, found dtype {values.dtype}")
+        values = values.detach().cpu().numpy()
+    found = np.asarray(values)
+    if found.dtype.kind not in "iu" and not (found.size == 0 and found.dtype.kind == "f"):
+        raise PackedError(f"{name} must hold integers, found dtype {found.dtype}")
+    if found.ndim != 1:
+        raise PackedError(f"{name} must be 1-D, found shape {tuple(found.shape)}")
+    if found.dtype.kind == "u" and found.size and int(found.max()) > INT64_MAX:  # would wrap
+        raise PackedError(f"{name} must be at most 2**63 - 1, found {int(found.max())}")
+    return found.astype(np.int64)
 
 
 def _validate_offsets(offsets: np.ndarray, total_rows: int) -> None:
@@ -57,7 +60,7 @@ def _validate_offsets(offsets: np.ndarray, total_rows: int) -> None:
 
 
 def _offsets_from_lengths(lengths: Any) -> np.ndarray:
-    lengths = _host_offsets(lengths)
+    lengths = _host_offsets(lengths, "lengths")
     if lengths.size and lengths.min() < 0:
         raise PackedError(f"lengths must be >= 0, found {int(lengths.min())}")
     offsets = np.concatenate(([0], np.cumsum(lengths, dtype=np.int64)))

@@ -16,7 +16,10 @@ import torch
 
 from r3data.errors import ConfigError, R3DataError
 
-__all__ = ["checked_fill", "checked_int", "nonnegative_int", "slice_bounds"]
+INT64_MAX = int(np.iinfo(np.int64).max)
+"""The largest count, length or offset r3data keeps (host offsets are int64)."""
+
+__all__ = ["INT64_MAX", "checked_fill", "checked_int", "nonnegative_int", "slice_bounds"]
 
 
 def checked_int(

@@ -316,3 +316,16 @@ def test_lengths_whose_sum_wraps_around_int64_are_named():
     -9223372036854775805", as if the lengths had summed to that."""
     with pytest.raises(PackedError, match=r"lengths must sum to at most 2\*\*63 - 1 rows"):
         PackedTensor.from_lengths(torch.zeros(3), [2**62, 2**62, 3])
+
+
+def test_uint64_lengths_or_offsets_past_int64_are_named_not_wrapped():
+    """2**63 as uint64 became -2**63 on the cast: 'lengths must be >= 0, found -9223...'."""
+    big = np.array([1, 2**63], dtype=np.uint64)
+    with pytest.raises(
+        PackedError, match=r"lengths must be at most 2\*\*63 - 1, found 9223372036854775808"
+    ):
+        PackedTensor.from_lengths(torch.zeros(1), big)
+    with pytest.raises(PackedError, match=r"cu_seqlens must be at most 2\*\*63 - 1, found 9223"):
+        PackedTensor(torch.zeros(1), np.array([0, 2**63], dtype=np.uint64))
+    with pytest.raises(PackedError, match="lengths must hold integers, found dtype float64"):
+        PackedTensor.from_lengths(torch.zeros(1), np.array([1.0]))

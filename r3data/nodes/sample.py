@@ -24,6 +24,7 @@ from r3data.nodes.options import TraceOptions
 from r3data.trace import Trace, TraceBuilder
 from r3data.trace.builder import FieldInfo, Source
 from r3data.trace.stitch import NO_RAGGED_ROWS
+from r3data.validate import INT64_MAX
 from r3data.wire.producers import decode_source
 from r3data.wire.rows import EncodedRows, InlineRows
 from r3data.wire.segment import PayloadSegment
@@ -61,7 +62,6 @@ def _get(obj: Any, name: str, alias: str | None = None) -> Any:
     return None
 
 
-_INT64_MAX = np.iinfo(np.int64).max
 _ALL_TRUE = np.ones(1, bool)
 """The loss mask of a sample without one is this, repeated (a new writable array)."""
 _KINDS = {np.int64: "iu", bool: "biu", np.float32: "biuf"}
@@ -85,7 +85,7 @@ def _vector(name: str, value: Any, length: int | None, dtype: Any) -> np.ndarray
         raise TraceError(f"{name} must be {expected}, found dtype {array.dtype}{found}")
     if array.ndim != 1 or (length is not None and array.shape[0] != length):
         raise TraceError(f"{name} must be 1-D with {length} entries, found shape {array.shape}")
-    if dtype is np.int64 and array.dtype == np.uint64 and array.size and array.max() > _INT64_MAX:
+    if dtype is np.int64 and array.dtype == np.uint64 and array.size and array.max() > INT64_MAX:
         raise TraceError(f"{name} must be integers that fit int64, found {array.max()}")
     return array.astype(dtype, copy=False)
 
