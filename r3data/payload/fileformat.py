@@ -157,7 +157,12 @@ def read_header(f: BinaryIO, file: str) -> PayloadHeader:
     size = f.seek(0, 2)
     f.seek(0)
     prefix = f.read(PREFIX.size)
-    if len(prefix) < PREFIX.size or not prefix.startswith(MAGIC):
+    if prefix.startswith(MAGIC) and len(prefix) < PREFIX.size:
+        raise PayloadFormatError(
+            f"{file}: expected an r3data payload header of at least {PREFIX.size} bytes after "
+            f"its magic {MAGIC!r}, found a {size}-byte file (cut short)"
+        )
+    if not prefix.startswith(MAGIC):
         raise PayloadFormatError(
             f"{file}: expected an r3data payload header starting with {MAGIC!r}, found "
             f"{prefix[: len(MAGIC)]!r} (a headerless raw file can only be read through segments)"

@@ -67,6 +67,7 @@ def test_inspect_refuses_headerless_and_missing_files(tmp_path):
         (16, struct.pack("<Q", MAX_TABLE_BYTES + 1), None, "table claims"),
         (30, b"#", None, "table checksum mismatch"),
         (0, b"", 40, "table claims"),
+        (0, b"", 12, r"header of at least 24 bytes after its magic .*12-byte file \(cut short\)"),
         (0, b"", 600, r"field 'routes' claims bytes"),
     ],
 )
