@@ -216,3 +216,9 @@ def test_routes_under_both_nvext_keys_must_be_the_same_envelope():
     stream = _stream(_chunk(0, "length") | {"nvext": both})
     with pytest.raises(WireFormatError, match=r"engine_data.routed_experts differs"):
         _decode(stream)
+
+
+def test_the_sglang_workers_string_is_named_a_string_from_a_raw_body_too():
+    raw = orjson.dumps(_body("AAAAAAAAAAA="))
+    with pytest.raises(WireFormatError, match=r"dtype\} .*, found str;"):
+        _decode(raw)

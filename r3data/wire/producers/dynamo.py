@@ -231,7 +231,10 @@ class DynamoVllmFormat(ProducerFormat):
         if envelope is None:
             return ChoiceRows(choice.index, (), (what,))
         if not isinstance(envelope, Mapping) or not all(k in envelope for k in ENVELOPE_KEYS):
-            found = list(envelope)[:8] if isinstance(envelope, Mapping) else type(envelope).__name__
+            if isinstance(envelope, Mapping):
+                found: object = list(envelope)[:8]
+            else:  # a spliced body's string is a Blob
+                found = "str" if isinstance(envelope, Blob) else type(envelope).__name__
             raise WireFormatError(
                 f"{what}: expected {{{', '.join(ENVELOPE_KEYS)}}} (Dynamo's vLLM worker from PR "
                 f"#10529), found {found}; earlier builds' base85 {{data, shape}} is not read"
