@@ -180,3 +180,45 @@ def test_the_loader_reads_a_dynamo_source():
     routes = batch["routed_experts"].values.numpy()
     np.testing.assert_array_equal(routes[: P + C - 1], np.asarray(want["rows"]))
     assert batch["routed_experts_valid"].values.numpy().tolist() == [True] * (P + C - 1) + [False]
+
+
+def test_an_envelope_without_a_start_is_refused_not_read_from_position_0():
+    """The worker always sends ``int(start)``: a null start would place the rows at 0 (with
+    the lengths unknown nothing else checks it)."""
+    body = _body(_envelope(start=None), usage=(None, None))
+    for raw in (body, orjson.dumps(body), load_packed_body(orjson.dumps(body), DYNAMO.spliced)):
+        with pytest.raises(WireFormatError, match=r"routed_experts.start: expected an int >= 0"):
+            _decode(raw)
+
+
+def test_routes_under_both_nvext_keys_must_be_the_same_envelope():
+    """The frontend copies one ``engine_data.routed_experts`` into ``nvext.routed_experts``:
+    two that differ are not Dynamo's, and either could be the wrong rows."""
+    same = _body(_envelope(), engine_data={"routed_experts": _envelope(), "x": 1})
+    raw = orjson.dumps(same)
+    for body in (same, raw, load_packed_body(raw, DYNAMO.spliced)):
+        ((rows,),) = [_decode(body)[0].sources]
+        assert (rows.pos, rows.rows) == (0, 6)
+    other = np.full(48, 7, np.uint8)
+    moved = _envelope(5, start=1)  # the same rows count for the lengths, a different start
+    differ = [
+        _envelope() | {"data": base64.b64encode(other.tobytes()).decode()},
+        moved,
+        _envelope(dtype="uint16", rows=3) | {"shape": [6, 4, 1]},
+    ]
+    for theirs in differ:
+        body = _body(_envelope(), engine_data={"routed_experts": theirs})
+        raw = orjson.dumps(body)
+        for doc in (body, raw, load_packed_body(raw, DYNAMO.spliced)):
+            with pytest.raises(WireFormatError, match=r"engine_data.routed_experts differs"):
+                _decode(doc)
+    both = {"routed_experts": _envelope(), "engine_data": {"routed_experts": moved}}
+    stream = _stream(_chunk(0, "length") | {"nvext": both})
+    with pytest.raises(WireFormatError, match=r"engine_data.routed_experts differs"):
+        _decode(stream)
+
+
+def test_the_sglang_workers_string_is_named_a_string_from_a_raw_body_too():
+    raw = orjson.dumps(_body("AAAAAAAAAAA="))
+    with pytest.raises(WireFormatError, match=r"dtype\} .*, found str;"):
+        _decode(raw)

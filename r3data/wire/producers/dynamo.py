@@ -40,6 +40,7 @@ import orjson
 
 from r3data.errors import WireFormatError
 from r3data.validate import nonnegative_int
+from r3data.wire.blob import Blob
 from r3data.wire.dtypes import compact_route_dtype
 from r3data.wire.producers.base import (
     ROUTES_FIELD,
@@ -70,10 +71,29 @@ _ROUTED = ("r3data", "dynamo routes by choice")
 """Key of an assembled stream (no JSON key can be it): each choice's envelope, by index."""
 
 
-def _nvext_routes(doc: object, what: str) -> object:
+def _same_value(a: object, b: object) -> bool:
+    """Whether two parsed JSON values are the same: a spliced blob by its characters (its
+    ``what`` names its offset), a decoded one by dtype, shape and bytes."""
+    if isinstance(a, Mapping) and isinstance(b, Mapping):
+        return a.keys() == b.keys() and all(_same_value(a[k], b[k]) for k in a)
+    if isinstance(a, Blob) or isinstance(b, Blob):
+        return isinstance(a, Blob) and isinstance(b, Blob) and a.chars == b.chars
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        return (
+            isinstance(a, np.ndarray)
+            and isinstance(b, np.ndarray)
+            and a.dtype == b.dtype
+            and a.shape == b.shape
+            and bool(np.array_equal(a, b))
+        )
+    return type(a) is type(b) and a == b
+
+
+def _nvext_routes(doc: object, what: str, *, compare: bool = True) -> object:
     """The envelope of a response's (or chunk's) ``nvext``: ``routed_experts``, else
     ``engine_data.routed_experts`` (the same object, sent when only ``engine_data`` was
-    asked for); None when neither is there."""
+    asked for); None when neither is there. Where both are sent they must be the same
+    (``compare``): the frontend copies the one into the other."""
     nvext = doc.get(NVEXT) if isinstance(doc, Mapping) else None
     if nvext is None:
         return None
@@ -83,14 +103,20 @@ def _nvext_routes(doc: object, what: str) -> object:
         )
     routes = nvext.get(ROUTES_FIELD)
     engine_data = nvext.get("engine_data")
-    if routes is None and isinstance(engine_data, Mapping):
-        routes = engine_data.get(ROUTES_FIELD)
+    copied = engine_data.get(ROUTES_FIELD) if isinstance(engine_data, Mapping) else None
+    if routes is None:
+        return copied
+    if compare and copied is not None and not _same_value(routes, copied):
+        raise WireFormatError(
+            f"{what}: {NVEXT}.engine_data.{ROUTES_FIELD} differs from {NVEXT}.{ROUTES_FIELD}; "
+            f"expected the same envelope (Dynamo's frontend copies the one into the other)"
+        )
     return routes
 
 
 def _sends_envelope(doc: object) -> bool:
     try:
-        routes = _nvext_routes(doc, "body")
+        routes = _nvext_routes(doc, "body", compare=False)
     except WireFormatError:
         return False
     return isinstance(routes, Mapping) and "data" in routes and "shape" in routes
@@ -205,11 +231,16 @@ class DynamoVllmFormat(ProducerFormat):
         if envelope is None:
             return ChoiceRows(choice.index, (), (what,))
         if not isinstance(envelope, Mapping) or not all(k in envelope for k in ENVELOPE_KEYS):
-            found = list(envelope)[:8] if isinstance(envelope, Mapping) else type(envelope).__name__
+            if isinstance(envelope, Mapping):
+                found: object = list(envelope)[:8]
+            else:  # a spliced body's string is a Blob
+                found = "str" if isinstance(envelope, Blob) else type(envelope).__name__
             raise WireFormatError(
                 f"{what}: expected {{{', '.join(ENVELOPE_KEYS)}}} (Dynamo's vLLM worker from PR "
                 f"#10529), found {found}; earlier builds' base85 {{data, shape}} is not read"
             )
+        # the worker sends int(start): a null one would read as position 0
+        nonnegative_int(f"{what}.start", envelope["start"], WireFormatError)
         one_choice = len(choice.response["choices"]) == 1
         found = _lengths(choice.response, what) if one_choice else (None, None)
         prompt, completion = choice.placed(what, found)

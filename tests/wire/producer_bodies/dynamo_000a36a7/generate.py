@@ -25,7 +25,7 @@ Run with any numpy (no Dynamo needed: its serializers are reproduced here):
 
 It writes ``<case>.body`` and ``expected.json`` (per choice: prompt and completion lengths,
 start, rows, dtype; ``refused`` for a body no decoder may read), which
-tests/wire/test_wire_producers_dynamo_bytes.py reads.
+tests/wire/test_wire_producers_dynamo.py reads.
 """
 
 import base64
