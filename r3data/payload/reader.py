@@ -307,17 +307,9 @@ class PayloadReader:
         beneath ``root_fd`` (:meth:`PayloadRoot.held`); any other look finds the root afresh."""
         name, (end, s) = claims[i]
         try:
-            if root_fd is not None:  # the common case in few calls; else looked at as below
-                handle = self._first_open(name, root_fd)
-                if handle is not None:
-                    if end <= handle.size:
-                        if keep is None or not keep.put(name, handle):
-                            handle.close()
-                        return
-                    handle.close()  # short: perhaps still growing, looked at again
             delay = self.backoff
             for attempt in range(1, self.retries + 2):
-                handle = self._open_retrying(name, s)
+                handle = self._open_retrying(name, s, root_fd if attempt == 1 else None)
                 size, url = handle.size, handle.url
                 if end <= size and keep is not None and keep.put(name, handle):
                     return
@@ -337,20 +329,13 @@ class PayloadReader:
 
     # --- reading files --------------------------------------------------------------------------
 
-    def _first_open(self, name: str, root_fd: int) -> PayloadFile | None:
-        """``name`` opened beneath ``root_fd``; None when that fails with an OS error (missing,
-        unreadable, I/O), for the caller's retrying path to open it again and say why."""
-        try:
-            return self.root.open_name(name, root_fd=root_fd)
-        except OSError:
-            return None
-
-    def _open_retrying(self, name: str, s: PayloadSegment) -> Any:
-        """Open ``name``; a missing file or an I/O error is retried like a short read."""
+    def _open_retrying(self, name: str, s: PayloadSegment, root_fd: int | None = None) -> Any:
+        """Open ``name`` (first beneath ``root_fd``, if given; any other attempt finds the root
+        by its path); a missing file or an I/O error is retried like a short read."""
         delay, failure = self.backoff, None
         for attempt in range(1, self.retries + 2):
             try:
-                return self.root.open_name(name)
+                return self.root.open_name(name, root_fd=root_fd if attempt == 1 else None)
             except PermissionError as exc:
                 raise self._denied(name, exc) from exc
             except OSError as exc:
@@ -373,15 +358,11 @@ class PayloadReader:
         handle = None if opened is None else opened.take(name)
         run = ranges
         try:
-            if handle is None and root_fd is not None:
-                handle = self._first_open(name, root_fd)
-            if len(ranges) == 1 and handle is not None and _read_whole(handle, ranges[0]):
-                return
             several = len(ranges) > 1
             if several:
                 ranges.sort(key=_offset)
             for run in _runs(ranges) if several else (ranges,):
-                handle = self._read_run(name, handle, run)
+                handle = self._read_run(name, handle, run, root_fd)
         except Exception as exc:
             if getattr(exc, "r3data_range", None) is None:  # a short read: the range it cut
                 exc.r3data_range = next((r for r in run if r.done < r.nbytes), run[0])  # type: ignore[attr-defined]
@@ -390,20 +371,30 @@ class PayloadReader:
             if handle is not None:
                 handle.close()
 
-    def _read_run(self, name: str, handle: PayloadFile | None, run: list[RangeRead]) -> Any:
-        """Read one run completely, reopening and backing off on a short read or I/O error.
-        Returns the open file (the caller closes it); on any failure it is already closed
-        (a close is idempotent: a descriptor is closed exactly once)."""
-        total = run[0].nbytes if len(run) == 1 else sum(r.nbytes for r in run)
+    def _read_run(
+        self, name: str, handle: PayloadFile | None, run: list[RangeRead], root_fd: int | None
+    ) -> Any:
+        """Read one run completely, reopening and backing off on a short read or I/O error
+        (``handle`` when given, else first opened beneath ``root_fd``, if given; every reopen
+        finds the root by its path). Returns the open file (the caller closes it); on any
+        failure it is already closed (a close is idempotent: a descriptor is closed exactly
+        once)."""
+        one = len(run) == 1
+        total = run[0].nbytes if one else sum(r.nbytes for r in run)
         done, size, failure, delay = 0, None, None, self.backoff
         try:
             for attempt in range(1, self.retries + 2):
                 failure = None
                 try:
                     if handle is None:
-                        handle = self.root.open_name(name)
+                        handle = self.root.open_name(
+                            name, root_fd=root_fd if attempt == 1 else None
+                        )
                     size = handle.size
-                    done = _fill_run(handle, run, done, size, total)
+                    if attempt == 1 and one and _read_whole(handle, run[0]):
+                        done = total
+                    else:
+                        done = _fill_run(handle, run, done, size, total)
                 except PermissionError as exc:
                     raise self._denied(name, exc) from exc
                 except OSError as exc:
@@ -523,12 +514,15 @@ def _fill_run(handle: PayloadFile, run: list[RangeRead], done: int, size: int, t
 
 
 def _read_whole(handle: PayloadFile, r: RangeRead) -> bool:
-    """The common case in few calls: ``r``, one chunk at most into its own destination (one
-    no screen watches), read whole from the descriptor ``handle`` holds and checked; False,
-    nothing accounted, when it does not fit that case or the read falls short or fails (the
-    general path then reads it from the start, with its retries)."""
+    """The common case in few calls: ``r``, one chunk at most filling its own destination
+    (one no screen watches), read whole from the descriptor ``handle`` holds and checksummed
+    (the caller checks it); False, nothing accounted, when it does not fit that case or the
+    read falls short or fails (the general path then reads it from the start, on the same
+    attempt)."""
     fd, dest = handle.fd, r.dest
     if fd is None or dest is None or r.on_bytes is not None or r.nbytes > CHUNK_BYTES:
+        return False
+    if dest.nbytes != r.nbytes:  # the caller's bytes past the range: never written
         return False
     try:
         got = os.preadv(fd, [dest], r.offset)
@@ -539,7 +533,6 @@ def _read_whole(handle: PayloadFile, r: RangeRead) -> bool:
     if r.crc is not None:
         r.crc_running = checksum(dest)
     r.done = got
-    _check_crc(r, handle.url)
     return True
 
 
