@@ -126,8 +126,8 @@ def _is_routes(segment: PayloadSegment) -> bool:
 def _read_routes(
     fs: AbstractFileSystem, path: str, segments: list[PayloadSegment]
 ) -> list[np.ndarray]:
-    """The rows of every route-like field of the payload file at ``path`` that the loader would
-    keep (no negative id)."""
+    """The rows of every route-like field of the payload file at ``path`` that the loader's
+    screen keeps (see :func:`_kept`)."""
     reader = PayloadReader(posixpath.dirname(path) or ".", fs=fs)
     wanted = [replace(s, file=posixpath.basename(path)) for s in segments if _is_routes(s)]
     return [_kept(reader.read([s])[s.field]) for s in wanted]

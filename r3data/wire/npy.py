@@ -84,7 +84,11 @@ def parse_npy_header(
     extents = dims.split(b",")  # only the last can be blank: "(7,)" or "()"
     if not extents[-1].strip():
         extents.pop()
-    return _descr_dtype(descr, allowed), tuple(map(int, extents)), fortran == b"True", offset
+    try:
+        dtype = _descr_dtype(descr, allowed)
+    except WireFormatError as err:
+        raise WireFormatError(f"{what}: .npy header descr: {err}") from None
+    return dtype, tuple(map(int, extents)), fortran == b"True", offset
 
 
 @lru_cache(maxsize=64)

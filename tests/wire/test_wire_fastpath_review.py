@@ -538,6 +538,16 @@ def test_a_non_utf8_npy_descr_is_a_wire_format_error(descr, encoded):
         npy_routes("routed_experts", value, pos=0, meta=None, what="npy")
 
 
+@pytest.mark.parametrize("encoded", [False, True])
+def test_a_npy_descr_no_route_dtype_is_named_with_its_field(encoded):
+    """A float ``.npy`` blob is refused naming the field it came in (the message named only
+    the dtypes)."""
+    raw = _npy_file(b"{'descr': '<f8', 'fortran_order': False, 'shape': (2, 2, 2), }")
+    value = pybase64.b64encode(raw).decode() if encoded else raw
+    with pytest.raises(WireFormatError, match=r"^vllm choices\[0\]: .npy header descr: .*float64"):
+        npy_routes("routed_experts", value, pos=0, meta=None, what="vllm choices[0]")
+
+
 # --- helpers -------------------------------------------------------------------------------
 
 
