@@ -39,6 +39,7 @@ from r3data.wire import (
     vllm_routes,
 )
 from r3data.wire.producers import FORMATS, EngineRequest, Lengths, detect, producer_format
+from r3data.wire.producers.base import ProducerFormat
 
 SETTINGS = settings(max_examples=30, deadline=None)
 
@@ -478,3 +479,48 @@ def test_docs_list_every_format():
     text = (Path(__file__).resolve().parents[2] / "docs" / "formats.md").read_text()
     for name in FORMATS:
         assert f"`{name}`" in text, name
+
+
+STREAMING = (
+    "vllm",
+    "sglang",
+    "sglang-0.5.7",
+    "sglang-openai",
+    "sglang-openai-0.5.9",
+    "dynamo-vllm",
+)
+SSE_BODY = b'data: {"choices": []}\n\ndata: [DONE]\n\n'
+
+
+@pytest.mark.parametrize("name", STREAMING)
+def test_streaming_formats_state_only_their_assembler(name: str) -> None:
+    """A streaming format names its stream assembler; the base parse dispatches to it."""
+    entry = FORMATS[name]
+    assert type(entry).parse is ProducerFormat.parse
+    assert entry.stream_assembler is not None
+
+
+def test_parse_hands_only_a_stream_to_the_assembler() -> None:
+    """``parse``: a server-sent-event body goes to ``stream_assembler`` (named '<name>
+    stream'); any other body, or any body of a format with no assembler, is parsed plainly."""
+    calls: list[tuple[bytes, str]] = []
+
+    def assemble(raw: bytes, what: str) -> dict[str, str]:
+        calls.append((raw, what))
+        return {"assembled": what}
+
+    class Streaming(ProducerFormat):
+        name = "streaming-test"
+        spliced = ("routed_experts",)
+        stream_assembler = staticmethod(assemble)
+
+    class Plain(ProducerFormat):
+        name = "plain-test"
+        spliced = ("routed_experts",)
+
+    assert Streaming().parse(SSE_BODY) == {"assembled": "streaming-test stream"}
+    assert calls == [(SSE_BODY, "streaming-test stream")]
+    assert Streaming().parse(b'{"a": 1}') == {"a": 1}
+    assert len(calls) == 1
+    with pytest.raises(WireFormatError, match="invalid JSON near byte 0"):
+        Plain().parse(SSE_BODY)

@@ -10,7 +10,7 @@ misspelt option is a :class:`~r3data.errors.ConfigError` naming it and the valid
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import cache
 from typing import Any, ClassVar, Literal, NamedTuple
@@ -20,6 +20,7 @@ from r3data.options import unknown_names
 from r3data.validate import checked_int, nonnegative_int
 from r3data.wire.producers.common import (
     choice_token_lengths,
+    is_stream,
     parse_plain,
     parse_response,
     placed_lengths,
@@ -192,9 +193,10 @@ class ProducerFormat:
     """One producer's response format at one version (range): a registry entry.
 
     Subclasses set the class attributes and implement :meth:`recognise`, :meth:`decode_choice`
-    and :meth:`encode` (and :meth:`parse` where the producer streams, :meth:`choices` where
-    the body has no OpenAI-style ``choices`` list, :meth:`shared_rows` where the response
-    holds rows for all its choices); their module exposes the instance as ``FORMAT``.
+    and :meth:`encode` (and set :attr:`stream_assembler` where the producer streams, implement
+    :meth:`choices` where the body has no OpenAI-style ``choices`` list, :meth:`shared_rows`
+    where the response holds rows for all its choices); their module exposes the instance as
+    ``FORMAT``.
     """
 
     name: ClassVar[str]
@@ -214,6 +216,10 @@ class ProducerFormat:
     """The engine honours a request's prompt start (rows from it); else rows from 0."""
     current: ClassVar[bool] = True
     """The format the producer's current release sends (else an older one)."""
+    stream_assembler: ClassVar[Callable[[Any, str], Any] | None] = None
+    """Where the producer streams: ``(raw, what)`` -> the one response a raw server-sent-event
+    body assembles to (``what`` names the stream in errors); set as a ``staticmethod``. None:
+    a stream body is parsed as any other (and refused)."""
 
     def make_options(self, values: Mapping[str, Any], skip: tuple[str, ...] = ()) -> SourceOptions:
         """This format's options from ``values`` (keys in ``skip`` left out); the same values
@@ -237,8 +243,11 @@ class ProducerFormat:
         return made
 
     def parse(self, response: Any) -> Any:
-        """``response`` (a raw body or a parsed one) as a document: spliced on :attr:`spliced`
-        (blobs left encoded), or parsed plainly where that is empty."""
+        """``response`` (a raw body or a parsed one) as a document: a stream's as
+        :attr:`stream_assembler` assembles it, else spliced on :attr:`spliced` (blobs left
+        encoded), or parsed plainly where that is empty."""
+        if self.stream_assembler is not None and is_stream(response):
+            return self.stream_assembler(response, f"{self.name} stream")
         if self.spliced:
             return parse_response(response, self.spliced)
         return parse_plain(response, f"{self.name} response")

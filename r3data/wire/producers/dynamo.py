@@ -54,7 +54,6 @@ from r3data.wire.producers.common import (
     array_base64,
     check_stream_choices,
     documents,
-    is_stream,
     openai_usage,
     parse_response,
     stream_events,
@@ -197,11 +196,7 @@ class DynamoVllmFormat(ProducerFormat):
     )
     options = ChoiceOptions
     spliced = (ROUTES_FIELD,)
-
-    def parse(self, response: Any) -> Any:
-        if is_stream(response):
-            return _assemble(response, f"{self.name} stream")
-        return super().parse(response)
+    stream_assembler = staticmethod(_assemble)
 
     def recognise(self, doc: Any) -> bool:
         return any(_sends_envelope(event) for event in documents(doc))

@@ -52,7 +52,6 @@ from r3data.wire.producers.common import (
     blob_rows,
     check_stream_choices,
     documents,
-    is_stream,
     kept_id_rows,
     parse_response,
     sources_of,
@@ -223,11 +222,7 @@ class SglangFormat(ProducerFormat):
     fields = (ROUTES_FIELD, MASK_FIELD)
     options = SglangOptions
     spliced = (ROUTES_FIELD,)
-
-    def parse(self, response: Any) -> Any:
-        if is_stream(response):
-            return _final_chunks(response, f"{self.name} stream")
-        return super().parse(response)
+    stream_assembler = staticmethod(_final_chunks)
 
     def recognise(self, doc: Any) -> bool:
         items = doc if isinstance(doc, list) else documents(doc)

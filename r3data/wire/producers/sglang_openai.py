@@ -50,7 +50,6 @@ from r3data.wire.producers.common import (
     blob_nbytes,
     check_stream_choices,
     documents,
-    is_stream,
     openai_usage,
     parse_response,
     stream_events,
@@ -208,11 +207,7 @@ class SglangOpenaiFormat(ProducerFormat):
     fields = (ROUTES_FIELD, MASK_FIELD)
     options = SglangOptions
     spliced = (ROUTES_FIELD,)
-
-    def parse(self, response: Any) -> Any:
-        if is_stream(response):
-            return _assemble(response, f"{self.name} stream")
-        return super().parse(response)
+    stream_assembler = staticmethod(_assemble)
 
     def recognise(self, doc: Any) -> bool:
         return any(

@@ -57,7 +57,6 @@ from r3data.wire.producers.common import (
     check_stream_choices,
     documents,
     encoded_chars,
-    is_stream,
     kept_id_rows,
     openai_usage,
     parse_response,
@@ -136,23 +135,23 @@ def read_npy(buffer: bytes | bytearray | memoryview, *, what: str = "npy") -> np
     return npy_routes(ROUTES_FIELD, buffer, pos=0, meta=None, what=what).array
 
 
-def _assemble(raw: Any) -> dict[str, Any]:
+def _assemble(raw: Any, what: str) -> dict[str, Any]:
     """One response from a tokens-endpoint stream: per choice index its token ids in order
     and its routes, which vLLM sends once, on the chunk that finishes the choice."""
     top: dict[str, Any] = {}
     choices: dict[int, dict[str, Any]] = {}
     routed_at: dict[int, int] = {}
-    for number, event in enumerate(stream_events(raw, "vllm stream")):
-        what = f"vllm stream event {number}"
+    for number, event in enumerate(stream_events(raw, what)):
+        where = f"{what} event {number}"
         chunk = parse_response(event, (ROUTES_FIELD,))
         if not isinstance(chunk, Mapping) or not isinstance(chunk.get("choices"), list):
-            raise WireFormatError(f"{what}: expected a chunk with a 'choices' list")
+            raise WireFormatError(f"{where}: expected a chunk with a 'choices' list")
         if chunk.get("prompt_token_ids") is not None:
             top["prompt_token_ids"] = chunk["prompt_token_ids"]
         for part in chunk["choices"]:
             if not isinstance(part, Mapping):
-                raise WireFormatError(f"{what}: expected choice objects")
-            index = nonnegative_int(f"{what} choices[].index", part.get("index"), WireFormatError)
+                raise WireFormatError(f"{where}: expected choice objects")
+            index = nonnegative_int(f"{where} choices[].index", part.get("index"), WireFormatError)
             merged = choices.setdefault(index, {"index": index, "token_ids": []})
             ids = part.get("token_ids")
             if isinstance(ids, list) and isinstance(merged["token_ids"], list):
@@ -163,12 +162,12 @@ def _assemble(raw: Any) -> dict[str, Any]:
             if mask is not None:  # the rows of this delta's tokens
                 if not isinstance(mask, list):
                     raise WireFormatError(
-                        f"{what}: choice {index} {MASK_FIELD}: expected a list of kept-id "
+                        f"{where}: choice {index} {MASK_FIELD}: expected a list of kept-id "
                         f"lists, found {type(mask).__name__}"
                     )
                 if isinstance(ids, list) and len(mask) != len(ids):
                     raise WireFormatError(
-                        f"{what}: choice {index} {MASK_FIELD}: expected one kept set per token "
+                        f"{where}: choice {index} {MASK_FIELD}: expected one kept set per token "
                         f"of the delta ({len(ids)}), found {len(mask)}"
                     )
                 merged.setdefault(MASK_FIELD, []).extend(mask)
@@ -177,17 +176,17 @@ def _assemble(raw: Any) -> dict[str, Any]:
                 continue
             if index in routed_at:
                 raise WireFormatError(
-                    f"{what}: choice {index} carries routes again (first on event "
+                    f"{where}: choice {index} carries routes again (first on event "
                     f"{routed_at[index]}); vLLM sends them once, on the finishing chunk"
                 )
             if part.get("finish_reason") is None:
                 raise WireFormatError(
-                    f"{what}: choice {index} carries routes before it finished; vLLM sends "
+                    f"{where}: choice {index} carries routes before it finished; vLLM sends "
                     f"them on the finishing chunk, for the whole request"
                 )
             routed_at[index] = number
             merged[ROUTES_FIELD] = routes
-    count = check_stream_choices(choices, "vllm stream")
+    count = check_stream_choices(choices, what)
     return {**top, "choices": [choices[i] for i in range(count)]}
 
 
@@ -241,9 +240,7 @@ class VllmFormat(ProducerFormat):
     fields = (ROUTES_FIELD, MASK_FIELD)
     options = StartOptions
     spliced = (ROUTES_FIELD,)
-
-    def parse(self, response: Any) -> Any:
-        return _assemble(response) if is_stream(response) else super().parse(response)
+    stream_assembler = staticmethod(_assemble)
 
     def recognise(self, doc: Any) -> bool:
         return any(_sends_npy(event) for event in documents(doc))
