@@ -206,11 +206,11 @@ class _Scanner:
     ) -> bytearray | np.ndarray:
         """A buffer of ``size`` bytes whose first ``done`` are those of ``buffer``."""
         if buffer is not None and len(buffer) >= size:
-            if bare:
-                del buffer[size:]
-            else:
+            if not bare:
                 buffer.resize(size, refcheck=False)  # in place; nothing else refers to it
-            return buffer
+                return buffer
+            del buffer[size:]  # a small cut keeps the allocation: then a copy of the right size
+            return buffer if buffer.__alloc__() <= size + 1 else bytearray(buffer)
         fitted = bytearray(size) if bare else np.empty(size, np.uint8)
         if done:
             memoryview(fitted)[:done] = memoryview(buffer)[:done]

@@ -16,6 +16,7 @@ import orjson
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from test_wire_splice import _strip
 
 from r3data.errors import WireFormatError
 from r3data.wire import load_packed_body, pack_ndarray, splice
@@ -44,28 +45,13 @@ def _body(sizes: list[int], bare: list[bool], seed: int = 0) -> bytes:
     return orjson.dumps({"id": "cmpl", "choices": choices, "mask": None})
 
 
-def _comparable(value):
-    """``value`` with each decoded array or blob replaced by a tuple of what it holds."""
-    if isinstance(value, dict):
-        return {key: _comparable(item) for key, item in value.items()}
-    if isinstance(value, list):
-        return [_comparable(item) for item in value]
-    if isinstance(value, np.ndarray):
-        assert value.flags.writeable
-        assert value.flags.c_contiguous
-        return ("array", value.dtype.str, value.shape, value.tobytes())
-    if isinstance(value, bytearray):
-        return ("bytes", bytes(value))
-    return value
-
-
 def _outcome(raw, monkeypatch, *, plain: bool):
     """``load_packed_body(raw)`` as comparable values, or its error's type and text."""
     with monkeypatch.context() as patch:
         if plain:
             patch.setattr(splice, "_memchr", lambda: None)
         try:
-            return _comparable(load_packed_body(raw, FIELDS))
+            return _strip(load_packed_body(raw, FIELDS))
         except WireFormatError as err:
             return type(err), str(err)
 
@@ -123,6 +109,13 @@ def test_the_path_is_taken_from_the_second_blob(ahead, monkeypatch):
     raw = _body([90, 90, 60, 120], [False, True, False, True])
     assert _outcome(raw, monkeypatch, plain=False) == _outcome(raw, monkeypatch, plain=True)
     assert ahead  # the direct decoder ran from splice
+    for index, choice in enumerate(load_packed_body(raw)["choices"]):
+        value = choice["routed_experts"]
+        if index % 2:
+            assert type(value) is bytearray
+        else:
+            assert value["data"].flags.writeable
+            assert value["data"].flags.c_contiguous
 
 
 def test_an_invalid_character_deep_in_a_blob_is_named_as_before(ahead, monkeypatch):
@@ -186,3 +179,16 @@ def test_padding_ending_any_group_before_the_last_fails_as_the_plain_path_does(
         outcome = _outcome(bad, monkeypatch, plain=False)
         assert outcome == _outcome(bad, monkeypatch, plain=True), group
         assert outcome[0] is WireFormatError
+
+
+def test_a_buffer_cut_to_a_smaller_blob_holds_no_more_than_it(monkeypatch):
+    monkeypatch.setattr(splice, "AHEAD_MIN", 1)
+    root = load_packed_body(_body([3000, 2999, 2000, 3000, 100], [True, True, True, False, False]))
+    for choice in root["choices"][:3]:
+        value = choice["routed_experts"]
+        assert value.__alloc__() <= len(value) + 1
+    for choice in root["choices"][3:]:
+        array = choice["routed_experts"]["data"]
+        while array.base is not None and isinstance(array.base, np.ndarray):
+            array = array.base
+        assert array.nbytes == choice["routed_experts"]["data"].nbytes
