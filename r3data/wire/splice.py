@@ -5,12 +5,13 @@ A response carrying routes is mostly base64 (a 120 MiB body can hold 90 MiB of r
 :func:`load_packed_body` instead finds every registered field's blob in the raw bytes and
 decodes it into its final buffer on the way to its closing quote (one pass over its
 characters: a chunk that decodes holds no quote, so only the chunk where the decoder stops is
-searched; a body's first blob, or one after blobs under 64 KiB only, is searched for and then
-decoded, as the buffer is sized by the largest blob before it), parses the body with
-each blob replaced by an integer placeholder (a 16-digit base, drawn at random per process
-and fresh for each body, plus the blob's index: no value in a body can know it), then checks every decoded blob against the
-shape and dtype its envelope claims. Nothing is sized by a claim: the decoded blobs are 3/4 of
-their base64, and the spliced copy is the rest of the body.
+searched; a field's first blob in a body, or one after blobs under 64 KiB only, is searched
+for and then decoded, as the buffer is sized by the field's largest blob before), parses the
+body with each blob replaced by an integer placeholder (a 16-digit base, drawn at random per
+process and fresh for each body, plus the blob's index: no value in a body can know it), then
+checks every decoded blob against the shape and dtype its envelope claims. Nothing is sized by
+a claim: the decoded blobs are 3/4 of their base64, and the spliced copy is the rest of the
+body.
 
 What a registered field's value may be:
 
@@ -149,15 +150,17 @@ class _Scanner:
         self.pattern = pattern
         self.decode = decode
         self.blobs: list[_Blob] = []
-        self.guess = 0  # decoded bytes of the largest blob so far: the next one's first buffer
+        self.largest: dict[str, int] = {}  # a field's largest decoded blob: its next buffer
         self._bytes: np.ndarray | None = None  # raw's bytes, for their address
 
-    def _ahead(self, start: int, bare: bool) -> tuple[int, int, bytearray | np.ndarray | None]:
+    def _ahead(
+        self, field: str, start: int, bare: bool
+    ) -> tuple[int, int, bytearray | np.ndarray | None]:
         """Find the closing quote of the blob at ``start``, decoding the blob on the way (one
         pass over its characters, not a search and then a decode): the quote's offset (-1:
         none), the bytes decoded and the buffer they are in (None: nothing decoded).
 
-        The buffer is the size of the largest blob before (nothing is sized by a claim). A chunk
+        The buffer is the size of the field's largest blob before (not sized by a claim). A chunk
         of characters that decodes whole holds no quote (a quote is not base64), so only the
         chunk where the decoder stops is searched for it: every character before the quote is
         still looked at. The blob's last group (which may be padded), whatever does not fit the
@@ -165,7 +168,7 @@ class _Scanner:
         :func:`decode_base64_into`, which checks and names them as it always does.
         """
         if (
-            self.guess < AHEAD_MIN
+            (guess := self.largest.get(field, 0)) < AHEAD_MIN
             or (memchr := _memchr()) is None
             or (direct := direct_decoder()) is None
         ):
@@ -173,9 +176,9 @@ class _Scanner:
         if self._bytes is None:
             self._bytes = np.frombuffer(self.raw, np.uint8)
         base = self._bytes.ctypes.data
-        buffer = bytearray(self.guess) if bare else np.empty(self.guess, np.uint8)
+        buffer = bytearray(guess) if bare else np.empty(guess, np.uint8)
         target = (np.frombuffer(buffer, np.uint8) if bare else buffer).ctypes.data
-        limit = start + self.guess // 3 * 4  # the characters whose groups fit the buffer
+        limit = start + guess // 3 * 4  # the characters whose groups fit the buffer
         pos, end, done, decoding = start, -1, 0, True
         got = ctypes.c_size_t()
         while end < 0 and pos < len(self.raw):
@@ -230,7 +233,7 @@ class _Scanner:
 
     def _blob(self, field: str, quote: int, *, bare: bool = False) -> int:
         if self.decode:
-            end, done, buffer = self._ahead(quote + 1, bare)
+            end, done, buffer = self._ahead(field, quote + 1, bare)
         else:
             end, done, buffer = self.raw.find(b'"', quote + 1), 0, None
         if end < 0:
@@ -256,7 +259,7 @@ class _Scanner:
                 if not done:
                     raise
                 decode_base64_into(chars, target, what=what)  # raises naming what it always has
-            self.guess = max(self.guess, size)
+            self.largest[field] = max(self.largest.get(field, 0), size)
         self.blobs.append(_Blob(field, quote + 1, end, decoded, bare))
         return end + 1
 

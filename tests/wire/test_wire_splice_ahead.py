@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from test_wire_splice import _strip
 
 from r3data.errors import WireFormatError
-from r3data.wire import load_packed_body, pack_ndarray, splice
+from r3data.wire import load_packed_body, pack_csr, pack_ndarray, splice
 from r3data.wire.blob import direct_decoder
 
 pytestmark = pytest.mark.skipif(
@@ -192,3 +192,20 @@ def test_a_buffer_cut_to_a_smaller_blob_holds_no_more_than_it(monkeypatch):
         while array.base is not None and isinstance(array.base, np.ndarray):
             array = array.base
         assert array.nbytes == choice["routed_experts"]["data"].nbytes
+
+
+def test_each_field_sizes_its_own_buffer(monkeypatch):
+    rng = np.random.default_rng(3)
+    choices = [
+        {
+            "routed_experts": pack_ndarray(rng.integers(0, 128, (size, 48, 8), dtype=np.uint8)),
+            "mask": pack_csr(rng.integers(0, 9, 4 * size).astype(np.int32), np.full(size, 4)),
+        }
+        for size in (400, 300, 500, 500)
+    ]
+    raw = orjson.dumps({"choices": choices})
+    calls = []
+    direct = direct_decoder()
+    monkeypatch.setattr(splice, "direct_decoder", lambda: calls.append(1) or direct)
+    assert _outcome(raw, monkeypatch, plain=False) == _outcome(raw, monkeypatch, plain=True)
+    assert len(calls) == 3  # routes from the second blob on; mask members (32 KiB at most) never
