@@ -31,6 +31,7 @@ __all__ = [
     "decode_base64_into",
     "decoded_length",
     "destination_bytes",
+    "direct_decoder",
 ]
 
 Base64Data = str | bytes | bytearray | memoryview
@@ -55,9 +56,10 @@ class Blob(NamedTuple):
 
 
 @cache
-def _direct_decoder() -> Callable[..., int] | None:
+def direct_decoder() -> Callable[..., int] | None:
     """libbase64's ``base64_decode(src, srclen, out, &outlen, flags)`` from pybase64's own
-    extension (1: decoded, 0: invalid input), or None when this build does not export it."""
+    extension (1: decoded, 0: invalid input; ``outlen``: the bytes written, which it also sets
+    when it refuses), or None when this build does not export it."""
     try:
         function = ctypes.CDLL(pybase64._pybase64.__file__).base64_decode
     except (AttributeError, OSError):
@@ -181,7 +183,7 @@ def decode_base64_into(
     group = skip // 3
     drop = skip - 3 * group  # decoded bytes of the first group before the range
     small = nbytes + drop <= _SMALL_RANGE
-    direct = None if small or isinstance(data, str) else _direct_decoder()
+    direct = None if small or isinstance(data, str) else direct_decoder()
     if direct is not None:
         source = np.frombuffer(data, np.uint8).ctypes.data
         target = out.ctypes.data

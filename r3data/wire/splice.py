@@ -3,11 +3,15 @@
 A response carrying routes is mostly base64 (a 120 MiB body can hold 90 MiB of routes).
 ``orjson.loads`` on it would build one huge ``str`` per blob, then decoding copies it again.
 :func:`load_packed_body` instead finds every registered field's blob in the raw bytes and
-decodes it at once (while it is still in cache) into its final buffer, parses the body with
-each blob replaced by an integer placeholder (a 16-digit base, drawn at random per process
-and fresh for each body, plus the blob's index: no value in a body can know it), then checks every decoded blob against the
-shape and dtype its envelope claims. Nothing is sized by a claim: the decoded blobs are 3/4 of
-their base64, and the spliced copy is the rest of the body.
+decodes it into its final buffer on the way to its closing quote (one pass over its
+characters: a chunk that decodes holds no quote, so only the chunk where the decoder stops is
+searched; a field's first blob in a body, or one after blobs under 64 KiB only, is searched
+for and then decoded, as the buffer is sized by the field's largest blob before), parses the
+body with each blob replaced by an integer placeholder (a 16-digit base, drawn at random per
+process and fresh for each body, plus the blob's index: no value in a body can know it), then
+checks every decoded blob against the shape and dtype its envelope claims. Nothing is sized by
+a claim: the decoded blobs are 3/4 of their base64, and the spliced copy is the rest of the
+body.
 
 What a registered field's value may be:
 
@@ -39,19 +43,20 @@ are deterministic; only the transport that produced the bytes is worth retrying.
 from __future__ import annotations
 
 import bisect
+import ctypes
 import itertools
 import mmap
 import re
 import secrets
-from collections.abc import Iterable
-from functools import lru_cache
+from collections.abc import Callable, Iterable
+from functools import cache, lru_cache
 from typing import Any, NamedTuple
 
 import numpy as np
 import orjson
 
 from r3data.errors import ConfigError, WireFormatError
-from r3data.wire.blob import Blob, decode_base64_into, decoded_length
+from r3data.wire.blob import Blob, decode_base64_into, decoded_length, direct_decoder
 from r3data.wire.dtypes import DTypeLike
 from r3data.wire.envelope import array_from_buffer, check_nbytes, envelope_spec
 
@@ -63,6 +68,12 @@ _STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
 _TOKEN = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"|[\[{]|[\]}]|[^"\[\]{}]+', re.DOTALL)
 _OPENERS = b"[{"
 _CONTAINERS = frozenset({dict, list})
+_QUOTE = ord('"')
+AHEAD_GROUPS = 1 << 18
+"""Base64 groups (4 characters) decoded at a time on the way to a blob's closing quote."""
+AHEAD_MIN = 64 << 10
+"""Decoded bytes of the previous blob from which the next is decoded ahead of its quote (a
+smaller one goes the plain way: find the quote, then decode, in fewer calls)."""
 
 
 _BASES = itertools.count(secrets.randbelow(9 * 10**15) + 10**15, 10**6)
@@ -109,6 +120,24 @@ def _is_key_position(raw: bytes, quote: int) -> bool:
     return pos >= 0 and raw[pos] in b"{,"
 
 
+def _decoded(direct: Callable[..., int], source: int, groups: int, target: int) -> bool:
+    """Whether ``groups`` whole groups of base64 at address ``source`` decode to ``target``."""
+    got = ctypes.c_size_t()
+    return direct(source, 4 * groups, target, ctypes.byref(got), 0) == 1 and got.value == 3 * groups
+
+
+@cache
+def _memchr() -> Callable[..., int | None] | None:
+    """The C library's ``memchr``, or None where ctypes cannot find it."""
+    try:
+        function = ctypes.CDLL(None).memchr
+    except (AttributeError, OSError, TypeError):
+        return None
+    function.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t]
+    function.restype = ctypes.c_void_p
+    return function
+
+
 def _found(raw: bytes, pos: int) -> str:
     return repr(bytes(raw[pos : pos + 24])) if pos < len(raw) else "end of body"
 
@@ -121,18 +150,92 @@ class _Scanner:
         self.pattern = pattern
         self.decode = decode
         self.blobs: list[_Blob] = []
+        self.largest: dict[str, int] = {}  # a field's largest decoded blob: its next buffer
+        self._bytes: np.ndarray | None = None  # raw's bytes, for their address
+
+    def _ahead(
+        self, field: str, start: int, bare: bool
+    ) -> tuple[int, int, bytearray | np.ndarray | None]:
+        """Find the closing quote of the blob at ``start``, decoding the blob on the way (one
+        pass over its characters, not a search and then a decode): the quote's offset (-1:
+        none), the bytes decoded and the buffer they are in (None: nothing decoded).
+
+        The buffer is the size of the field's largest blob before (not sized by a claim). A chunk
+        of characters that decodes whole holds no quote (a quote is not base64), so only the
+        chunk where the decoder stops is searched for it: every character before the quote is
+        still looked at. The blob's last group (which may be padded), whatever does not fit the
+        buffer, and everything from a character the decoder refuses are left to
+        :func:`decode_base64_into`, which checks and names them as it always does.
+        """
+        if (
+            (guess := self.largest.get(field, 0)) < AHEAD_MIN
+            or (memchr := _memchr()) is None
+            or (direct := direct_decoder()) is None
+        ):
+            return self.raw.find(b'"', start), 0, None
+        if self._bytes is None:
+            self._bytes = np.frombuffer(self.raw, np.uint8)
+        base = self._bytes.ctypes.data
+        buffer = bytearray(guess) if bare else np.empty(guess, np.uint8)
+        target = (np.frombuffer(buffer, np.uint8) if bare else buffer).ctypes.data
+        limit = start + guess // 3 * 4  # the characters whose groups fit the buffer
+        pos, end, done, decoding = start, -1, 0, True
+        got = ctypes.c_size_t()
+        while end < 0 and pos < len(self.raw):
+            chunk = min(4 * AHEAD_GROUPS, len(self.raw) - pos)
+            count = min(chunk, limit - pos) // 4 * 4 if decoding else 0
+            clean = 0  # characters from ``pos`` that decoded, so hold no quote
+            if count > 0:
+                got.value = 0
+                if direct(base + pos, count, target + done, ctypes.byref(got), 0) == 1:
+                    clean = count if got.value == count // 4 * 3 else 0
+                done += got.value if clean else 0
+            if clean < chunk and (found := memchr(base + pos + clean, _QUOTE, chunk - clean)):
+                end = found - base
+            if count > 0 and not clean:  # the decoder stopped in this chunk
+                decoding = False
+                whole = (end - pos) // 4 - 1 if end >= 0 else 0  # groups before the quote's last
+                if whole > 0 and (
+                    got.value >= 3 * whole  # it stopped at the last group: those are in
+                    or _decoded(direct, base + pos, whole, target + done)
+                ):
+                    done += 3 * whole
+            pos += chunk
+        return end, done, buffer
+
+    @staticmethod
+    def _fit(
+        buffer: bytearray | np.ndarray | None, done: int, size: int, bare: bool
+    ) -> bytearray | np.ndarray:
+        """A buffer of ``size`` bytes whose first ``done`` are those of ``buffer``."""
+        if buffer is not None and len(buffer) >= size:
+            if not bare:
+                buffer.resize(size, refcheck=False)  # in place; nothing else refers to it
+                return buffer
+            del buffer[size:]  # a small cut keeps the allocation: then a copy of the right size
+            return buffer if buffer.__alloc__() <= size + 1 else bytearray(buffer)
+        fitted = bytearray(size) if bare else np.empty(size, np.uint8)
+        if done:
+            memoryview(fitted)[:done] = memoryview(buffer)[:done]
+        return fitted
 
     def scan(self) -> list[_Blob]:
         pos = 0
-        while (match := self.pattern.search(self.raw, pos)) is not None:
-            if _is_key_position(self.raw, match.start()):
-                pos = self._value(match.group(1).decode(), match.end())
-            else:
-                pos = match.start() + 1
+        try:
+            while (match := self.pattern.search(self.raw, pos)) is not None:
+                if _is_key_position(self.raw, match.start()):
+                    pos = self._value(match.group(1).decode(), match.end())
+                else:
+                    pos = match.start() + 1
+        finally:
+            self._bytes = None  # a bytearray or mmap body may be resized or closed again
         return self.blobs
 
     def _blob(self, field: str, quote: int, *, bare: bool = False) -> int:
-        end = self.raw.find(b'"', quote + 1)
+        if self.decode:
+            end, done, buffer = self._ahead(field, quote + 1, bare)
+        else:
+            end, done, buffer = self.raw.find(b'"', quote + 1), 0, None
         if end < 0:
             raise WireFormatError(
                 f"field {field!r}: unterminated base64 string starting at byte {quote} "
@@ -148,9 +251,15 @@ class _Scanner:
         size = decoded_length(chars, what)
         decoded: bytearray | np.ndarray | Blob = Blob(chars, what)
         if self.decode:  # now, while the characters are in cache, into a buffer of its own
-            decoded = bytearray(size) if bare else np.empty(size, np.uint8)
+            decoded = self._fit(buffer, done, size, bare)
             target = np.frombuffer(decoded, np.uint8) if bare else decoded
-            decode_base64_into(chars, target, what=what)
+            try:
+                decode_base64_into(chars, target[done:], skip=done, what=what)
+            except WireFormatError:
+                if not done:
+                    raise
+                decode_base64_into(chars, target, what=what)  # raises naming what it always has
+            self.largest[field] = max(self.largest.get(field, 0), size)
         self.blobs.append(_Blob(field, quote + 1, end, decoded, bare))
         return end + 1
 
