@@ -211,7 +211,7 @@ def verify(
     payload_root.require()
     payload_root.fs.invalidate_cache(payload_root.path)
     files = sorted(
-        payload_root.files(payload_root.fs.find(payload_root.path, detail=True).values())
+        payload_root.files(payload_root.call("find", payload_root.path, detail=True).values())
     )
     versions: set[int] = set()
     checked: list[tuple[str, int]] = []

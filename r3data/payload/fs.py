@@ -23,15 +23,20 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import math
 import os
 import posixpath
 import stat
 import sys
+import threading
 from collections.abc import Callable, Iterable, Iterator
+from functools import partial
 from typing import Any
 
 import fsspec
 from fsspec import AbstractFileSystem
+from fsspec.asyn import AsyncFileSystem, sync
+from fsspec.exceptions import FSTimeoutError
 from fsspec.implementations.cached import CachingFileSystem
 from fsspec.implementations.dirfs import DirFileSystem
 from fsspec.implementations.local import LocalFileSystem
@@ -45,7 +50,14 @@ from r3data.errors import (
     PayloadReadError,
 )
 
-__all__ = ["PayloadFile", "PayloadRoot", "open_file"]
+__all__ = ["DEFAULT_TIMEOUT_S", "PayloadFile", "PayloadRoot", "checked_timeout", "open_file"]
+
+DEFAULT_TIMEOUT_S = 30.0
+"""Seconds one call to a filesystem that is not local-backed may take (a look-up, a ranged read
+of at most one chunk, a listing, a deletion) before it counts as failed, with whatever retries
+the client library makes inside it: a store that accepts connections but stops answering, or
+trickles, fails the call in bounded time instead of blocking its caller for as long as the
+client's own timeouts and retries add up to (minutes with botocore's and s3fs's)."""
 
 _DIRECTORY = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
 _ROOT = os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC
@@ -161,6 +173,82 @@ def _check_confinable(fs: AbstractFileSystem, root: str) -> None:
             )
 
 
+def checked_timeout(timeout: float | None) -> float | None:
+    """``timeout`` (seconds, finite and > 0, or None for no limit), else :class:`ConfigError`."""
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+        raise ConfigError(f"timeout must be seconds (a number > 0) or None, found {timeout!r}")
+    if not (math.isfinite(timeout) and timeout > 0):
+        raise ConfigError(f"timeout must be a finite number of seconds > 0, found {timeout!r}")
+    return float(timeout)
+
+
+def _timed_out(doing: str, timeout: float) -> PayloadReadError:
+    return PayloadReadError(f"{doing}: no answer within the timeout of {timeout:g} s")
+
+
+def _on_loop(fs: AbstractFileSystem, method: str) -> Callable[..., Any] | None:
+    """The coroutine function behind ``fs.<method>`` when ``fs`` runs it on an event loop
+    (s3fs, gcsfs, adlfs, a ``DirFileSystem`` over one), else None."""
+    inner = fs
+    while isinstance(inner, DirFileSystem):  # async by its class, whatever it reads through
+        inner = inner.fs
+    if not (isinstance(inner, AsyncFileSystem) and inner.async_impl):
+        return None
+    return getattr(fs, f"_{method}", None)
+
+
+def _bounded(
+    fs: AbstractFileSystem, timeout: float | None, doing: str, method: str, *args: Any, **kw: Any
+) -> Any:
+    """``fs.<method>(*args, **kw)`` given up after ``timeout`` seconds (None: no limit), as
+    :class:`PayloadReadError` naming ``doing``. On an event-loop filesystem the coroutine is
+    cancelled at the deadline (fsspec's ``sync(..., timeout=...)``): its connection is closed,
+    nothing is left running; on any other, see :func:`_within`."""
+    coroutine = None if timeout is None else _on_loop(fs, method)
+    if coroutine is None:
+        return _within(timeout, doing, partial(getattr(fs, method), *args, **kw))
+    try:
+        return sync(fs.loop, coroutine, *args, timeout=timeout, **kw)
+    except FSTimeoutError:
+        raise _timed_out(doing, timeout) from None
+
+
+def _within(timeout: float | None, doing: str, call: Callable[[], Any]) -> Any:
+    """``call()`` on a daemon thread, waited for at most ``timeout`` seconds (None: called
+    here). A call past its deadline is abandoned to its thread (a blocking call cannot be
+    interrupted): it must touch nothing its caller still uses (its result, or its exception,
+    is dropped), and as a daemon it never holds up the interpreter's exit."""
+    if timeout is None:
+        return call()
+    outcome: list[Any] = []
+    done = threading.Event()
+
+    def run() -> None:
+        try:
+            outcome.append((True, call()))
+        except BaseException as exc:  # handed to the waiting caller
+            outcome.append((False, exc))
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name="r3data-deadline", daemon=True).start()
+    if not done.wait(timeout):
+        raise _timed_out(doing, timeout)
+    ok, value = outcome[0]
+    if ok:
+        return value
+    raise value
+
+
+def _read_into(f: Any, offset: int, nbytes: int) -> memoryview:
+    """``nbytes`` of ``f`` from ``offset`` (fewer at its end), in a buffer of their own."""
+    f.seek(offset)
+    buffer = bytearray(nbytes)
+    return memoryview(buffer)[: f.readinto(buffer) or 0]
+
+
 class PayloadFile:
     """A payload file open for reading: ``url`` (for messages), ``size`` at open time, and
     ``fd``, an OS descriptor to ``os.preadv`` on when the file is local-backed (else None)."""
@@ -209,28 +297,76 @@ class LocalPayloadFile(PayloadFile):
 
 
 class FsspecPayloadFile(PayloadFile):
-    """A payload file on any other fsspec filesystem, opened without a read cache: each read is
+    """A payload file on any other fsspec filesystem, read without a read cache: each read is
     one ranged request (one ranged GET on an object store), and a small read never fetches the
-    block around it."""
+    block around it. Each call to the filesystem is given up after ``timeout`` seconds
+    (:data:`DEFAULT_TIMEOUT_S`; None: no limit). On an event-loop filesystem (s3fs and the
+    like) a read is the filesystem's own ranged ``cat_file``, cancelled at its deadline; on any
+    other it goes through a file opened once, and with a timeout lands in a buffer of its own
+    before it is copied into the caller's, so that a read abandoned at its deadline can never
+    write into the caller's buffer later."""
 
-    def __init__(self, fs: AbstractFileSystem, path: str, info: dict[str, Any]) -> None:
+    def __init__(
+        self,
+        fs: AbstractFileSystem,
+        path: str,
+        info: dict[str, Any],
+        timeout: float | None = DEFAULT_TIMEOUT_S,
+    ) -> None:
         self.url = fs.unstrip_protocol(path)
         self.size = int(info.get("size") or 0)
-        with _fsspec_errors(self.url, f"opening {self.url}"):
-            self.f = fs.open(path, "rb", cache_type="none", size=self.size)
-        if isinstance(self.f, AbstractBufferedFile):
-            self.f.details = info  # what open would look up again (one more HEAD on S3)
+        self.fs, self.path, self.timeout = fs, path, timeout
+        self.closed = False
+        self.f: Any = None
+        if _on_loop(fs, "cat_file") is None:
+            doing = f"opening {self.url}"
+            with _fsspec_errors(self.url, doing):
+                self.f = _within(
+                    timeout, doing, partial(fs.open, path, "rb", cache_type="none", size=self.size)
+                )
+            if isinstance(self.f, AbstractBufferedFile):
+                self.f.details = info  # what open would look up again (one more HEAD on S3)
 
     def read_at(self, offset: int, dest: memoryview) -> int:
-        if self.f.closed:
+        if self.closed:
             raise PayloadReadError(f"reading {self.url}: the file was closed")
-        with _fsspec_errors(self.url, f"reading {self.url} at offset {offset}"):
-            self.f.seek(offset)
-            return self.f.readinto(dest) or 0
+        wanted = min(len(dest), self.size - offset)
+        if wanted <= 0:
+            return 0
+        doing = f"reading {self.url} at offset {offset}"
+        with _fsspec_errors(self.url, doing):
+            if self.f is None:
+                data = _bounded(
+                    self.fs,
+                    self.timeout,
+                    doing,
+                    "cat_file",
+                    self.path,
+                    start=offset,
+                    end=offset + wanted,
+                )
+            elif self.timeout is None:
+                self.f.seek(offset)
+                return self.f.readinto(dest) or 0
+            else:
+                data = _within(self.timeout, doing, partial(_read_into, self.f, offset, wanted))
+        if len(data) > wanted:
+            raise PayloadReadError(
+                f"{doing}: asked for {wanted} bytes, the filesystem returned {len(data)}"
+            )
+        dest[: len(data)] = data
+        return len(data)
 
     def close(self) -> None:
-        if not self.f.closed:
-            self.f.close()
+        self.closed = True
+        f, self.f = self.f, None
+        if f is None or f.closed:
+            return
+        if isinstance(f, AbstractBufferedFile) or self.timeout is None:
+            f.close()  # a buffered file open to read closes without a request
+            return
+        with contextlib.suppress(PayloadReadError):  # past its deadline: left to its thread
+            _within(self.timeout, f"closing {self.url}", f.close)
 
 
 @contextlib.contextmanager
@@ -337,12 +473,19 @@ def _local_error(exc: OSError, url: str, what: str) -> Exception:
     return PayloadReadError(f"opening payload file {url}: {exc}")
 
 
-def open_file(path: str | os.PathLike[str], fs: AbstractFileSystem | None = None) -> PayloadFile:
+def open_file(
+    path: str | os.PathLike[str],
+    fs: AbstractFileSystem | None = None,
+    *,
+    timeout: float | None = DEFAULT_TIMEOUT_S,
+) -> PayloadFile:
     """Open one file a user named (a path or fsspec URL; no root confines it) for reading.
 
     A FIFO, device or directory is refused (:class:`PayloadHandleError`) before any open that
-    could block on it; a missing file raises :class:`PayloadNotFoundError`.
+    could block on it; a missing file raises :class:`PayloadNotFoundError`. ``timeout`` bounds
+    each call to a filesystem that is not local-backed (:data:`DEFAULT_TIMEOUT_S`).
     """
+    timeout = checked_timeout(timeout)
     shown = os.fspath(path)
     if fs is None:
         fs, inner = fsspec.core.url_to_fs(shown)
@@ -350,7 +493,7 @@ def open_file(path: str | os.PathLike[str], fs: AbstractFileSystem | None = None
         inner = fs._strip_protocol(shown)
     os_path = _local_path(fs, inner)
     if os_path is None:
-        return _open_fsspec(fs, inner, shown)
+        return _open_fsspec(fs, inner, shown, timeout)
     try:
         path_fd = os.open(os_path, _PATH)
         try:
@@ -362,15 +505,18 @@ def open_file(path: str | os.PathLike[str], fs: AbstractFileSystem | None = None
         raise _local_error(exc, shown, shown) from exc
 
 
-def _open_fsspec(fs: AbstractFileSystem, path: str, what: str) -> FsspecPayloadFile:
+def _open_fsspec(
+    fs: AbstractFileSystem, path: str, what: str, timeout: float | None
+) -> FsspecPayloadFile:
     """``what`` names the file (and the handle) in messages."""
     url = fs.unstrip_protocol(path)
     fs.invalidate_cache(path)  # a listing cached before the file was published must not hide it
-    with _fsspec_errors(url, f"opening {url}"):
-        info = fs.info(path)
+    doing = f"opening {url}"
+    with _fsspec_errors(url, doing):
+        info = _bounded(fs, timeout, doing, "info", path)
     if info.get("type") != "file":
         raise PayloadHandleError(f"{what} is a {info.get('type')}, not a regular file")
-    return FsspecPayloadFile(fs, path, info)
+    return FsspecPayloadFile(fs, path, info, timeout)
 
 
 class PayloadRoot:
@@ -380,9 +526,20 @@ class PayloadRoot:
     ``fs`` to use an already configured filesystem (credentials, endpoint), ``root`` then being
     a path inside it. ``local_backed`` tells whether its paths are OS paths (then reads use
     ``os.preadv``, writes are renamed into place, and symlinks are confined by the kernel).
+    On any other filesystem each call (an open's look-up, a ranged read, a listing, a
+    deletion) is given up after ``timeout`` seconds (:data:`DEFAULT_TIMEOUT_S`; None: no
+    limit) as :class:`PayloadReadError`; a local-backed root's calls are system calls, bounded
+    by the mount's own options (an NFS mount's ``timeo``/``retrans``, ``soft``).
     """
 
-    def __init__(self, root: str | os.PathLike[str], fs: AbstractFileSystem | None = None) -> None:
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        fs: AbstractFileSystem | None = None,
+        *,
+        timeout: float | None = DEFAULT_TIMEOUT_S,
+    ) -> None:
+        self.timeout = checked_timeout(timeout)
         if fs is None:
             fs, path = fsspec.core.url_to_fs(os.fspath(root))
         else:
@@ -415,6 +572,16 @@ class PayloadRoot:
             return posixpath.join(self._os_path, name)
         return self.fs.unstrip_protocol(posixpath.join(self.path, name))
 
+    def call(self, method: str, path: str, *args: Any, **kwargs: Any) -> Any:
+        """``fs.<method>(path, *args, **kwargs)`` (a listing, a look-up, a deletion), given up
+        after the root's ``timeout`` when the root is not local-backed: then raised as
+        :class:`PayloadReadError` naming ``path`` (a ``FileNotFoundError`` or
+        ``PermissionError`` the filesystem raises is raised as it is)."""
+        if self._os_path is not None:
+            return getattr(self.fs, method)(path, *args, **kwargs)
+        doing = f"{method} of {self.fs.unstrip_protocol(path)}"
+        return _bounded(self.fs, self.timeout, doing, method, path, *args, **kwargs)
+
     def require(self) -> None:
         """Raise :class:`PayloadNotFoundError` when the root does not exist.
 
@@ -422,10 +589,10 @@ class PayloadRoot:
         exists: stores differ in whether they still list an emptied prefix.
         """
         self.fs.invalidate_cache(self.path)
-        if self.fs.exists(self.path):
+        if self.call("exists", self.path):
             return
         bucket = self.path.split("/", 1)[0]
-        if not self.local_backed and not self.fs.root_marker and self.fs.exists(bucket):
+        if not self.local_backed and not self.fs.root_marker and self.call("exists", bucket):
             return
         raise PayloadNotFoundError(f"payload root {self.url} does not exist")
 
@@ -554,7 +721,7 @@ class PayloadRoot:
             return f"payload handle {shown!r} ({url})"
 
         if self._os_dir is None:
-            return _open_fsspec(self.fs, posixpath.join(self.path, name), what())
+            return _open_fsspec(self.fs, posixpath.join(self.path, name), what(), self.timeout)
         try:
             path_fd = self._open_beneath(name, _PATH, what, root_fd)
             try:
@@ -603,7 +770,7 @@ class PayloadRoot:
         and normalising it would delete the root's own ``x.bin``."""
         rel = self._checked_name(name)
         if self._os_path is None:
-            self.fs.rm_file(posixpath.join(self.path, rel))
+            self.call("rm_file", posixpath.join(self.path, rel))
             return
         folder, base = posixpath.split(rel)
         try:

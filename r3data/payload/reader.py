@@ -39,7 +39,7 @@ from r3data.errors import (
 )
 from r3data.parallel import fill_rows, io_workers, pool_workers
 from r3data.payload.fileformat import checksum
-from r3data.payload.fs import PayloadFile, PayloadRoot
+from r3data.payload.fs import DEFAULT_TIMEOUT_S, PayloadFile, PayloadRoot
 from r3data.ragged import RaggedRows
 from r3data.validate import checked_int
 from r3data.wire.segment import INDEX_DTYPE, PayloadSegment
@@ -176,6 +176,37 @@ class OpenFiles:
             handle.close()
 
 
+class _Plan:
+    """One plan's jobs on the pool, for a caller that may be interrupted while they run (a
+    ``KeyboardInterrupt``, a loader shutting down): :meth:`run` then stops every job at its
+    next call to the filesystem and waits for the calls under way (each bounded by the root's
+    timeout) before the caller goes on, so no job outlives the root descriptor it shares."""
+
+    def __init__(self) -> None:
+        self.stop = threading.Event()
+        self._running = 0
+        self._idle = threading.Condition()
+
+    def run(self, job: Callable[[int], None], n: int, workers: int) -> None:
+        def counted(i: int) -> None:
+            with self._idle:
+                self._running += 1
+            try:
+                job(i)
+            finally:
+                with self._idle:
+                    self._running -= 1
+                    self._idle.notify_all()
+
+        try:
+            fill_rows(counted, n, workers)
+        except BaseException:
+            self.stop.set()  # lanes still running when the caller itself was interrupted
+            with self._idle:
+                self._idle.wait_for(lambda: self._running == 0)
+            raise
+
+
 class PayloadReader:
     """Reads segments' rows from files under ``root`` (a path or fsspec URL; or a path in ``fs``).
 
@@ -184,6 +215,14 @@ class PayloadReader:
     where reads wait on the network). A short read or I/O error is retried ``retries`` times,
     reopening the file, after ``backoff`` seconds doubling up to ``max_backoff``. Segments
     carrying ``crc32c`` are verified.
+
+    ``timeout`` (seconds; :data:`~r3data.payload.fs.DEFAULT_TIMEOUT_S`; None: no limit) bounds
+    each call to a root that is not local-backed (an open's look-up, each ranged read of at
+    most :data:`CHUNK_BYTES`): a call past it is an I/O error like any other, retried as above,
+    so a store that stops answering fails a read with :class:`PayloadReadError` after at most
+    ``(retries + 1) * timeout`` seconds plus the backoff, per file. A plan interrupted in its
+    caller (``KeyboardInterrupt``, a loader shutting down) stops its files' reads at their next
+    call instead of retrying on.
     """
 
     def __init__(
@@ -195,8 +234,9 @@ class PayloadReader:
         retries: int = 4,
         backoff: float = 0.1,
         max_backoff: float = 0.8,
+        timeout: float | None = DEFAULT_TIMEOUT_S,
     ) -> None:
-        self.root = PayloadRoot(root, fs)
+        self.root = PayloadRoot(root, fs, timeout=timeout)
         default = pool_workers() if self.root.local_backed else io_workers()
         self.workers = checked_int("workers", default if workers is None else workers, minimum=1)
         self.retries = checked_int("retries", retries)
@@ -208,7 +248,15 @@ class PayloadReader:
         self.max_backoff = max_backoff
 
     def __repr__(self) -> str:
-        return f"PayloadReader({self.root}, workers={self.workers}, retries={self.retries})"
+        return (
+            f"PayloadReader({self.root}, workers={self.workers}, retries={self.retries}, "
+            f"timeout={self.timeout})"
+        )
+
+    @property
+    def timeout(self) -> float | None:
+        """Seconds one call to the filesystem may take (None: no limit)."""
+        return self.root.timeout
 
     def files(self, segments: Iterable[PayloadSegment]) -> list[str]:
         """The files (relative to the root, normalised) that reading ``segments`` touches."""
@@ -218,20 +266,23 @@ class PayloadReader:
 
     def read_ranges(self, ranges: Iterable[RangeRead]) -> None:
         """Read every range: files in parallel, each opened once, adjacent ranges together."""
+        plan = _Plan()
         with self.root.held() as root_fd:  # every file's first open: one root descriptor
-            jobs = self.file_jobs(ranges, root_fd=root_fd)
-            fill_rows(lambda i: jobs[i](), len(jobs), self.workers)
+            jobs = self.file_jobs(ranges, root_fd=root_fd, stop=plan.stop)
+            plan.run(lambda i: jobs[i](), len(jobs), self.workers)
 
     def file_jobs(
         self,
         ranges: Iterable[RangeRead],
         opened: OpenFiles | None = None,
         root_fd: int | None = None,
+        stop: threading.Event | None = None,
     ) -> list[Callable[[], None]]:
         """One job per file reading its ranges, for a caller that runs them on its own pool
         alongside other work (empty ranges are done at once); a file ``opened`` kept from
         :meth:`check_sizes` is read without opening it again, any other first opened beneath
-        ``root_fd`` (:meth:`PayloadRoot.held`, held until every job has run)."""
+        ``root_fd`` (:meth:`PayloadRoot.held`, held until every job has run); once ``stop`` is
+        set, a job fails at its next call to the filesystem instead of retrying on."""
         by_file: dict[str, list[RangeRead]] = {}
         file_bytes: dict[str, int] = {}
         # handle -> root-relative name (ranges share files; the sizes check named them already)
@@ -256,7 +307,9 @@ class PayloadReader:
         # Largest first: lanes pulling the next job then finish together (a heavy tail of file
         # sizes otherwise leaves one lane reading the biggest file alone at the end).
         order = sorted(file_bytes, key=file_bytes.__getitem__, reverse=True)
-        return [partial(self._read_file, name, by_file[name], opened, root_fd) for name in order]
+        return [
+            partial(self._read_file, name, by_file[name], opened, root_fd, stop) for name in order
+        ]
 
     def check_sizes(
         self, segments: Iterable[PayloadSegment], keep: OpenFiles | None = None
@@ -293,14 +346,18 @@ class PayloadReader:
                 ends[name] = (end, s)
         claims = list(ends.items())
         workers = 1 if self.root.local_backed else self.workers  # an open is microseconds here
+        plan = _Plan()
         with self.root.held() as root_fd:  # the first look at every file: one root descriptor
-            fill_rows(partial(self._check_size, claims, keep, root_fd), len(claims), workers)
+            plan.run(
+                partial(self._check_size, claims, keep, root_fd, plan.stop), len(claims), workers
+            )
 
     def _check_size(
         self,
         claims: list[tuple[str, tuple[int, PayloadSegment]]],
         keep: OpenFiles | None,
         root_fd: int | None,
+        stop: threading.Event,
         i: int,
     ) -> None:
         """Check claim ``i``: the furthest byte any segment claims of one file, first looked at
@@ -309,7 +366,7 @@ class PayloadReader:
         try:
             delay = self.backoff
             for attempt in range(1, self.retries + 2):
-                handle = self._open_retrying(name, s, root_fd if attempt == 1 else None)
+                handle = self._open_retrying(name, s, root_fd if attempt == 1 else None, stop)
                 size, url = handle.size, handle.url
                 if end <= size and keep is not None and keep.put(name, handle):
                     return
@@ -329,11 +386,18 @@ class PayloadReader:
 
     # --- reading files --------------------------------------------------------------------------
 
-    def _open_retrying(self, name: str, s: PayloadSegment, root_fd: int | None = None) -> Any:
+    def _open_retrying(
+        self,
+        name: str,
+        s: PayloadSegment,
+        root_fd: int | None = None,
+        stop: threading.Event | None = None,
+    ) -> Any:
         """Open ``name`` (first beneath ``root_fd``, if given; any other attempt finds the root
         by its path); a missing file or an I/O error is retried like a short read."""
         delay, failure = self.backoff, None
         for attempt in range(1, self.retries + 2):
+            self._check_stop(name, stop)
             try:
                 return self.root.open_name(name, root_fd=root_fd if attempt == 1 else None)
             except PermissionError as exc:
@@ -351,6 +415,7 @@ class PayloadReader:
         ranges: list[RangeRead],
         opened: OpenFiles | None,
         root_fd: int | None = None,
+        stop: threading.Event | None = None,
     ) -> None:
         """Read ``ranges`` of one file (the one kept ``opened``, if any, else first opened
         beneath ``root_fd``); a failure carries the range it happened in
@@ -362,7 +427,7 @@ class PayloadReader:
             if several:
                 ranges.sort(key=_offset)
             for run in _runs(ranges) if several else (ranges,):
-                handle = self._read_run(name, handle, run, root_fd)
+                handle = self._read_run(name, handle, run, root_fd, stop)
         except Exception as exc:
             if getattr(exc, "r3data_range", None) is None:  # a short read: the range it cut
                 exc.r3data_range = next((r for r in run if r.done < r.nbytes), run[0])  # type: ignore[attr-defined]
@@ -372,7 +437,12 @@ class PayloadReader:
                 handle.close()
 
     def _read_run(
-        self, name: str, handle: PayloadFile | None, run: list[RangeRead], root_fd: int | None
+        self,
+        name: str,
+        handle: PayloadFile | None,
+        run: list[RangeRead],
+        root_fd: int | None,
+        stop: threading.Event | None = None,
     ) -> Any:
         """Read one run completely, reopening and backing off on a short read or I/O error
         (``handle`` when given, else first opened beneath ``root_fd``, if given; every reopen
@@ -385,6 +455,7 @@ class PayloadReader:
         try:
             for attempt in range(1, self.retries + 2):
                 failure = None
+                self._check_stop(name, stop)
                 try:
                     if handle is None:
                         handle = self.root.open_name(
@@ -394,7 +465,7 @@ class PayloadReader:
                     if attempt == 1 and one and _read_whole(handle, run[0]):
                         done = total
                     else:
-                        done = _fill_run(handle, run, done, size, total)
+                        done = _fill_run(handle, run, done, size, total, stop)
                 except PermissionError as exc:
                     raise self._denied(name, exc) from exc
                 except OSError as exc:
@@ -423,6 +494,12 @@ class PayloadReader:
 
     def _url(self, name: str) -> str:
         return self.root.url_of(name)
+
+    def _check_stop(self, name: str, stop: threading.Event | None) -> None:
+        if stop is not None and stop.is_set():
+            raise PayloadReadError(
+                f"reading {self._url(name)}: stopped, its caller was interrupted"
+            )
 
     def _denied(self, name: str, exc: OSError) -> PayloadPermissionError:
         if isinstance(exc, PayloadPermissionError):
@@ -486,9 +563,16 @@ class PayloadReader:
         self.read_ranges([r for segments, out in jobs for r in _into_ranges(segments, out)])
 
 
-def _fill_run(handle: PayloadFile, run: list[RangeRead], done: int, size: int, total: int) -> int:
-    """Read the run (``total`` bytes) from its byte ``done`` on until it is complete or the file
-    ends; returns the bytes in place."""
+def _fill_run(
+    handle: PayloadFile,
+    run: list[RangeRead],
+    done: int,
+    size: int,
+    total: int,
+    stop: threading.Event | None = None,
+) -> int:
+    """Read the run (``total`` bytes) from its byte ``done`` on until it is complete, the file
+    ends or ``stop`` is set; returns the bytes in place."""
     for r in run if done == 0 else ():
         if r.dest is None:  # destinations to allocate, once the file proved large enough
             if run[-1].offset + run[-1].nbytes > size:
@@ -498,7 +582,7 @@ def _fill_run(handle: PayloadFile, run: list[RangeRead], done: int, size: int, t
                     unallocated.dest = memoryview(np.empty(unallocated.nbytes, np.uint8))
             break
     start, fd = run[0].offset, handle.fd
-    while done < total:
+    while done < total and (stop is None or not stop.is_set()):
         pieces, views = _views(
             run, done, CHUNK_BYTES if total - done > CHUNK_BYTES else total - done
         )

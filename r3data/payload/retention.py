@@ -37,7 +37,7 @@ from r3data.errors import (
     PayloadWriteError,
 )
 from r3data.parallel import shared_pool
-from r3data.payload.fs import PayloadRoot
+from r3data.payload.fs import DEFAULT_TIMEOUT_S, PayloadRoot
 from r3data.validate import checked_int
 
 __all__ = [
@@ -67,10 +67,9 @@ def min_fresh_version(step: int, max_off_policy_steps: int) -> int:
 
 def list_versions(root: PayloadRoot) -> dict[int, list[tuple[str, int]]]:
     """Every ``v<k>`` directory under ``root``: version -> [(root-relative file, size in bytes)]."""
-    fs = root.fs
-    fs.invalidate_cache(root.path)  # other processes write and delete: never trust a listing cache
+    root.fs.invalidate_cache(root.path)  # other processes write and delete: trust no cached listing
     try:
-        entries = fs.ls(root.path, detail=True)
+        entries = root.call("ls", root.path, detail=True)
     except FileNotFoundError:
         return {}
     versions: dict[int, list[tuple[str, int]]] = {}
@@ -78,7 +77,7 @@ def list_versions(root: PayloadRoot) -> dict[int, list[tuple[str, int]]]:
         match = VERSION_DIR.fullmatch(posixpath.basename(entry["name"].rstrip("/")))
         if entry["type"] != "directory" or match is None:
             continue
-        listed = fs.ls(entry["name"], detail=True)
+        listed = root.call("ls", entry["name"], detail=True)
         versions[int(match.group(1))] = root.files(f for f in listed if f["type"] == "file")
     return versions
 
@@ -87,8 +86,8 @@ def _remove_dir(root: PayloadRoot, version: int) -> None:
     """Remove an emptied version directory (object stores have none; a busy one stays)."""
     path = posixpath.join(root.path, f"v{version}")
     try:
-        if root.fs.isdir(path) and not root.fs.ls(path):
-            root.fs.rmdir(path)
+        if root.call("isdir", path) and not root.call("ls", path):
+            root.call("rmdir", path)
     except OSError as exc:
         logger.debug("keeping %s: %s", path, exc)
 
@@ -108,7 +107,7 @@ def _wipe_before(root: PayloadRoot, started: float) -> None:
     for version, files in list_versions(root).items():
         for name, _ in files:
             try:
-                modified = root.fs.modified(posixpath.join(root.path, name)).timestamp()
+                modified = root.call("modified", posixpath.join(root.path, name)).timestamp()
                 if modified < started - CLOCK_MARGIN_S:
                     root.remove(name)
             except FileNotFoundError:
@@ -190,7 +189,12 @@ class PayloadRetention:
       the update that releases them.
 
     Deletion runs on the shared pool and never blocks the caller; a failed deletion is logged
-    and retried on the next call.
+    and retried on the next call. ``timeout`` bounds each call to a root that is not
+    local-backed (a listing, a deletion: :data:`~r3data.payload.fs.DEFAULT_TIMEOUT_S`), so a
+    store that stops answering fails a pass (logged, retried on the next call) instead of
+    holding :meth:`wait`, :meth:`close` and a claim of a file being deleted for as long as
+    the client's own retries take. A deletion past its deadline is in doubt (the store may
+    still apply it): the file stays due and is deleted again on the next pass.
 
     ``fresh`` has no default, so that forgetting it cannot wipe a resumed run: ``fresh=True``
     (a new run) first deletes the files in ``v<k>`` directories that were last modified before
@@ -215,13 +219,14 @@ class PayloadRetention:
         fs: AbstractFileSystem | None = None,
         run_started: float | None = None,
         group: Any = None,
+        timeout: float | None = DEFAULT_TIMEOUT_S,
     ) -> None:
         if not isinstance(fresh, bool):
             raise ConfigError(
                 f"fresh must be True (a new run: wipe the root) or False (a resumed run), "
                 f"found {fresh!r}"
             )
-        self.root = PayloadRoot(root, fs)
+        self.root = PayloadRoot(root, fs, timeout=timeout)
         self.max_off_policy_steps = checked_int("max_off_policy_steps", max_off_policy_steps)
         self._lock = threading.Lock()
         self._deletion_done = threading.Condition(self._lock)
@@ -242,7 +247,7 @@ class PayloadRetention:
         self._outbox: dict[str, int] = {}  # a rank that does not delete: claims to send
         self._outbox_swept: set[str] = set()  # ... and which of them the sweep removes
         try:
-            self.root.fs.makedirs(self.root.path, exist_ok=True)
+            self.root.call("makedirs", self.root.path, exist_ok=True)
         except PermissionError as exc:
             raise PayloadPermissionError(
                 f"payload root {self.root.url} may not be created: {exc}"

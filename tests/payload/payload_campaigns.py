@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 from fsspec import AbstractFileSystem
+from fsspec.asyn import AsyncFileSystem
 from fsspec.implementations.dirfs import DirFileSystem
 from fsspec.implementations.local import LocalFileSystem
 
@@ -491,14 +492,8 @@ class FlakyFile:
         return self.f.seek(offset, whence)
 
     def readinto(self, buffer: Any) -> int:
-        fault = self.fs.fault()
+        fault = self.fs.read_fault()
         view = memoryview(buffer).cast("B")
-        if fault == "eio":
-            raise OSError(errno.EIO, "Input/output error")
-        if fault == "client":
-            raise ClientLibraryError("connection reset by peer")
-        if fault == "gone":
-            raise FileNotFoundError(errno.ENOENT, "No such file or directory")
         if fault == "eof":
             return 0
         if fault == "short" and len(view) > 1:
@@ -514,8 +509,10 @@ class FlakyFile:
 
 
 def flaky(base: type[AbstractFileSystem]) -> type[AbstractFileSystem]:
-    """``base`` whose ``info`` and opened files fail at ``rate`` with a seeded choice of
-    :data:`FAULTS`; it records every file it opened, to check each is closed exactly once."""
+    """``base`` whose ``info`` and reads fail at ``rate`` with a seeded choice of
+    :data:`FAULTS`: the reads of its opened files, which it records to check each is closed
+    exactly once, and on an event-loop filesystem (which r3data reads with ranged
+    ``cat_file`` calls) its ``_info`` and ``_cat_file`` too."""
 
     class Flaky(base):  # type: ignore[misc, valid-type]
         cachable = False
@@ -532,7 +529,18 @@ def flaky(base: type[AbstractFileSystem]) -> type[AbstractFileSystem]:
                     return None
                 return self.rng.choice(FAULTS)
 
-        def info(self, path: str, **kwargs: Any) -> dict[str, Any]:
+        def read_fault(self) -> str | None:
+            """A fault for one read: raised here, or returned (short, eof, corrupt) to fake."""
+            fault = self.fault()
+            if fault == "eio":
+                raise OSError(errno.EIO, "Input/output error")
+            if fault == "client":
+                raise ClientLibraryError("connection reset by peer")
+            if fault == "gone":
+                raise FileNotFoundError(errno.ENOENT, "No such file or directory")
+            return fault
+
+        def info_fault(self, path: str) -> None:
             fault = self.fault()
             if fault in ("eio", "short", "eof", "corrupt"):
                 raise OSError(errno.EIO, "Input/output error", path)
@@ -540,7 +548,28 @@ def flaky(base: type[AbstractFileSystem]) -> type[AbstractFileSystem]:
                 raise ClientLibraryError("connection refused")
             if fault == "gone":
                 raise FileNotFoundError(errno.ENOENT, "No such file or directory", path)
+
+        def info(self, path: str, **kwargs: Any) -> dict[str, Any]:
+            self.info_fault(path)
             return super().info(path, **kwargs)
+
+        if issubclass(base, AsyncFileSystem):
+
+            async def _info(self, path: str, **kwargs: Any) -> dict[str, Any]:
+                self.info_fault(path)
+                return await super()._info(path, **kwargs)
+
+            async def _cat_file(self, path: str, start: Any = None, end: Any = None, **kw: Any):
+                fault = self.read_fault()
+                if fault == "eof":
+                    return b""
+                if fault == "short" and end - start > 1:
+                    end = start + (end - start) // 2
+                data = await super()._cat_file(path, start=start, end=end, **kw)
+                if fault == "corrupt" and data and self.corrupting:
+                    data = bytearray(data)
+                    data[len(data) // 2] ^= 0x40
+                return bytes(data)
 
         def _open(self, path: str, mode: str = "rb", **kwargs: Any) -> Any:
             f = super()._open(path, mode, **kwargs)

@@ -1,0 +1,149 @@
+"""A real loopback TCP proxy between a client and the S3 store, switchable to a slow store.
+
+:class:`SlowProxy` listens on a free loopback port and forwards every connection to the
+store's S3 port, on an asyncio loop of its own thread, in one of three modes: ``"pass"``
+(forward as it comes), ``"stall"`` (keep every connection open, accept new ones, forward
+nothing in either direction: a store that stopped answering) and ``"trickle"`` (the store's
+answers go out ``trickle_bytes`` at a time, one piece every ``trickle_s`` seconds). A stall
+may be limited to the connections whose request starts with ``only`` (``b"DELETE"``: a store
+that lists and reads but never answers a deletion). A switch applies at once to every
+connection, open or new, so the faults are real network behaviour: the client's own
+timeouts, retries and cancellations meet them as they would a real store's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import threading
+from collections.abc import Coroutine, Iterator
+from contextlib import contextmanager, suppress
+from typing import Any, TypeVar
+
+MODES = ("pass", "stall", "trickle")
+READ_BYTES = 64 << 10
+REQUEST_LINE = re.compile(rb"(?:GET|HEAD|PUT|POST|DELETE) ")
+T = TypeVar("T")
+
+
+class SlowProxy:
+    """Forwards ``127.0.0.1:<port>`` to ``127.0.0.1:<upstream>``; see the module docstring."""
+
+    def __init__(self, upstream: int, trickle_bytes: int = 16 << 10, trickle_s: float = 0.02):
+        self.upstream = upstream
+        self.trickle_bytes, self.trickle_s = trickle_bytes, trickle_s
+        self.mode, self.only = "pass", b""
+        self.connections = 0
+        self._loop = asyncio.new_event_loop()
+        self._switched = asyncio.Condition()
+        self._writers: set[asyncio.StreamWriter] = set()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        self._thread.start()
+        self._server = self._run(self._start())
+        self.port: int = self._server.sockets[0].getsockname()[1]
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def _run(self, coro: Coroutine[Any, Any, T]) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout=10)
+
+    async def _start(self) -> asyncio.Server:
+        return await asyncio.start_server(self._serve, "127.0.0.1", 0)
+
+    def set_mode(self, mode: str, only: bytes = b"") -> None:
+        """Switch every connection, open or new, to ``mode`` (one of :data:`MODES`); a stall
+        ``only`` of the connections whose latest request starts with ``only``, if given."""
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, found {mode!r}")
+
+        async def switch() -> None:
+            async with self._switched:
+                self.mode, self.only = mode, only
+                self._switched.notify_all()
+
+        self._run(switch())
+
+    @contextmanager
+    def mode_for(self, mode: str, only: bytes = b"") -> Iterator[SlowProxy]:
+        """``mode`` (see :meth:`set_mode`) inside the block, ``"pass"`` after it."""
+        self.set_mode(mode, only)
+        try:
+            yield self
+        finally:
+            self.set_mode("pass")
+
+    def _stalls(self, request: list[bytes]) -> bool:
+        return self.mode == "stall" and request[0].startswith(self.only)
+
+    async def _flowing(self, request: list[bytes]) -> None:
+        """Return once the connection whose latest request began ``request[0]`` may flow."""
+        if not self._stalls(request):
+            return
+        async with self._switched:
+            await self._switched.wait_for(lambda: not self._stalls(request))
+
+    async def _serve(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        try:
+            store_r, store_w = await asyncio.open_connection("127.0.0.1", self.upstream)
+        except OSError:
+            client_w.close()
+            return
+        self._writers.update((client_w, store_w))
+        request = [b""]  # the start of the connection's latest request, shared by both pipes
+        try:
+            await asyncio.gather(
+                self._pipe(client_r, store_w, request, answers=False),
+                self._pipe(store_r, client_w, request, answers=True),
+            )
+        finally:
+            for w in (client_w, store_w):
+                self._writers.discard(w)
+                w.close()
+
+    async def _pipe(
+        self,
+        src: asyncio.StreamReader,
+        dst: asyncio.StreamWriter,
+        request: list[bytes],
+        answers: bool,
+    ) -> None:
+        try:
+            while True:
+                await self._flowing(request)
+                data = await src.read(READ_BYTES)
+                if not data:
+                    break
+                if not answers and REQUEST_LINE.match(data):
+                    request[0] = data[:16]
+                await self._flowing(request)  # read before a stall began: held, not forwarded
+                step = self.trickle_bytes if answers and self.mode == "trickle" else len(data)
+                for at in range(0, len(data), step):
+                    if at:
+                        await asyncio.sleep(self.trickle_s)
+                        await self._flowing(request)
+                    dst.write(data[at : at + step])
+                    await dst.drain()
+        except (ConnectionError, OSError):
+            pass
+        finally:
+            if dst.can_write_eof():
+                with suppress(OSError):
+                    dst.write_eof()
+
+    def close(self) -> None:
+        """Stop listening, drop every connection, end the loop's thread."""
+
+        async def shut() -> None:
+            self._server.close()
+            for w in list(self._writers):
+                w.close()
+            async with self._switched:
+                self.mode = "pass"
+                self._switched.notify_all()
+
+        self._run(shut())
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=10)

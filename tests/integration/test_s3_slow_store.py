@@ -1,0 +1,203 @@
+"""A slow S3 store: SeaweedFS behind a real loopback proxy that stalls (accepts connections,
+answers nothing) or trickles its answers. With s3fs's own timeouts and retries at their
+defaults, a stalled store would hold a read for many minutes; r3data's per-call timeout
+turns it into a typed error naming the object within the configured bound, a trickle within
+the bound reads exact bytes, and everything works again once the store answers."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "payload"))  # payload_campaigns
+
+import numpy as np
+import pytest
+from payload_campaigns import stored
+from s3_fixtures import s3_fixture, s3_fs_fixture, s3_root_fixture  # noqa: F401
+from s3_proxy import SlowProxy
+
+from r3data.errors import PayloadReadError
+from r3data.payload import PayloadReader, PayloadRetention, PayloadRoot, PayloadWriter
+
+REPO = Path(__file__).resolve().parents[2]
+TIMEOUT = 1.0
+SLACK_S = 1.5
+"""Scheduling slack on 2 busy cores, over the bound a test asserts."""
+
+
+@pytest.fixture(name="proxy")
+def proxy_fixture(s3: Any) -> Iterator[SlowProxy]:
+    proxy = SlowProxy(s3.ports["s3.port"])
+    yield proxy
+    proxy.close()
+
+
+@pytest.fixture(name="slow_fs")
+def slow_fs_fixture(s3: Any, proxy: SlowProxy) -> Any:
+    """s3fs through the proxy with its own timeouts and retries at their defaults (connect 5 s,
+    read 15 s, botocore's and s3fs's retries), as a user's filesystem would have them."""
+    import s3fs
+
+    options = {**s3.storage_options(endpoint_url=proxy.endpoint), "config_kwargs": {}}
+    return s3fs.S3FileSystem(**options)
+
+
+def routes(rows: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 128, (rows, 48, 8), dtype=np.uint8)
+
+
+def test_a_stalled_store_fails_a_read_in_bounded_time_naming_the_object(
+    s3_root, s3_fs, slow_fs, proxy
+):
+    data = routes(400)
+    (segment,) = PayloadWriter(s3_root, fs=s3_fs).write(1, {"routes": data})
+    reader = PayloadReader(s3_root, fs=slow_fs, timeout=TIMEOUT, retries=1, backoff=0.05)
+    out = np.zeros_like(data)
+    reader.read_into([segment], out)  # warm: a session and a pooled connection
+    np.testing.assert_array_equal(out, data)
+    out[:] = 0
+    with proxy.mode_for("stall"):
+        start = time.monotonic()
+        with pytest.raises(PayloadReadError) as caught:
+            reader.read_into([segment], out)
+        took = time.monotonic() - start
+    message = str(caught.value)
+    assert f"{s3_root}/{segment.file}" in message
+    assert "failed 2 times" in message, message
+    assert f"timeout of {TIMEOUT:g} s" in message, message
+    assert 2 * TIMEOUT <= took < 2 * TIMEOUT + 0.05 + SLACK_S, took
+    assert not out.any()  # nothing of the batch arrived, and nothing arrives later
+    reader.read_into([segment], out)  # the store answers again: the same reader reads
+    np.testing.assert_array_equal(out, data)
+
+
+def test_a_read_cut_by_its_deadline_mid_trickle_writes_nothing_later(
+    s3_root, s3_fs, slow_fs, proxy
+):
+    data = routes(2000, seed=1)  # 768 KB: one chunk, far more than a second of this trickle
+    (segment,) = PayloadWriter(s3_root, fs=s3_fs).write(1, {"routes": data})
+    reader = PayloadReader(s3_root, fs=slow_fs, timeout=TIMEOUT, retries=0)
+    out = np.zeros_like(data)
+    proxy.trickle_bytes, proxy.trickle_s = 1 << 10, 0.01  # about 100 KB/s
+    with proxy.mode_for("trickle"):
+        with pytest.raises(PayloadReadError, match=rf"{segment.file} .*timeout of 1 s"):
+            reader.read_into([segment], out)
+        time.sleep(2 * TIMEOUT)  # the abandoned request's bytes would land by now
+    assert not out.any()
+    reader.read_into([segment], out)
+    np.testing.assert_array_equal(out, data)
+
+
+def test_a_trickling_store_within_the_timeout_reads_exact_bytes(s3_root, s3_fs, slow_fs, proxy):
+    data = [routes(600, seed=2), routes(50, seed=3)]
+    segments = [PayloadWriter(s3_root, fs=s3_fs).write(1, {"routes": d})[0] for d in data]
+    reader = PayloadReader(s3_root, fs=slow_fs, timeout=4 * TIMEOUT, retries=0, workers=2)
+    outs = [np.zeros_like(d) for d in data]
+    proxy.trickle_bytes, proxy.trickle_s = 16 << 10, 0.02  # about 800 KB/s: 230 KB in 0.3 s
+    with proxy.mode_for("trickle"):
+        start = time.monotonic()
+        reader.read_many([([s], out) for s, out in zip(segments, outs, strict=True)])
+        took = time.monotonic() - start
+    for got, want in zip(outs, data, strict=True):
+        np.testing.assert_array_equal(got, want)
+    assert took > 0.2, took  # the answers really trickled
+
+
+def test_check_sizes_on_a_stalled_store_is_a_typed_error_then_passes(
+    s3_root, s3_fs, slow_fs, proxy
+):
+    (segment,) = PayloadWriter(s3_root, fs=s3_fs).write(1, {"routes": routes(10)})
+    reader = PayloadReader(s3_root, fs=slow_fs, timeout=TIMEOUT, retries=1, backoff=0.05)
+    with proxy.mode_for("stall"):
+        start = time.monotonic()
+        with pytest.raises(PayloadReadError) as caught:
+            reader.check_sizes([segment])
+        took = time.monotonic() - start
+    assert f"{s3_root}/{segment.file}" in str(caught.value)
+    assert "failed 2 times" in str(caught.value)
+    assert caught.value.r3data_segment is segment
+    assert took < 2 * TIMEOUT + 0.05 + SLACK_S, took
+    reader.check_sizes([segment])
+
+
+def test_a_stalled_deletion_is_logged_and_retried_never_raised_nor_a_file_lost(
+    s3_root, s3_fs, slow_fs, proxy, caplog
+):
+    writer = PayloadWriter(s3_root, fs=s3_fs)
+    released, kept = (writer.write(1, {"routes": routes(5, seed=v)})[0].file for v in (1, 2))
+    root = PayloadRoot(s3_root, fs=s3_fs)
+    retention = PayloadRetention(s3_root, 5, fs=slow_fs, fresh=False, timeout=TIMEOUT)
+    retention.claim(1, [released])
+    retention.claim(2, [kept])
+    caplog.set_level(logging.WARNING, logger="r3data.payload.retention")
+    with proxy.mode_for("stall", only=b"DELETE"):  # lists and reads, never answers a deletion
+        start = time.monotonic()
+        retention.on_policy_update(1)
+        retention.wait()
+        took = time.monotonic() - start
+        assert stored(root) == {released, kept}
+        assert retention.metrics().delete_errors == 1
+        assert retention.metrics().files_pending == 1
+    assert took < TIMEOUT + SLACK_S, took
+    assert any(
+        released in r.getMessage() and "retried later" in r.getMessage() for r in caplog.records
+    )
+    caplog.clear()
+    with proxy.mode_for("stall"):  # nothing answers: the pass fails as a whole, logged
+        retention.on_policy_update(1)
+        retention.wait()
+        # the deletion held above may reach the store as the proxy passes it on: no assertion
+        assert kept in stored(root)
+    assert any("sweep of" in r.getMessage() for r in caplog.records)
+    retention.on_policy_update(1)  # the store answers: the due file goes, the claimed stays
+    retention.wait()
+    assert stored(root) == {kept}
+    assert retention.metrics().files_pending == 0
+    retention.close()
+
+
+def test_ctrl_c_during_a_stalled_read_ends_the_process_within_the_timeout(s3, s3_root, s3_fs):
+    """A real SIGINT to a process whose read stalls: the read stops at its next call instead of
+    retrying on, and the interpreter's exit (which joins the pool's threads) waits for one
+    call at most."""
+    segments = [PayloadWriter(s3_root, fs=s3_fs).write(1, {"routes": routes(9)})[0] for _ in "ab"]
+    proxy = SlowProxy(s3.ports["s3.port"])
+    script = textwrap.dedent(f"""
+        import s3fs, sys
+        from r3data.payload import PayloadReader, PayloadSegment
+        fs = s3fs.S3FileSystem(key={s3.storage_options()["key"]!r},
+            secret={s3.storage_options()["secret"]!r}, endpoint_url={proxy.endpoint!r})
+        segments = [PayloadSegment(**d) for d in {[s.to_dict() for s in segments]!r}]
+        reader = PayloadReader({s3_root!r}, fs=fs, timeout=2, retries=20, backoff=0.01)
+        print("reading", flush=True)
+        reader.read(segments)
+    """)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proxy.set_mode("stall")
+    try:
+        child = subprocess.Popen(
+            [sys.executable, "-c", script], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+        )
+        try:
+            assert child.stdout.readline() == b"reading\n"
+            time.sleep(0.5)  # both files' first calls under way
+            start = time.monotonic()
+            child.send_signal(signal.SIGINT)
+            child.wait(timeout=30)
+            took = time.monotonic() - start
+        finally:
+            child.kill()
+            child.wait()
+    finally:
+        proxy.close()
+    assert b"KeyboardInterrupt" in child.stderr.read()
+    assert took < 2.0 + SLACK_S, took  # not 21 attempts of 2 s per file

@@ -1,0 +1,144 @@
+"""The per-call timeout on a filesystem that is neither local-backed nor run on an event loop:
+a call past its deadline is a typed error in bounded time, and a read abandoned at its
+deadline never writes into the caller's buffer afterwards. (The event-loop case, s3fs
+behind a stalling proxy, is in ``tests/integration/test_s3_slow_store.py``.)"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+from fsspec.implementations.memory import MemoryFileSystem
+
+from r3data.errors import ConfigError, PayloadReadError
+from r3data.payload import PayloadReader, PayloadRetention, PayloadRoot, PayloadWriter
+
+TIMEOUT = 0.3
+
+
+class HeldFile:
+    """An open file whose reads wait for ``release``, then fill the buffer they were given."""
+
+    def __init__(self, f: Any, fs: SlowMemory) -> None:
+        self.f, self.fs = f, fs
+
+    @property
+    def closed(self) -> bool:
+        return self.f.closed
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        return self.f.seek(offset, whence)
+
+    def readinto(self, buffer: Any) -> int:
+        self.fs.reading.set()
+        self.fs.release.wait()
+        n = self.f.readinto(buffer)
+        self.fs.landed.set()
+        return n
+
+    def close(self) -> None:
+        self.f.close()
+
+
+class SlowMemory(MemoryFileSystem):
+    """A private memory:// store whose reads (``hold="read"``) or look-ups (``hold="info"``)
+    wait for ``release``."""
+
+    cachable = False
+
+    def __init__(self) -> None:
+        super().__init__(global_store=False)
+        self.hold = ""
+        self.release, self.reading, self.landed = (threading.Event() for _ in range(3))
+
+    def info(self, path: str, **kwargs: Any) -> dict[str, Any]:
+        if self.hold == "info":
+            self.release.wait()
+        return super().info(path, **kwargs)
+
+    def rm_file(self, path: str) -> None:
+        if self.hold == "rm":
+            self.release.wait()
+        super().rm_file(path)
+
+    def _open(self, path: str, mode: str = "rb", **kwargs: Any) -> Any:
+        f = super()._open(path, mode, **kwargs)
+        return HeldFile(f, self) if "r" in mode and self.hold == "read" else f
+
+
+@pytest.fixture(name="slow")
+def slow_fixture() -> Any:
+    fs = SlowMemory()
+    yield fs
+    fs.release.set()
+
+
+def written(fs: SlowMemory, rows: int = 20) -> tuple[Any, np.ndarray]:
+    data = np.arange(rows * 48 * 8, dtype=np.uint32).astype(np.uint8).reshape(rows, 48, 8)
+    (segment,) = PayloadWriter("/run", fs=fs).write(1, {"routes": data})
+    return segment, data
+
+
+def test_a_read_past_its_deadline_never_writes_into_the_batch_later(slow):
+    segment, data = written(slow)
+    reader = PayloadReader("/run", fs=slow, timeout=TIMEOUT, retries=1, backoff=0.01)
+    out = np.zeros_like(data)
+    slow.hold = "read"
+    start = time.monotonic()
+    with pytest.raises(PayloadReadError, match=rf"memory:///run/{segment.file} .*failed 2 times"):
+        reader.read_into([segment], out)
+    assert 2 * TIMEOUT <= time.monotonic() - start < 2 * TIMEOUT + 1.0
+    slow.release.set()  # the abandoned reads go on and land ...
+    assert slow.landed.wait(5)
+    time.sleep(0.05)
+    assert not out.any()  # ... in buffers of their own, not the batch's
+    slow.hold = ""
+    reader.read_into([segment], out)
+    np.testing.assert_array_equal(out, data)
+
+
+def test_an_open_and_a_size_check_past_their_deadline_name_the_file(slow):
+    segment, _ = written(slow)
+    reader = PayloadReader("/run", fs=slow, timeout=TIMEOUT, retries=0)
+    slow.hold = "info"
+    with pytest.raises(PayloadReadError, match=r"no answer within the timeout of 0\.3 s") as caught:
+        reader.check_sizes([segment])
+    assert f"memory:///run/{segment.file}" in str(caught.value)
+    with pytest.raises(PayloadReadError, match=rf"{segment.file} .*failed 1 times"):
+        reader.read([segment])
+
+
+def test_without_a_timeout_a_read_waits_for_the_filesystem(slow):
+    segment, data = written(slow)
+    reader = PayloadReader("/run", fs=slow, timeout=None)
+    slow.hold = "read"
+    threading.Timer(2 * TIMEOUT, slow.release.set).start()
+    np.testing.assert_array_equal(reader.read([segment])["routes"], data)
+
+
+def test_a_deletion_past_its_deadline_is_logged_and_retried(slow, caplog):
+    segment, _ = written(slow)
+    retention = PayloadRetention("/run", 5, fs=slow, fresh=False, timeout=TIMEOUT)
+    retention.claim(1, [segment.file])
+    slow.hold = "rm"
+    retention.on_policy_update(1)
+    retention.wait()
+    assert retention.metrics().delete_errors == 1
+    assert "retried later" in caplog.text
+    slow.hold = ""
+    slow.release.set()
+    retention.on_policy_update(1)
+    retention.wait()
+    assert retention.metrics().files_pending == 0
+    assert not slow.exists(f"/run/{segment.file}")
+
+
+@pytest.mark.parametrize("bad", [0, -1.0, float("nan"), float("inf"), "30", True])
+def test_a_timeout_must_be_positive_finite_seconds_or_none(bad):
+    with pytest.raises(ConfigError, match="timeout must be"):
+        PayloadReader("memory://r3-timeouts", timeout=bad)
+    with pytest.raises(ConfigError, match="timeout must be"):
+        PayloadRoot("memory://r3-timeouts", timeout=bad)
