@@ -515,8 +515,7 @@ def _copy_on_host(
 
 
 class _Staging:
-    """Writes places of a seq-major ``out`` through a cache-sized ``[places, columns,
-    layers, topk]`` block in the routes' dtype (or ``out``'s when ``fill`` does not fit it)."""
+    """Writes the places of a seq-major ``out`` a cache-sized block of places at a time."""
 
     def __init__(
         self,
@@ -529,25 +528,17 @@ class _Staging:
         self.out, self.segments, self.rows_of = out, segments, rows_of
         self.fill_row, self.step = fill, step
         self.places = max(1, step // out.shape[1])
-        dtype = rows_of(slice(0, 0)).dtype
-        self.fill_staged = fill.astype(dtype)
-        if not (self.fill_staged == fill).all():
-            self.fill_staged = fill
-        self.block = np.empty((self.places, *out.shape[1:]), dtype=self.fill_staged.dtype)
-        self.columns = [self.block[:, column] for column in range(out.shape[1])]
-        self.filled = [0] * out.shape[1]  # leading places of each column holding fill
         self.edges, self.firsts = segments.bounds.tolist(), segments.first.tolist()
 
     def write(self) -> None:
         """Write the whole seq-major grid of several columns, front to back.
 
         Within a segment (:class:`TokenSegments`) each column's rows are consecutive or
-        padding: a block of places is staged column by column with slice copies, then widened
-        into ``out`` in one contiguous copy (strided writes straight into fresh memory were
-        about twice as slow as the widen). A segment of padding only is widened from a staged
-        block of ``fill`` (faster than broadcasting one row into fresh memory). Consecutive
-        segments shorter than ``MIN_RUN_TOKENS`` (other than padding) are gathered row by row
-        when there are enough of them (:meth:`short`).
+        padding: a block of places is written column by column, each column one widening
+        slice copy straight from the routes (or ``fill`` broadcast), so the block stays in
+        cache while its strided rows fill in. Consecutive segments shorter than
+        ``MIN_RUN_TOKENS`` (other than padding) are gathered row by row when there are
+        enough of them (:meth:`short`).
         """
         edges, firsts = self.edges, self.firsts
         short: list[int] = []  # [begin, end) of consecutive short segments not written yet
@@ -560,43 +551,28 @@ class _Staging:
                 self.short(*short)
                 short = []
             if padding:
-                self.fill(start, stop)
+                self.out[start:stop] = self.fill_row
             else:
                 self.copy(start, stop, starts)
         if short:
             self.short(*short)
 
-    def fill(self, start: int, stop: int) -> None:
-        """``out[start:stop] = fill``."""
-        if self.block.itemsize == self.out.itemsize:  # nothing to widen: broadcast the row
-            self.out[start:stop] = self.fill_row
-            return
-        if min(self.filled) < self.places:
-            self.block[...] = self.fill_staged
-            self.filled = [self.places] * len(self.filled)
-        for at in range(start, stop, self.places):
-            end = min(stop, at + self.places)
-            self.out[at:end] = self.block[: end - at]
-
     def copy(self, start: int, stop: int, starts: list[int]) -> None:
         """``out[start:stop, b]`` = rows ``starts[b]`` onwards, or ``fill`` where PAD."""
+        out, rows_of, fill = self.out, self.rows_of, self.fill_row
         for at in range(start, stop, self.places):
-            count = min(stop, at + self.places) - at
-            columns = self.columns if count == self.places else [c[:count] for c in self.columns]
-            for column, (row, staged) in enumerate(zip(starts, columns, strict=True)):
-                if row != PAD:
+            end = min(stop, at + self.places)
+            for column, row in enumerate(starts):
+                if row == PAD:
+                    out[at:end, column] = fill
+                else:  # ids fit out: checked before
                     first = row + at - start
-                    staged[...] = self.rows_of(slice(first, first + count))
-                    self.filled[column] = 0
-                elif self.filled[column] < count:
-                    staged[...] = self.fill_staged
-                    self.filled[column] = count
-            self.out[at : at + count] = self.block[:count]  # ids fit out: checked before
+                    out[at:end, column] = rows_of(slice(first, first + end - at))
 
     def short(self, begin: int, end: int) -> None:
         """Segments ``begin:end`` (short ones): copied one by one where that takes at most
         ``GATHER_CALLS`` numpy calls, else gathered row by row."""
-        if (end - begin) * (len(self.columns) + 1) <= GATHER_CALLS:
+        if (end - begin) * self.out.shape[1] <= GATHER_CALLS:
             for k in range(begin, end):
                 self.copy(self.edges[k], self.edges[k + 1], self.firsts[k])
             return
