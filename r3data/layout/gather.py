@@ -278,9 +278,12 @@ def _zero_layers(values: torch.Tensor) -> tuple[int, ...]:
     A top-k >= 2 MoE row names k distinct experts, so it is never all zero; with top-1 a
     layer whose tokens all picked expert 0 cannot be told from a dense one: none is refused.
     """
-    if not values.shape[0] or values.shape[2] < 2:
+    rows, _, topk = values.shape
+    if not rows or topk < 2:
         return ()
     row = values.numpy()[0] if values.device.type == "cpu" else bit_view(values[0]).cpu().numpy()
+    if bytes(topk * row.itemsize) not in row.tobytes():  # no layer's bytes can all be zero
+        return ()
     first_row = np.flatnonzero(~row.any(axis=-1))  # one row to the host
     if not first_row.size:
         return ()
@@ -347,7 +350,8 @@ def _output_dtype(dtype: torch.dtype) -> torch.dtype:
     return dtype
 
 
-def _fill_row(fill: Fill, topk: int, dtype: torch.dtype) -> torch.Tensor:
+def _fill_row(fill: Fill, topk: int, dtype: torch.dtype) -> np.ndarray:
+    """The padding row, checked: ``topk`` distinct ids >= 0 that fit ``dtype`` (int64, host)."""
     if isinstance(fill, RoundRobin):
         if topk > fill.num_experts:
             raise LayoutError(
@@ -356,13 +360,13 @@ def _fill_row(fill: Fill, topk: int, dtype: torch.dtype) -> torch.Tensor:
             )
         if fill.num_experts - 1 > torch.iinfo(dtype).max:
             raise LayoutError(f"fill ids must fit {dtype}, found {fill.num_experts - 1}")
-        return torch.arange(topk)
+        return np.arange(topk, dtype=np.int64)
     if isinstance(fill, str):
         if fill != "distinct":
             raise LayoutError(
                 f"fill must be 'distinct' or {topk} distinct expert ids, found {fill!r}"
             )
-        return torch.arange(topk)
+        return np.arange(topk, dtype=np.int64)
     try:
         row = torch.as_tensor(fill)
     except (TypeError, ValueError, RuntimeError, OverflowError) as error:
@@ -376,7 +380,7 @@ def _fill_row(fill: Fill, topk: int, dtype: torch.dtype) -> torch.Tensor:
         raise LayoutError(f"fill must hold {topk} distinct expert ids >= 0, found {row.tolist()}")
     if int(row.max()) > torch.iinfo(dtype).max:
         raise LayoutError(f"fill ids must fit {dtype}, found {int(row.max())}")
-    return row
+    return row.cpu().numpy()
 
 
 def _check_ids_fit(values: torch.Tensor, dtype: torch.dtype) -> None:
@@ -411,7 +415,7 @@ def _gather(
     values: torch.Tensor,
     tokens: TokenRuns | TokenSegments,
     layers: tuple[int, ...],
-    fill_row: torch.Tensor,
+    fill_row: np.ndarray,
     dtype: torch.dtype,
     *,
     batch_major: bool,
@@ -432,12 +436,12 @@ def _gather(
     if values.device.type == "cpu":
         places = buffer.numpy().swapaxes(0, 1) if batch_major else buffer.numpy()
         fill_block = np.empty(shape, dtype=places.dtype)
-        fill_block[...] = fill_row.cpu().numpy()
+        fill_block[...] = fill_row
         _copy_on_host(places, tokens, values.numpy(), layers, fill_block)
     else:
         grid = tokens.grid()
         index = (grid.T if batch_major else grid).reshape(-1)
-        fill = fill_row.to(buffer.device, dtype).expand(shape)
+        fill = torch.from_numpy(fill_row).to(buffer.device, dtype).expand(shape)
         _copy_on_device(buffer.view(-1, *shape), index, values, layers, fill)
     return buffer
 
