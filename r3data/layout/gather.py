@@ -10,9 +10,9 @@ Every row is read once from the packed values into one token-major output buffer
 stride ``layers * topk``; ``torch.gather``/``scatter`` take them as they are). On the CPU the
 rank's tokens come as runs (:meth:`~r3data.layout.TokenLayout.token_runs`): each long run is
 one slice copy or padding fill, short runs are gathered together, and a seq-major grid of
-several samples (whose rows interleave) is cut into segments where every sample's rows run on,
-staged a cache-sized block at a time by slice copies and written front to back; on
-accelerators a gather of a bounded chunk of rows at a time. There is no padded full-batch
+several samples (whose rows interleave) is cut into segments where every sample's rows run on
+and written a cache-sized block of places at a time, front to back, each sample's rows one
+widening slice copy; on accelerators a gather of a bounded chunk of rows at a time. There is no padded full-batch
 rectangle and no full-size intermediate. Padding tokens get ``fill``, by default
 ``arange(topk)``: the all-to-all dispatcher assumes exactly ``tokens * topk`` distinct
 assignments, so a padding row must never repeat an expert. ``RoundRobin(num_experts)``
@@ -484,8 +484,8 @@ def _copy_on_host(
 
     Each long run is one slice copy (or fill); short runs (tiny samples) are gathered
     together. Segments (a seq-major grid of several columns, whose runs interleave row by
-    row) are staged a cache-sized block at a time and written front to back
-    (:meth:`_Staging.write`). numpy works on the calling thread: hundreds of small torch
+    row) are written a cache-sized block of places at a time, front to back
+    (:meth:`_SegmentWriter.write`). numpy works on the calling thread: hundreds of small torch
     ops would each open a parallel region, which stalls whenever another process holds a
     core; a second thread on the copy made it slower or bimodal here (page faults and the GIL
     contend).
@@ -501,7 +501,7 @@ def _copy_on_host(
         return source[rows] if span is not None else values[rows][:, pick]
 
     if isinstance(tokens, TokenSegments):
-        _Staging(out, tokens, rows_of, fill, step).write()
+        _SegmentWriter(out, tokens, rows_of, fill, step).write()
         return
     runs = tokens
     long = runs.count >= MIN_RUN_TOKENS
@@ -518,7 +518,7 @@ def _copy_on_host(
     _copy_short_runs(out, runs, ~long, rows_of, fill, step)
 
 
-class _Staging:
+class _SegmentWriter:
     """Writes the places of a seq-major ``out`` a cache-sized block of places at a time."""
 
     def __init__(

@@ -267,8 +267,7 @@ class TokenLayout:
         start, count, place = _sequence_pieces(self, common)  # [pieces]
         if lengths.size * start.size > SMALL_GRID:
             return self.token_runs(lengths, local=local).segments()
-        local_seq = int(count.sum()) if lengths.size else 0
-        if not local_seq:
+        if not lengths.size or not common:
             return TokenSegments(
                 0, lengths.size, np.zeros(1, np.int64), np.empty((0, lengths.size), np.int64)
             )
@@ -276,7 +275,7 @@ class TokenLayout:
         left = self.padding_side == "left"
         bounds, first = _pieces_segments(pieces, lengths.tolist(), common, left, local)
         return TokenSegments(
-            local_seq,
+            bounds[-1],
             lengths.size,
             np.array(bounds, np.int64),
             np.array(first, np.int64).reshape(-1, lengths.size),

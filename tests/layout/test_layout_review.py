@@ -156,7 +156,7 @@ def test_expand_matches_a_per_token_reference_on_every_rank_and_geometry(case, s
 
 
 def staging_places(layers: int, topk: int, dtype: torch.dtype, batch: int) -> int:
-    """Places of a seq-major grid one staging block holds (``_Staging``'s rule)."""
+    """Places of a seq-major grid one block of writes holds (``_SegmentWriter``'s rule)."""
     row_bytes = layers * topk * torch.empty((), dtype=dtype).element_size()
     return max(1, gather.PIECE_BYTES // row_bytes // batch)
 
