@@ -10,9 +10,9 @@ Every row is read once from the packed values into one token-major output buffer
 stride ``layers * topk``; ``torch.gather``/``scatter`` take them as they are). On the CPU the
 rank's tokens come as runs (:meth:`~r3data.layout.TokenLayout.token_runs`): each long run is
 one slice copy or padding fill, short runs are gathered together, and a seq-major grid of
-several samples (whose rows interleave) is cut into segments where every sample's rows run on,
-staged a cache-sized block at a time by slice copies and written front to back; on
-accelerators a gather of a bounded chunk of rows at a time. There is no padded full-batch
+several samples (whose rows interleave) is cut into segments where every sample's rows run on
+and written a cache-sized block of places at a time, front to back, each sample's rows one
+widening slice copy; on accelerators a gather of a bounded chunk of rows at a time. There is no padded full-batch
 rectangle and no full-size intermediate. Padding tokens get ``fill``, by default
 ``arange(topk)``: the all-to-all dispatcher assumes exactly ``tokens * topk`` distinct
 assignments, so a padding row must never repeat an expert. ``RoundRobin(num_experts)``
@@ -278,9 +278,12 @@ def _zero_layers(values: torch.Tensor) -> tuple[int, ...]:
     A top-k >= 2 MoE row names k distinct experts, so it is never all zero; with top-1 a
     layer whose tokens all picked expert 0 cannot be told from a dense one: none is refused.
     """
-    if not values.shape[0] or values.shape[2] < 2:
+    rows, _, topk = values.shape
+    if not rows or topk < 2:
         return ()
     row = values.numpy()[0] if values.device.type == "cpu" else bit_view(values[0]).cpu().numpy()
+    if bytes(topk * row.itemsize) not in row.tobytes():  # no layer's bytes can all be zero
+        return ()
     first_row = np.flatnonzero(~row.any(axis=-1))  # one row to the host
     if not first_row.size:
         return ()
@@ -347,7 +350,8 @@ def _output_dtype(dtype: torch.dtype) -> torch.dtype:
     return dtype
 
 
-def _fill_row(fill: Fill, topk: int, dtype: torch.dtype) -> torch.Tensor:
+def _fill_row(fill: Fill, topk: int, dtype: torch.dtype) -> np.ndarray:
+    """The padding row, checked: ``topk`` distinct ids >= 0 that fit ``dtype`` (int64, host)."""
     if isinstance(fill, RoundRobin):
         if topk > fill.num_experts:
             raise LayoutError(
@@ -356,13 +360,13 @@ def _fill_row(fill: Fill, topk: int, dtype: torch.dtype) -> torch.Tensor:
             )
         if fill.num_experts - 1 > torch.iinfo(dtype).max:
             raise LayoutError(f"fill ids must fit {dtype}, found {fill.num_experts - 1}")
-        return torch.arange(topk)
+        return np.arange(topk, dtype=np.int64)
     if isinstance(fill, str):
         if fill != "distinct":
             raise LayoutError(
                 f"fill must be 'distinct' or {topk} distinct expert ids, found {fill!r}"
             )
-        return torch.arange(topk)
+        return np.arange(topk, dtype=np.int64)
     try:
         row = torch.as_tensor(fill)
     except (TypeError, ValueError, RuntimeError, OverflowError) as error:
@@ -376,7 +380,7 @@ def _fill_row(fill: Fill, topk: int, dtype: torch.dtype) -> torch.Tensor:
         raise LayoutError(f"fill must hold {topk} distinct expert ids >= 0, found {row.tolist()}")
     if int(row.max()) > torch.iinfo(dtype).max:
         raise LayoutError(f"fill ids must fit {dtype}, found {int(row.max())}")
-    return row
+    return row.cpu().numpy()
 
 
 def _check_ids_fit(values: torch.Tensor, dtype: torch.dtype) -> None:
@@ -411,7 +415,7 @@ def _gather(
     values: torch.Tensor,
     tokens: TokenRuns | TokenSegments,
     layers: tuple[int, ...],
-    fill_row: torch.Tensor,
+    fill_row: np.ndarray,
     dtype: torch.dtype,
     *,
     batch_major: bool,
@@ -432,12 +436,12 @@ def _gather(
     if values.device.type == "cpu":
         places = buffer.numpy().swapaxes(0, 1) if batch_major else buffer.numpy()
         fill_block = np.empty(shape, dtype=places.dtype)
-        fill_block[...] = fill_row.cpu().numpy()
+        fill_block[...] = fill_row
         _copy_on_host(places, tokens, values.numpy(), layers, fill_block)
     else:
         grid = tokens.grid()
         index = (grid.T if batch_major else grid).reshape(-1)
-        fill = fill_row.to(buffer.device, dtype).expand(shape)
+        fill = torch.from_numpy(fill_row).to(buffer.device, dtype).expand(shape)
         _copy_on_device(buffer.view(-1, *shape), index, values, layers, fill)
     return buffer
 
@@ -480,8 +484,8 @@ def _copy_on_host(
 
     Each long run is one slice copy (or fill); short runs (tiny samples) are gathered
     together. Segments (a seq-major grid of several columns, whose runs interleave row by
-    row) are staged a cache-sized block at a time and written front to back
-    (:meth:`_Staging.write`). numpy works on the calling thread: hundreds of small torch
+    row) are written a cache-sized block of places at a time, front to back
+    (:meth:`_SegmentWriter.write`). numpy works on the calling thread: hundreds of small torch
     ops would each open a parallel region, which stalls whenever another process holds a
     core; a second thread on the copy made it slower or bimodal here (page faults and the GIL
     contend).
@@ -497,7 +501,7 @@ def _copy_on_host(
         return source[rows] if span is not None else values[rows][:, pick]
 
     if isinstance(tokens, TokenSegments):
-        _Staging(out, tokens, rows_of, fill, step).write()
+        _SegmentWriter(out, tokens, rows_of, fill, step).write()
         return
     runs = tokens
     long = runs.count >= MIN_RUN_TOKENS
@@ -514,9 +518,8 @@ def _copy_on_host(
     _copy_short_runs(out, runs, ~long, rows_of, fill, step)
 
 
-class _Staging:
-    """Writes places of a seq-major ``out`` through a cache-sized ``[places, columns,
-    layers, topk]`` block in the routes' dtype (or ``out``'s when ``fill`` does not fit it)."""
+class _SegmentWriter:
+    """Writes the places of a seq-major ``out`` a cache-sized block of places at a time."""
 
     def __init__(
         self,
@@ -529,25 +532,17 @@ class _Staging:
         self.out, self.segments, self.rows_of = out, segments, rows_of
         self.fill_row, self.step = fill, step
         self.places = max(1, step // out.shape[1])
-        dtype = rows_of(slice(0, 0)).dtype
-        self.fill_staged = fill.astype(dtype)
-        if not (self.fill_staged == fill).all():
-            self.fill_staged = fill
-        self.block = np.empty((self.places, *out.shape[1:]), dtype=self.fill_staged.dtype)
-        self.columns = [self.block[:, column] for column in range(out.shape[1])]
-        self.filled = [0] * out.shape[1]  # leading places of each column holding fill
         self.edges, self.firsts = segments.bounds.tolist(), segments.first.tolist()
 
     def write(self) -> None:
         """Write the whole seq-major grid of several columns, front to back.
 
         Within a segment (:class:`TokenSegments`) each column's rows are consecutive or
-        padding: a block of places is staged column by column with slice copies, then widened
-        into ``out`` in one contiguous copy (strided writes straight into fresh memory were
-        about twice as slow as the widen). A segment of padding only is widened from a staged
-        block of ``fill`` (faster than broadcasting one row into fresh memory). Consecutive
-        segments shorter than ``MIN_RUN_TOKENS`` (other than padding) are gathered row by row
-        when there are enough of them (:meth:`short`).
+        padding: a block of places is written column by column, each column one widening
+        slice copy straight from the routes (or ``fill`` broadcast), so the block stays in
+        cache while its strided rows fill in. Consecutive segments shorter than
+        ``MIN_RUN_TOKENS`` (other than padding) are gathered row by row when there are
+        enough of them (:meth:`short`).
         """
         edges, firsts = self.edges, self.firsts
         short: list[int] = []  # [begin, end) of consecutive short segments not written yet
@@ -560,43 +555,28 @@ class _Staging:
                 self.short(*short)
                 short = []
             if padding:
-                self.fill(start, stop)
+                self.out[start:stop] = self.fill_row
             else:
                 self.copy(start, stop, starts)
         if short:
             self.short(*short)
 
-    def fill(self, start: int, stop: int) -> None:
-        """``out[start:stop] = fill``."""
-        if self.block.itemsize == self.out.itemsize:  # nothing to widen: broadcast the row
-            self.out[start:stop] = self.fill_row
-            return
-        if min(self.filled) < self.places:
-            self.block[...] = self.fill_staged
-            self.filled = [self.places] * len(self.filled)
-        for at in range(start, stop, self.places):
-            end = min(stop, at + self.places)
-            self.out[at:end] = self.block[: end - at]
-
     def copy(self, start: int, stop: int, starts: list[int]) -> None:
         """``out[start:stop, b]`` = rows ``starts[b]`` onwards, or ``fill`` where PAD."""
+        out, rows_of, fill = self.out, self.rows_of, self.fill_row
         for at in range(start, stop, self.places):
-            count = min(stop, at + self.places) - at
-            columns = self.columns if count == self.places else [c[:count] for c in self.columns]
-            for column, (row, staged) in enumerate(zip(starts, columns, strict=True)):
-                if row != PAD:
+            end = min(stop, at + self.places)
+            for column, row in enumerate(starts):
+                if row == PAD:
+                    out[at:end, column] = fill
+                else:  # ids fit out: checked before
                     first = row + at - start
-                    staged[...] = self.rows_of(slice(first, first + count))
-                    self.filled[column] = 0
-                elif self.filled[column] < count:
-                    staged[...] = self.fill_staged
-                    self.filled[column] = count
-            self.out[at : at + count] = self.block[:count]  # ids fit out: checked before
+                    out[at:end, column] = rows_of(slice(first, first + end - at))
 
     def short(self, begin: int, end: int) -> None:
         """Segments ``begin:end`` (short ones): copied one by one where that takes at most
         ``GATHER_CALLS`` numpy calls, else gathered row by row."""
-        if (end - begin) * (len(self.columns) + 1) <= GATHER_CALLS:
+        if (end - begin) * self.out.shape[1] <= GATHER_CALLS:
             for k in range(begin, end):
                 self.copy(self.edges[k], self.edges[k + 1], self.firsts[k])
             return

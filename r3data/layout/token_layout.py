@@ -28,6 +28,7 @@ packed batch.
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -44,6 +45,9 @@ LayerAxis = Literal["all", "moe"]
 Ranges = list[list[Span]]
 
 
+#: BSHD micro-batches of at most this many (sample, piece) pairs are cut into segments in
+#: plain Python, larger ones from their runs (numpy).
+SMALL_GRID = 16
 #: Padded tokens a micro-batch may hold: its ``cu_seqlens_padded`` are int32, as its rows'.
 MAX_TOKENS = 2**31 - 1
 
@@ -252,39 +256,30 @@ class TokenLayout:
         """This rank's token grid cut into segments where every column's rows run on
         (:class:`TokenSegments`), as :meth:`TokenRuns.segments` of :meth:`token_runs` cuts it.
 
-        BSHD segments come straight from the pieces of the common length every sample keeps
-        (a few numpy calls per micro-batch, no runs built).
+        BSHD micro-batches of a few samples are cut straight from the pieces of the common
+        length every sample keeps, in plain Python (:func:`_pieces_segments`: no runs built,
+        no numpy call per step); larger ones and THD from the runs.
         """
         lengths = as_lengths(lengths)
         if self.packed:
             return self.token_runs(lengths, local=local).segments()
         common = self._common_length(lengths)
         start, count, place = _sequence_pieces(self, common)  # [pieces]
-        local_seq = int(count.sum()) if lengths.size else 0
-        if not local_seq:
+        if lengths.size * start.size > SMALL_GRID:
+            return self.token_runs(lengths, local=local).segments()
+        if not lengths.size or not common:
             return TokenSegments(
                 0, lengths.size, np.zeros(1, np.int64), np.empty((0, lengths.size), np.int64)
             )
-        # [samples, pieces]: the sample position of each piece's first place; its real places
-        shift = common - lengths if self.padding_side == "left" else 0
-        position = start - shift[:, None] if self.padding_side == "left" else start[None]
-        real_from = np.minimum(np.maximum(-position, 0), count)
-        real_to = np.minimum(np.maximum(lengths[:, None] - position, real_from), count)
-        # Cut at every piece and where any sample's real rows start or end; the joining below
-        # drops repeated and needless cuts.
-        begins = np.concatenate((place, (place + real_from).ravel(), (place + real_to).ravel()))
-        begins = np.sort(begins[begins < local_seq])
-        bounds = np.append(begins, local_seq)
-        piece = np.searchsorted(place, begins, "right") - 1  # [segments]
-        at = ((start - place)[piece] + begins)[:, None] - shift  # [segments, samples]
-        if local:  # a sample's local rows come in position order, samples back to back
-            real = (real_to - real_from).ravel()
-            base = (np.cumsum(real) - real).reshape(real_to.shape) - position - real_from
-            row = base.T[piece] + at
-        else:
-            row = (np.cumsum(lengths) - lengths) + at
-        first = np.where((at >= 0) & (at < lengths), row, PAD)
-        return TokenSegments.joined(local_seq, lengths.size, bounds, first)
+        pieces = list(zip(start.tolist(), count.tolist(), place.tolist(), strict=True))
+        left = self.padding_side == "left"
+        bounds, first = _pieces_segments(pieces, lengths.tolist(), common, left, local)
+        return TokenSegments(
+            bounds[-1],
+            lengths.size,
+            np.array(bounds, np.int64),
+            np.array(first, np.int64).reshape(-1, lengths.size),
+        )
 
     def token_grid(self, lengths: Any, *, local: bool = False) -> np.ndarray:
         """``[local_seq, batch]``: the packed-batch row of every local token, or ``PAD``.
@@ -411,6 +406,65 @@ def _sequence_pieces(layout: TokenLayout, length: int) -> tuple[np.ndarray, np.n
     for array in (start, count, place):
         array.setflags(write=False)
     return start, count, place
+
+
+def _pieces_segments(
+    pieces: list[tuple[int, int, int]], lengths: list[int], common: int, left: bool, local: bool
+) -> tuple[list[int], list[list[int]]]:
+    """``(bounds, first)`` of the :class:`TokenSegments` of a BSHD grid whose samples (of
+    ``lengths``, padded to ``common`` on the left or right) all keep ``pieces`` (``(start,
+    count, place)`` of the common length, in local order), as lists.
+
+    Cut at every piece and where any sample's real rows start or end, then joined where
+    every column continues, as :meth:`TokenSegments.joined` does.
+    """
+    shifts = [common - n if left else 0 for n in lengths]
+    reals = []  # per piece, per sample: its real places within the piece, [lo, hi)
+    cuts = set()
+    for start, count, place in pieces:
+        real = []
+        for n, shift in zip(lengths, shifts, strict=True):
+            lo = min(max(shift - start, 0), count)
+            hi = min(max(n + shift - start, lo), count)
+            real.append((lo, hi))
+            cuts.update((place + lo, place + hi))
+        reals.append(real)
+        cuts.add(place)
+    if local:  # a sample's local rows come in position order, samples back to back
+        held = [sum(real[b][1] - real[b][0] for real in reals) for b in range(len(lengths))]
+        offsets = list(itertools.accumulate(held, initial=0))
+    else:
+        offsets = list(itertools.accumulate(lengths, initial=0))
+    local_seq = pieces[-1][1] + pieces[-1][2]
+    bounds: list[int] = []
+    first: list[list[int]] = []
+    piece, done = 0, [0] * len(lengths)  # per sample: local rows of the pieces before
+    for cut in sorted(cuts):
+        if cut >= local_seq:
+            continue
+        while piece + 1 < len(pieces) and pieces[piece + 1][2] <= cut:
+            done = [d + hi - lo for d, (lo, hi) in zip(done, reals[piece], strict=True)]
+            piece += 1
+        start, _, place = pieces[piece]
+        rows = []
+        for b, (n, shift) in enumerate(zip(lengths, shifts, strict=True)):
+            at = start - shift + cut - place  # the sample's position at this place
+            if not 0 <= at < n:
+                rows.append(PAD)
+            elif local:
+                rows.append(offsets[b] + done[b] + cut - place - reals[piece][b][0])
+            else:
+                rows.append(offsets[b] + at)
+        if first:
+            step = cut - bounds[-1]
+            if all(
+                r == (PAD if f == PAD else f + step) for r, f in zip(rows, first[-1], strict=True)
+            ):
+                continue
+        bounds.append(cut)
+        first.append(rows)
+    bounds.append(local_seq)
+    return bounds, first
 
 
 @functools.lru_cache(maxsize=256)

@@ -13,7 +13,7 @@ from layout_reference import rank_rows, round_up
 
 from r3data import spans
 from r3data.errors import LayoutError
-from r3data.layout import PAD, ModelLayers, TokenLayout, TokenRuns
+from r3data.layout import PAD, ModelLayers, TokenLayout, TokenRuns, token_layout
 from r3data.packed import aranges
 
 GRIDS = st.fixed_dictionaries(
@@ -175,15 +175,26 @@ def test_runs_from_pieces_hold_the_pieces_rows_in_maximal_runs(columns):
 
 
 @settings(max_examples=80, deadline=None)
-@given(grid=GRIDS, lengths=LENGTHS, local=st.booleans(), fixed=st.booleans())
-def test_segments_cut_the_grid_wherever_a_column_stops_continuing(grid, lengths, local, fixed):
+@given(
+    grid=GRIDS,
+    lengths=LENGTHS,
+    local=st.booleans(),
+    fixed=st.booleans(),
+    small=st.sampled_from([0, 1, 3, token_layout.SMALL_GRID, 10**6]),
+)
+def test_segments_cut_the_grid_wherever_a_column_stops_continuing(
+    grid, lengths, local, fixed, small
+):
     """Within a segment every column holds consecutive rows or padding, and a segment ends
     only where some column stops continuing (against a loop over the grid), whether cut from
-    the runs or (BSHD) straight from the pieces of the common length."""
+    the runs or (BSHD micro-batches up to ``SMALL_GRID`` sample-pieces) straight from the
+    pieces of the common length."""
     seq_length = 96 if fixed and not grid["packed"] else None  # 96: a multiple of every grid's
     for layout in layouts_of(grid, seq_length=seq_length):
         rows = layout.token_grid(lengths, local=local)
-        segments = layout.token_segments(lengths, local=local)
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(token_layout, "SMALL_GRID", small)
+            segments = layout.token_segments(lengths, local=local)
         from_runs = layout.token_runs(lengths, local=local).segments()
         assert (segments.local_seq, segments.columns) == rows.shape
         assert np.array_equal(segments.bounds, from_runs.bounds)

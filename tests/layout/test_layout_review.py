@@ -156,7 +156,7 @@ def test_expand_matches_a_per_token_reference_on_every_rank_and_geometry(case, s
 
 
 def staging_places(layers: int, topk: int, dtype: torch.dtype, batch: int) -> int:
-    """Places of a seq-major grid one staging block holds (``_Staging``'s rule)."""
+    """Places of a seq-major grid one block of writes holds (``_SegmentWriter``'s rule)."""
     row_bytes = layers * topk * torch.empty((), dtype=dtype).element_size()
     return max(1, gather.PIECE_BYTES // row_bytes // batch)
 
@@ -333,3 +333,37 @@ def test_model_layers_keep_bool_and_numpy_flags():
 def test_stage_rank_refuses_a_bool():
     with pytest.raises(LayoutError, match=r"pp_rank must be in \[0, 2\), found True"):
         ModelLayers(num_layers=4).stage(2, True)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    shape=st.tuples(st.integers(1, 3), st.integers(1, 6), st.integers(1, 4)),
+    dtype=st.sampled_from(ROUTE_DTYPES),
+    strided=st.booleans(),
+    data=st.data(),
+)
+def test_dense_layers_are_found_whatever_zero_bytes_the_first_row_holds(
+    shape, dtype, strided, data
+):
+    """Ids of 0, 1, 256 and -1 put runs of zero bytes across ids and layers of the first row
+    (where a quick look for a layer's worth of zero bytes finds them but no layer is zero,
+    and where it does): ``expand`` refuses exactly the layers that are zero in every row
+    (top-k >= 2), whatever the dtype, whether the rows are strided."""
+    rows, layers, topk = shape
+    info = torch.iinfo(dtype)
+    ids = [v for v in (0, 1, 256, -1) if info.min <= v <= info.max]
+    flat = data.draw(
+        st.lists(st.sampled_from(ids), min_size=rows * layers * topk, max_size=rows * layers * topk)
+    )
+    values = torch.tensor(flat, dtype=torch.int64).reshape(shape).to(dtype)
+    if strided:
+        wide = torch.ones((rows, layers, 2 * topk), dtype=dtype)
+        wide[:, :, ::2] = values
+        values = wide[:, :, ::2]
+    zero = [layer for layer in range(layers) if topk >= 2 and not values[:, layer].any()]
+    routes = PackedTensor.from_lengths(values, [rows])
+    if not zero:
+        expand(routes, TokenLayout(), fill=list(range(1000, 1000 + topk)))
+        return
+    with pytest.raises(LayoutError, match=rf"layers \[{', '.join(map(str, zero))}\] of the"):
+        expand(routes, TokenLayout())
