@@ -138,6 +138,21 @@ def _memchr() -> Callable[..., int | None] | None:
     return function
 
 
+@cache
+def _new_bytearray() -> Callable[[int], bytearray]:
+    """A maker of ``bytearray(size)`` whose bytes are left as allocated (CPython's
+    ``PyByteArray_FromStringAndSize(NULL, size)``), for buffers the decoder fills whole:
+    ``bytearray(size)`` zeroes them first, which for an ahead buffer sized by a much larger
+    blob before is most of a small blob's cost. Plain ``bytearray`` where ctypes lacks it."""
+    try:
+        function = ctypes.pythonapi.PyByteArray_FromStringAndSize
+    except AttributeError:
+        return bytearray
+    function.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t]
+    function.restype = ctypes.py_object
+    return lambda size: function(None, size)
+
+
 def _found(raw: bytes, pos: int) -> str:
     return repr(bytes(raw[pos : pos + 24])) if pos < len(raw) else "end of body"
 
@@ -160,7 +175,8 @@ class _Scanner:
         pass over its characters, not a search and then a decode): the quote's offset (-1:
         none), the bytes decoded and the buffer they are in (None: nothing decoded).
 
-        The buffer is the size of the field's largest blob before (not sized by a claim). A chunk
+        The buffer is the size of the field's largest blob before, or what the rest of the body
+        could decode to if less (not sized by a claim), its bytes left as allocated. A chunk
         of characters that decodes whole holds no quote (a quote is not base64), so only the
         chunk where the decoder stops is searched for it: every character before the quote is
         still looked at. The blob's last group (which may be padded), whatever does not fit the
@@ -168,7 +184,8 @@ class _Scanner:
         :func:`decode_base64_into`, which checks and names them as it always does.
         """
         if (
-            (guess := self.largest.get(field, 0)) < AHEAD_MIN
+            # no more than the rest of the body could hold
+            (guess := min(self.largest.get(field, 0), (len(self.raw) - start) // 4 * 3)) < AHEAD_MIN
             or (memchr := _memchr()) is None
             or (direct := direct_decoder()) is None
         ):
@@ -176,7 +193,7 @@ class _Scanner:
         if self._bytes is None:
             self._bytes = np.frombuffer(self.raw, np.uint8)
         base = self._bytes.ctypes.data
-        buffer = bytearray(guess) if bare else np.empty(guess, np.uint8)
+        buffer = _new_bytearray()(guess) if bare else np.empty(guess, np.uint8)
         target = (np.frombuffer(buffer, np.uint8) if bare else buffer).ctypes.data
         limit = start + guess // 3 * 4  # the characters whose groups fit the buffer
         pos, end, done, decoding = start, -1, 0, True
@@ -194,7 +211,9 @@ class _Scanner:
                 end = found - base
             if count > 0 and not clean:  # the decoder stopped in this chunk
                 decoding = False
-                whole = (end - pos) // 4 - 1 if end >= 0 else 0  # groups before the quote's last
+                # the groups before the quote's last, of those the buffer holds (libbase64 may
+                # write anywhere in 3/4 of the characters it is given, even where it stops)
+                whole = min((end - pos) // 4 - 1, count // 4) if end >= 0 else 0
                 if whole > 0 and (
                     got.value >= 3 * whole  # it stopped at the last group: those are in
                     or _decoded(direct, base + pos, whole, target + done)
@@ -214,7 +233,7 @@ class _Scanner:
                 return buffer
             del buffer[size:]  # a small cut keeps the allocation: then a copy of the right size
             return buffer if buffer.__alloc__() <= size + 1 else bytearray(buffer)
-        fitted = bytearray(size) if bare else np.empty(size, np.uint8)
+        fitted = _new_bytearray()(size) if bare else np.empty(size, np.uint8)
         if done:
             memoryview(fitted)[:done] = memoryview(buffer)[:done]
         return fitted
