@@ -12,9 +12,9 @@ rank's tokens come as runs (:meth:`~r3data.layout.TokenLayout.token_runs`): each
 one slice copy or padding fill, short runs are gathered together, and a seq-major grid of
 several samples (whose rows interleave) is cut into segments where every sample's rows run on
 and written a cache-sized block of places at a time, front to back, each sample's rows one
-widening slice copy; on accelerators a gather of a bounded chunk of rows at a time. There is no padded full-batch
-rectangle and no full-size intermediate. Padding tokens get ``fill``, by default
-``arange(topk)``: the all-to-all dispatcher assumes exactly ``tokens * topk`` distinct
+widening slice copy; on accelerators a gather of a bounded chunk of rows at a time. There is
+no padded full-batch rectangle and no full-size intermediate. Padding tokens get ``fill``, by
+default ``arange(topk)``: the all-to-all dispatcher assumes exactly ``tokens * topk`` distinct
 assignments, so a padding row must never repeat an expert. ``RoundRobin(num_experts)``
 instead gives each padding token its own run of ``topk`` experts by its place in the padded
 batch, so padding spreads over all experts, and over expert-parallel ranks, whichever

@@ -13,7 +13,15 @@ from layout_reference import PAD, rank_rows
 from test_layout_expand import all_ranks
 
 from r3data.errors import LayoutError
-from r3data.layout import ModelLayers, RankRows, TokenLayout, expand, expand_batch_major, gather
+from r3data.layout import (
+    ModelLayers,
+    RankRows,
+    TokenLayout,
+    expand,
+    expand_batch_major,
+    gather,
+    token_layout,
+)
 from r3data.layout.token_layout import _sequence_pieces
 from r3data.packed import PackedTensor
 
@@ -367,3 +375,67 @@ def test_dense_layers_are_found_whatever_zero_bytes_the_first_row_holds(
         return
     with pytest.raises(LayoutError, match=rf"layers \[{', '.join(map(str, zero))}\] of the"):
         expand(routes, TokenLayout())
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    cp=st.sampled_from([1, 2, 4]),
+    tp=st.sampled_from([1, 2]),
+    sp=st.booleans(),
+    side=st.sampled_from(["left", "right"]),
+    extra_length=st.sampled_from([None, 0, 2]),
+    lengths=st.lists(
+        st.one_of(st.integers(0, 3), st.integers(0, 40), st.integers(0, 1500)),
+        min_size=1,
+        max_size=20,
+    ),
+    topk=st.integers(1, 3),
+    dtype=st.sampled_from(ROUTE_DTYPES),
+    out=st.sampled_from([torch.int32, torch.int64]),
+    source=st.sampled_from(["offset", "row_strided", "picked"]),
+    edge_fill=st.booleans(),
+    local=st.booleans(),
+    small_grid=st.sampled_from([None, 0, 15, 17]),
+    seed=st.integers(0, 2**16),
+)
+def test_expand_of_micro_batches_past_the_small_grid_matches_the_reference(
+    cp, tp, sp, side, extra_length, lengths, topk, dtype, out, source, edge_fill, local,
+    small_grid, seed,
+):  # fmt: skip
+    """Up to 20 samples (grids past ``SMALL_GRID``, cut from the runs) and CP 4, at real block
+    sizes: sources at a storage offset, strided between rows or expanded at every other
+    layer, fills at the output dtype's top, rank-local reads: ``expand`` and
+    ``expand_batch_major`` equal a per-token loop on every rank."""
+    rng = np.random.default_rng(seed)
+    need = (2 * cp if cp > 1 else 1) * (tp if sp else 1)
+    kwargs = {"side": side}
+    if extra_length is not None:
+        kwargs["seq_length"] = (-(-max(lengths) // need) + extra_length) * need
+    num_layers, rows = 3, sum(lengths)
+    wide = random_values(2 * rows + 3, num_layers, 2 * topk, dtype, rng)
+    values = {
+        "offset": wide[3 : 3 + rows, :, 1::2],
+        "row_strided": wide[::2][:rows, :, :topk],
+        "picked": wide[:rows, :, :topk],
+    }[source]
+    layer_ids = range(num_layers)
+    if source == "picked":  # layers 0 and 2: not a slice
+        kwargs["layers"] = ModelLayers(num_layers=num_layers, moe_layer_freq=(1, 0, 1))
+        layer_ids = (0, 2)
+    routes = PackedTensor.from_lengths(values, lengths)
+    fill = [torch.iinfo(out).max - i for i in range(topk)] if edge_fill else "distinct"
+    fill_row = np.arange(topk) if fill == "distinct" else np.asarray(fill)
+    with pytest.MonkeyPatch.context() as patch:
+        if small_grid is not None:
+            patch.setattr(token_layout, "SMALL_GRID", small_grid)
+        for layout in all_ranks(tp, cp, sp, False, **kwargs):
+            want = expected(values, rank_rows(layout, lengths), layer_ids, fill_row)
+            field = local_read(routes, layout, lengths) if local else routes
+            got = expand(field, layout, fill=fill, dtype=out)
+            for tensor, array in zip(got, want, strict=True):
+                np.testing.assert_array_equal(tensor.numpy(), array, err_msg=str(layout))
+            batch = len(lengths)
+            got = expand_batch_major(field, layout, fill=fill, dtype=out)
+            for tensor, array in zip(got, want, strict=True):
+                array = array.reshape(-1, batch, topk).transpose(1, 0, 2)
+                np.testing.assert_array_equal(tensor.numpy(), array, err_msg=str(layout))
