@@ -34,6 +34,7 @@ from r3data.errors import (
     ConfigError,
     PayloadHandleError,
     PayloadPermissionError,
+    PayloadReadError,
     PayloadWriteError,
 )
 from r3data.parallel import shared_pool
@@ -390,7 +391,7 @@ class PayloadRetention:
             try:
                 self._work(doomed, bound)
             except Exception:  # the next call retries; the caller is never blocked or failed
-                logger.exception("payload retention sweep of %s failed", self.root)
+                logger.exception("payload retention sweep of %s failed (retried later)", self.root)
             with self._lock:
                 if not self._again:
                     self._job = None
@@ -429,6 +430,8 @@ class PayloadRetention:
             removed, failed = True, False
         except FileNotFoundError:
             failed = False
+        except PayloadReadError:  # the store did not answer in time: the rest of the pass
+            raise  # would wait as long for each file; the next call retries them all
         except Exception as exc:
             logger.warning("could not delete payload file %s (retried later): %s", name, exc)
         finally:
@@ -493,23 +496,32 @@ def gc(
     *,
     fs: AbstractFileSystem | None = None,
     dry_run: bool = False,
+    timeout: float | None = DEFAULT_TIMEOUT_S,
 ) -> GcReport:
     """Remove versions no batch after ``step`` may use: ``v<k>`` with
-    ``k < min_fresh_version(step + 1, max_off_policy_steps)`` (the retention backstop, offline)."""
-    payload_root = PayloadRoot(root, fs)
+    ``k < min_fresh_version(step + 1, max_off_policy_steps)`` (the retention backstop, offline).
+    A store that does not answer a deletion within ``timeout`` stops the run there (reported
+    in ``errors``): every other deletion would wait as long."""
+    payload_root = PayloadRoot(root, fs, timeout=timeout)
     payload_root.require()
     bound = min_fresh_version(step + 1, max_off_policy_steps)
     versions, files, errors, nbytes = [], [], [], 0
-    for version, listed in sorted(list_versions(payload_root).items()):
-        if version >= bound:
-            continue
+    stale = [(v, listed) for v, listed in sorted(list_versions(payload_root).items()) if v < bound]
+    due, tried = sum(len(listed) for _, listed in stale), 0
+    for version, listed in stale:
         versions.append(version)
         for name, size in listed:
             if not dry_run:
+                tried += 1
                 try:
                     payload_root.remove(name)
                 except FileNotFoundError:
                     continue
+                except PayloadReadError as exc:  # no answer in time
+                    errors.append(f"{name}: {exc}; stopped, {tried} of {due} files tried")
+                    return GcReport(
+                        payload_root.url, bound, dry_run, versions, files, nbytes, errors
+                    )
                 except (OSError, PayloadHandleError) as exc:  # a folder swapped for a link
                     errors.append(f"{name}: {exc}")
                     continue
