@@ -175,13 +175,17 @@ def _check_confinable(fs: AbstractFileSystem, root: str) -> None:
 
 
 def checked_timeout(timeout: float | None) -> float | None:
-    """``timeout`` (seconds, finite and > 0, or None for no limit), else :class:`ConfigError`."""
+    """``timeout`` (seconds, > 0 and at most ``threading.TIMEOUT_MAX``, or None for no limit),
+    else :class:`ConfigError`."""
     if timeout is None:
         return None
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
         raise ConfigError(f"timeout must be seconds (a number > 0) or None, found {timeout!r}")
-    if not (math.isfinite(timeout) and timeout > 0):
-        raise ConfigError(f"timeout must be a finite number of seconds > 0, found {timeout!r}")
+    if not (math.isfinite(timeout) and 0 < timeout <= threading.TIMEOUT_MAX):
+        raise ConfigError(
+            f"timeout must be a finite number of seconds > 0 and at most "
+            f"{threading.TIMEOUT_MAX:g} (what a thread can wait), found {timeout!r}"
+        )
     return float(timeout)
 
 

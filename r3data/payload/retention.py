@@ -430,10 +430,10 @@ class PayloadRetention:
             removed, failed = True, False
         except FileNotFoundError:
             failed = False
-        except PayloadReadError:  # the store did not answer in time: the rest of the pass
-            raise  # would wait as long for each file; the next call retries them all
         except Exception as exc:
             logger.warning("could not delete payload file %s (retried later): %s", name, exc)
+            if isinstance(exc, PayloadReadError):  # no answer in time: every other deletion
+                raise  # of the pass would wait as long; the next pass retries them all
         finally:
             finished = time.monotonic()
             with self._lock:

@@ -152,7 +152,7 @@ def test_a_deletion_past_its_deadline_is_logged_and_retried(slow, caplog):
     assert not slow.exists(f"/run/{segment.file}")
 
 
-@pytest.mark.parametrize("bad", [0, -1.0, float("nan"), float("inf"), "30", True])
+@pytest.mark.parametrize("bad", [0, -1.0, float("nan"), float("inf"), 1e300, "30", True])
 def test_a_timeout_must_be_positive_finite_seconds_or_none(bad):
     with pytest.raises(ConfigError, match="timeout must be"):
         PayloadReader("memory://r3-timeouts", timeout=bad)
