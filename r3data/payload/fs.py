@@ -235,7 +235,7 @@ def _within(
     timeout: float | None,
     doing: str,
     call: Callable[[], Any],
-    fs: object = None,
+    fs: object,
     late: Callable[[Any], None] | None = None,
 ) -> Any:
     """``call()`` on a daemon thread, waited for at most ``timeout`` seconds (None: called
@@ -276,13 +276,15 @@ def _within(
             f"past their timeout of {timeout:g} s"
         )
     threading.Thread(target=run, name="r3data-deadline", daemon=True).start()
-    if not done.wait(timeout):
+    try:
+        done.wait(timeout)
+    finally:  # past the deadline, or the caller interrupted: the call is left to its thread
         with _hung_lock:
             if not done.is_set():
                 state["abandoned"] = True
                 _hung[key] = _hung.get(key, 0) + 1
-        if state["abandoned"]:
-            raise _timed_out(doing, timeout)
+    if state["abandoned"]:
+        raise _timed_out(doing, timeout)
     ok, value = outcome[0]
     if ok:
         return value

@@ -197,7 +197,8 @@ def test_a_file_opened_after_its_deadline_is_closed(slow):
     while not slow.late and time.monotonic() < deadline:
         time.sleep(0.01)
     time.sleep(0.05)
-    assert slow.late and all(f.closed for f in slow.late)  # no handle leaks per timeout
+    assert slow.late
+    assert all(f.closed for f in slow.late)
 
 
 def test_a_stalled_store_fails_a_retention_pass_in_one_timeout_not_one_per_file(slow, caplog):
@@ -210,7 +211,8 @@ def test_a_stalled_store_fails_a_retention_pass_in_one_timeout_not_one_per_file(
     retention.close()  # bounded by one call's timeout, not 12 of them
     assert time.monotonic() - start < 0.2 * 3
     metrics = retention.metrics()
-    assert metrics.files_pending == len(files) and metrics.delete_errors == 1
+    assert metrics.files_pending == len(files)
+    assert metrics.delete_errors == 1
     slow.hold = ""
     slow.release.set()
     retention.on_policy_update(1)
@@ -227,11 +229,13 @@ def test_gc_on_a_stalled_store_stops_at_its_first_timeout(slow):
     start = time.monotonic()
     report = gc("/run", 10, 1, fs=slow, timeout=0.2)
     assert time.monotonic() - start < 0.2 * 3  # one call's timeout, not one per file
-    assert report.files == [] and len(report.errors) == 1
+    assert report.files == []
+    assert len(report.errors) == 1
     assert "no answer within the timeout of 0.2 s" in report.errors[0]
     assert "1 of 12 files tried" in report.errors[0]
     slow.hold = ""
     slow.release.set()
     removed = gc("/run", 10, 1, fs=slow, timeout=0.2).files  # the abandoned one may land first
-    assert len(removed) >= len(files) - 1 and set(removed) <= set(files)
+    assert len(removed) >= len(files) - 1
+    assert set(removed) <= set(files)
     assert not any(slow.exists(f"/run/{f}") for f in files)
