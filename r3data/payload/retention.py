@@ -105,8 +105,11 @@ def _process_started() -> float:
 def _wipe_before(root: PayloadRoot, started: float) -> None:
     """Delete the files of every ``v<k>`` last modified before ``started`` (a fresh run)."""
     denied, failed = [], []
-    for version, files in list_versions(root).items():
+    versions = list_versions(root)
+    due, tried = sum(len(files) for files in versions.values()), 0
+    for version, files in versions.items():
         for name, _ in files:
+            tried += 1
             try:
                 modified = root.call("modified", posixpath.join(root.path, name)).timestamp()
                 if modified < started - CLOCK_MARGIN_S:
@@ -115,6 +118,11 @@ def _wipe_before(root: PayloadRoot, started: float) -> None:
                 continue
             except PermissionError as exc:
                 denied.append(f"{name} ({exc})")
+            except PayloadReadError as exc:  # no answer in time: every other file would wait
+                raise PayloadWriteError(
+                    f"fresh run: the payload files of an earlier run under {root.url} could not "
+                    f"be deleted, stopped after {tried} of {due} files: {exc}"
+                ) from exc
             except (OSError, PayloadHandleError) as exc:  # a folder swapped for a link
                 failed.append(f"{name} ({exc})")
         _remove_dir(root, version)

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from fsspec.implementations.memory import MemoryFileSystem
 
-from r3data.errors import ConfigError, PayloadReadError
+from r3data.errors import ConfigError, PayloadReadError, PayloadWriteError
 from r3data.payload import PayloadReader, PayloadRetention, PayloadRoot, PayloadWriter
 from r3data.payload import fs as payload_fs
 
@@ -239,3 +239,16 @@ def test_gc_on_a_stalled_store_stops_at_its_first_timeout(slow):
     assert len(removed) >= len(files) - 1
     assert set(removed) <= set(files)
     assert not any(slow.exists(f"/run/{f}") for f in files)
+
+
+def test_a_fresh_run_on_a_stalled_store_fails_at_its_first_timeout(slow):
+    for _ in range(12):
+        written(slow, rows=2)
+    slow.hold = "rm"
+    start = time.monotonic()
+    with pytest.raises(
+        PayloadWriteError, match=r"fresh run: .*memory:///run.* no answer"
+    ) as caught:
+        PayloadRetention("/run", 5, fs=slow, fresh=True, run_started=time.time() + 60, timeout=0.2)
+    assert time.monotonic() - start < 0.2 * 3  # one call's timeout, not one per file
+    assert "stopped after 1 of 12 files" in str(caught.value)
