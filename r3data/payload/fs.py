@@ -31,6 +31,7 @@ import sys
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from functools import partial
+from operator import methodcaller
 from typing import Any
 
 import fsspec
@@ -174,13 +175,17 @@ def _check_confinable(fs: AbstractFileSystem, root: str) -> None:
 
 
 def checked_timeout(timeout: float | None) -> float | None:
-    """``timeout`` (seconds, finite and > 0, or None for no limit), else :class:`ConfigError`."""
+    """``timeout`` (seconds, > 0 and at most ``threading.TIMEOUT_MAX``, or None for no limit),
+    else :class:`ConfigError`."""
     if timeout is None:
         return None
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
         raise ConfigError(f"timeout must be seconds (a number > 0) or None, found {timeout!r}")
-    if not (math.isfinite(timeout) and timeout > 0):
-        raise ConfigError(f"timeout must be a finite number of seconds > 0, found {timeout!r}")
+    if not (math.isfinite(timeout) and 0 < timeout <= threading.TIMEOUT_MAX):
+        raise ConfigError(
+            f"timeout must be a finite number of seconds > 0 and at most "
+            f"{threading.TIMEOUT_MAX:g} (what a thread can wait), found {timeout!r}"
+        )
     return float(timeout)
 
 
@@ -208,22 +213,43 @@ def _bounded(
     nothing is left running; on any other, see :func:`_within`."""
     coroutine = None if timeout is None else _on_loop(fs, method)
     if coroutine is None:
-        return _within(timeout, doing, partial(getattr(fs, method), *args, **kw))
+        return _within(timeout, doing, partial(getattr(fs, method), *args, **kw), fs)
     try:
         return sync(fs.loop, coroutine, *args, timeout=timeout, **kw)
     except FSTimeoutError:
         raise _timed_out(doing, timeout) from None
 
 
-def _within(timeout: float | None, doing: str, call: Callable[[], Any]) -> Any:
+MAX_HUNG_CALLS = 64
+"""Calls abandoned at their deadline (each a daemon thread still blocked in the filesystem) one
+filesystem may have at once: past it a call is refused at once instead of leaving one more
+thread behind, so a store that stays stalled while every batch tries again cannot pile up
+threads without bound."""
+
+_hung: dict[int, int] = {}  # id(filesystem) -> its calls abandoned and still blocked (each
+# thread holds its filesystem, so an id counted here is never another's)
+_hung_lock = threading.Lock()
+
+
+def _within(
+    timeout: float | None,
+    doing: str,
+    call: Callable[[], Any],
+    fs: object,
+    late: Callable[[Any], None] | None = None,
+) -> Any:
     """``call()`` on a daemon thread, waited for at most ``timeout`` seconds (None: called
     here). A call past its deadline is abandoned to its thread (a blocking call cannot be
-    interrupted): it must touch nothing its caller still uses (its result, or its exception,
-    is dropped), and as a daemon it never holds up the interpreter's exit."""
+    interrupted): it must touch nothing its caller still uses (its exception is dropped; a
+    result is handed to ``late``, to release what it holds), and as a daemon it never holds up
+    the interpreter's exit. While :data:`MAX_HUNG_CALLS` of ``fs``'s calls are abandoned and
+    still blocked, another is refused at once."""
     if timeout is None:
         return call()
     outcome: list[Any] = []
     done = threading.Event()
+    state = {"abandoned": False}
+    key = id(fs)
 
     def run() -> None:
         try:
@@ -231,10 +257,33 @@ def _within(timeout: float | None, doing: str, call: Callable[[], Any]) -> Any:
         except BaseException as exc:  # handed to the waiting caller
             outcome.append((False, exc))
         finally:
-            done.set()
+            with _hung_lock:
+                done.set()
+                abandoned = state["abandoned"]
+                if abandoned:
+                    _hung[key] -= 1
+                    if not _hung[key]:
+                        del _hung[key]
+            if abandoned and late is not None and outcome[0][0]:
+                with contextlib.suppress(Exception):
+                    late(outcome[0][1])
 
+    with _hung_lock:
+        hung = _hung.get(key, 0)
+    if hung >= MAX_HUNG_CALLS:
+        raise PayloadReadError(
+            f"{doing}: refused, {hung} earlier calls to this filesystem are still unanswered "
+            f"past their timeout of {timeout:g} s"
+        )
     threading.Thread(target=run, name="r3data-deadline", daemon=True).start()
-    if not done.wait(timeout):
+    try:
+        done.wait(timeout)
+    finally:  # past the deadline, or the caller interrupted: the call is left to its thread
+        with _hung_lock:
+            if not done.is_set():
+                state["abandoned"] = True
+                _hung[key] = _hung.get(key, 0) + 1
+    if state["abandoned"]:
         raise _timed_out(doing, timeout)
     ok, value = outcome[0]
     if ok:
@@ -322,7 +371,11 @@ class FsspecPayloadFile(PayloadFile):
             doing = f"opening {self.url}"
             with _fsspec_errors(self.url, doing):
                 self.f = _within(
-                    timeout, doing, partial(fs.open, path, "rb", cache_type="none", size=self.size)
+                    timeout,
+                    doing,
+                    partial(fs.open, path, "rb", cache_type="none", size=self.size),
+                    fs,
+                    late=methodcaller("close"),
                 )
             if isinstance(self.f, AbstractBufferedFile):
                 self.f.details = info  # what open would look up again (one more HEAD on S3)
@@ -349,7 +402,9 @@ class FsspecPayloadFile(PayloadFile):
                 self.f.seek(offset)
                 return self.f.readinto(dest) or 0
             else:
-                data = _within(self.timeout, doing, partial(_read_into, self.f, offset, wanted))
+                data = _within(
+                    self.timeout, doing, partial(_read_into, self.f, offset, wanted), self.fs
+                )
         if len(data) > wanted:
             raise PayloadReadError(
                 f"{doing}: asked for {wanted} bytes, the filesystem returned {len(data)}"
@@ -366,7 +421,7 @@ class FsspecPayloadFile(PayloadFile):
             f.close()  # a buffered file open to read closes without a request
             return
         with contextlib.suppress(PayloadReadError):  # past its deadline: left to its thread
-            _within(self.timeout, f"closing {self.url}", f.close)
+            _within(self.timeout, f"closing {self.url}", f.close, self.fs)
 
 
 @contextlib.contextmanager

@@ -34,6 +34,7 @@ from r3data.errors import (
     ConfigError,
     PayloadHandleError,
     PayloadPermissionError,
+    PayloadReadError,
     PayloadWriteError,
 )
 from r3data.parallel import shared_pool
@@ -104,8 +105,11 @@ def _process_started() -> float:
 def _wipe_before(root: PayloadRoot, started: float) -> None:
     """Delete the files of every ``v<k>`` last modified before ``started`` (a fresh run)."""
     denied, failed = [], []
-    for version, files in list_versions(root).items():
+    versions = list_versions(root)
+    due, tried = sum(len(files) for files in versions.values()), 0
+    for version, files in versions.items():
         for name, _ in files:
+            tried += 1
             try:
                 modified = root.call("modified", posixpath.join(root.path, name)).timestamp()
                 if modified < started - CLOCK_MARGIN_S:
@@ -114,6 +118,11 @@ def _wipe_before(root: PayloadRoot, started: float) -> None:
                 continue
             except PermissionError as exc:
                 denied.append(f"{name} ({exc})")
+            except PayloadReadError as exc:  # no answer in time: every other file would wait
+                raise PayloadWriteError(
+                    f"fresh run: the payload files of an earlier run under {root.url} could not "
+                    f"be deleted, stopped after {tried} of {due} files: {exc}"
+                ) from exc
             except (OSError, PayloadHandleError) as exc:  # a folder swapped for a link
                 failed.append(f"{name} ({exc})")
         _remove_dir(root, version)
@@ -390,7 +399,7 @@ class PayloadRetention:
             try:
                 self._work(doomed, bound)
             except Exception:  # the next call retries; the caller is never blocked or failed
-                logger.exception("payload retention sweep of %s failed", self.root)
+                logger.exception("payload retention sweep of %s failed (retried later)", self.root)
             with self._lock:
                 if not self._again:
                     self._job = None
@@ -431,6 +440,8 @@ class PayloadRetention:
             failed = False
         except Exception as exc:
             logger.warning("could not delete payload file %s (retried later): %s", name, exc)
+            if isinstance(exc, PayloadReadError):  # no answer in time: every other deletion
+                raise  # of the pass would wait as long; the next pass retries them all
         finally:
             finished = time.monotonic()
             with self._lock:
@@ -493,23 +504,32 @@ def gc(
     *,
     fs: AbstractFileSystem | None = None,
     dry_run: bool = False,
+    timeout: float | None = DEFAULT_TIMEOUT_S,
 ) -> GcReport:
     """Remove versions no batch after ``step`` may use: ``v<k>`` with
-    ``k < min_fresh_version(step + 1, max_off_policy_steps)`` (the retention backstop, offline)."""
-    payload_root = PayloadRoot(root, fs)
+    ``k < min_fresh_version(step + 1, max_off_policy_steps)`` (the retention backstop, offline).
+    A store that does not answer a deletion within ``timeout`` stops the run there (reported
+    in ``errors``): every other deletion would wait as long."""
+    payload_root = PayloadRoot(root, fs, timeout=timeout)
     payload_root.require()
     bound = min_fresh_version(step + 1, max_off_policy_steps)
     versions, files, errors, nbytes = [], [], [], 0
-    for version, listed in sorted(list_versions(payload_root).items()):
-        if version >= bound:
-            continue
+    stale = [(v, listed) for v, listed in sorted(list_versions(payload_root).items()) if v < bound]
+    due, tried = sum(len(listed) for _, listed in stale), 0
+    for version, listed in stale:
         versions.append(version)
         for name, size in listed:
             if not dry_run:
+                tried += 1
                 try:
                     payload_root.remove(name)
                 except FileNotFoundError:
                     continue
+                except PayloadReadError as exc:  # no answer in time
+                    errors.append(f"{name}: {exc}; stopped, {tried} of {due} files tried")
+                    return GcReport(
+                        payload_root.url, bound, dry_run, versions, files, nbytes, errors
+                    )
                 except (OSError, PayloadHandleError) as exc:  # a folder swapped for a link
                     errors.append(f"{name}: {exc}")
                     continue

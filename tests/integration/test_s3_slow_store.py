@@ -165,6 +165,28 @@ def test_a_stalled_deletion_is_logged_and_retried_never_raised_nor_a_file_lost(
     retention.close()
 
 
+def test_a_stalled_store_fails_a_retention_pass_in_one_timeout_not_one_per_file(
+    s3_root, s3_fs, slow_fs, proxy
+):
+    writer = PayloadWriter(s3_root, fs=s3_fs)
+    released = [writer.write(1, {"routes": routes(5, seed=v)})[0].file for v in range(6)]
+    root = PayloadRoot(s3_root, fs=s3_fs)
+    retention = PayloadRetention(s3_root, 5, fs=slow_fs, fresh=False, timeout=TIMEOUT)
+    retention.claim(1, released)
+    with proxy.mode_for("stall", only=b"DELETE"):
+        start = time.monotonic()
+        retention.on_policy_update(1)
+        retention.close()  # one deletion's timeout, not six
+        took = time.monotonic() - start
+        assert retention.metrics().delete_errors == 1
+        assert retention.metrics().files_pending == len(released)
+    assert took < TIMEOUT + SLACK_S, took
+    retention.on_policy_update(1)  # the store answers: every due file goes
+    retention.close()
+    assert not stored(root) & set(released)
+    assert retention.metrics().files_pending == 0
+
+
 def test_ctrl_c_during_a_stalled_read_ends_the_process_within_the_timeout(s3, s3_root, s3_fs):
     """A real SIGINT to a process whose read stalls: the read stops at its next call instead of
     retrying on, and the interpreter's exit (which joins the pool's threads) waits for one

@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 from fsspec.implementations.memory import MemoryFileSystem
 
-from r3data.errors import ConfigError, PayloadReadError
+from r3data.errors import ConfigError, PayloadReadError, PayloadWriteError
 from r3data.payload import PayloadReader, PayloadRetention, PayloadRoot, PayloadWriter
+from r3data.payload import fs as payload_fs
 
 TIMEOUT = 0.3
 
@@ -43,6 +44,16 @@ class HeldFile:
         self.f.close()
 
 
+class LateFile:
+    """A file that tells whether it was closed (a memory file's close does nothing)."""
+
+    def __init__(self, f: Any) -> None:
+        self.f, self.closed = f, False
+
+    def close(self) -> None:
+        self.closed = True
+
+
 class SlowMemory(MemoryFileSystem):
     """A private memory:// store whose reads (``hold="read"``) or look-ups (``hold="info"``)
     wait for ``release``."""
@@ -53,6 +64,7 @@ class SlowMemory(MemoryFileSystem):
         super().__init__(global_store=False)
         self.hold = ""
         self.release, self.reading, self.landed = (threading.Event() for _ in range(3))
+        self.late: list[Any] = []  # files opened after their caller gave up
 
     def info(self, path: str, **kwargs: Any) -> dict[str, Any]:
         if self.hold == "info":
@@ -66,6 +78,10 @@ class SlowMemory(MemoryFileSystem):
 
     def _open(self, path: str, mode: str = "rb", **kwargs: Any) -> Any:
         f = super()._open(path, mode, **kwargs)
+        if "r" in mode and self.hold == "open":
+            self.release.wait()
+            f = LateFile(f)
+            self.late.append(f)
         return HeldFile(f, self) if "r" in mode and self.hold == "read" else f
 
 
@@ -136,9 +152,103 @@ def test_a_deletion_past_its_deadline_is_logged_and_retried(slow, caplog):
     assert not slow.exists(f"/run/{segment.file}")
 
 
-@pytest.mark.parametrize("bad", [0, -1.0, float("nan"), float("inf"), "30", True])
+@pytest.mark.parametrize("bad", [0, -1.0, float("nan"), float("inf"), 1e300, "30", True])
 def test_a_timeout_must_be_positive_finite_seconds_or_none(bad):
     with pytest.raises(ConfigError, match="timeout must be"):
         PayloadReader("memory://r3-timeouts", timeout=bad)
     with pytest.raises(ConfigError, match="timeout must be"):
         PayloadRoot("memory://r3-timeouts", timeout=bad)
+
+
+def deadline_threads() -> int:
+    return sum(t.name == "r3data-deadline" for t in threading.enumerate())
+
+
+def test_a_store_that_stays_stalled_leaves_a_bounded_number_of_calls_behind(slow, monkeypatch):
+    segment, _ = written(slow)
+    monkeypatch.setattr(payload_fs, "MAX_HUNG_CALLS", 3)
+    reader = PayloadReader("/run", fs=slow, timeout=0.05, retries=0)
+    slow.hold = "info"
+    before = deadline_threads()
+    for _ in range(8):  # every batch tries again; each call it abandons stays blocked
+        with pytest.raises(PayloadReadError, match=r"memory:///run/"):
+            reader.check_sizes([segment])
+    assert deadline_threads() - before <= 3
+    start = time.monotonic()
+    with pytest.raises(PayloadReadError, match=r"3 earlier calls .* still unanswered"):
+        reader.check_sizes([segment])
+    assert time.monotonic() - start < 0.05  # refused at once, no thread started
+    slow.release.set()  # the store answers again: the abandoned calls end ...
+    deadline = time.monotonic() + 5
+    while deadline_threads() > before and time.monotonic() < deadline:
+        time.sleep(0.01)
+    slow.hold = ""
+    assert reader.read([segment])  # ... and calls go through again
+
+
+def test_a_file_opened_after_its_deadline_is_closed(slow):
+    segment, _ = written(slow)
+    reader = PayloadReader("/run", fs=slow, timeout=TIMEOUT, retries=0)
+    slow.hold = "open"
+    with pytest.raises(PayloadReadError, match=r"opening memory:///run/.*no answer"):
+        reader.read([segment])
+    slow.release.set()
+    deadline = time.monotonic() + 5
+    while not slow.late and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.05)
+    assert slow.late
+    assert all(f.closed for f in slow.late)
+
+
+def test_a_stalled_store_fails_a_retention_pass_in_one_timeout_not_one_per_file(slow, caplog):
+    files = [written(slow, rows=2)[0].file for _ in range(12)]
+    retention = PayloadRetention("/run", 5, fs=slow, fresh=False, timeout=0.2)
+    retention.claim(1, files)
+    slow.hold = "rm"
+    start = time.monotonic()
+    retention.on_policy_update(1)
+    retention.close()  # bounded by one call's timeout, not 12 of them
+    assert time.monotonic() - start < 0.2 * 3
+    metrics = retention.metrics()
+    assert metrics.files_pending == len(files)
+    assert metrics.delete_errors == 1
+    slow.hold = ""
+    slow.release.set()
+    retention.on_policy_update(1)
+    retention.close()
+    assert retention.metrics().files_pending == 0
+    assert not any(slow.exists(f"/run/{f}") for f in files)
+
+
+def test_gc_on_a_stalled_store_stops_at_its_first_timeout(slow):
+    from r3data.payload.retention import gc
+
+    files = [written(slow, rows=2)[0].file for _ in range(12)]
+    slow.hold = "rm"
+    start = time.monotonic()
+    report = gc("/run", 10, 1, fs=slow, timeout=0.2)
+    assert time.monotonic() - start < 0.2 * 3  # one call's timeout, not one per file
+    assert report.files == []
+    assert len(report.errors) == 1
+    assert "no answer within the timeout of 0.2 s" in report.errors[0]
+    assert "1 of 12 files tried" in report.errors[0]
+    slow.hold = ""
+    slow.release.set()
+    removed = gc("/run", 10, 1, fs=slow, timeout=0.2).files  # the abandoned one may land first
+    assert len(removed) >= len(files) - 1
+    assert set(removed) <= set(files)
+    assert not any(slow.exists(f"/run/{f}") for f in files)
+
+
+def test_a_fresh_run_on_a_stalled_store_fails_at_its_first_timeout(slow):
+    for _ in range(12):
+        written(slow, rows=2)
+    slow.hold = "rm"
+    start = time.monotonic()
+    with pytest.raises(
+        PayloadWriteError, match=r"fresh run: .*memory:///run.* no answer"
+    ) as caught:
+        PayloadRetention("/run", 5, fs=slow, fresh=True, run_started=time.time() + 60, timeout=0.2)
+    assert time.monotonic() - start < 0.2 * 3  # one call's timeout, not one per file
+    assert "stopped after 1 of 12 files" in str(caught.value)
