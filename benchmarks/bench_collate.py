@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from r3data.benchmarking import report_path, time_interleaved, write_report
+from r3data.benchmarking import parse_report_args, time_interleaved, write_report
 from r3data.buffers import BufferPool
 from r3data.nodes.fill import fill_field
 from r3data.parallel import fill_rows, pool_workers
@@ -140,13 +140,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--distributions", nargs="+", default=list(LENGTH_DISTRIBUTIONS))
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="small sizes for a smoke run")
-    parser.add_argument(
-        "--out",
-        type=Path,
-        help="report path (default: benchmarks/results/; --quick: a temporary folder)",
-    )
-    args = parser.parse_args(argv)
-    args.out = report_path(args.out, args.quick, RESULTS)
+    args = parse_report_args(parser, argv, RESULTS)
     if args.quick:
         args.num_sequences, args.max_len, args.repeats = 32, 512, 1
     rng = np.random.default_rng(0)

@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from r3data.benchmarking import report_path, time_interleaved, write_report
+from r3data.benchmarking import parse_report_args, time_interleaved, write_report
 from r3data.layout import TokenLayout, expand
 from r3data.packed import PackedTensor
 from r3data.parallel import fill_rows, pool_workers
@@ -201,13 +201,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--micro-batch", type=int, default=4, help="sequences per BSHD micro-batch")
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--device", default="cpu")
-    parser.add_argument(
-        "--out",
-        type=Path,
-        help="report path (default: benchmarks/results/; --quick: a temporary folder)",
-    )
-    args = parser.parse_args(argv)
-    args.out = report_path(args.out, args.quick, DEFAULT_OUT)
+    args = parse_report_args(parser, argv, DEFAULT_OUT)
     sequences = args.sequences or (16 if args.quick else 256)
     min_len = args.min_len or (64 if args.quick else 512)
     max_len = args.max_len or (256 if args.quick else 4096)

@@ -53,7 +53,7 @@ import pybase64
 import torch
 
 from r3data import loader
-from r3data.benchmarking import report_path, time_interleaved, write_report
+from r3data.benchmarking import parse_report_args, time_interleaved, write_report
 from r3data.buffers import BufferPool
 from r3data.payload import PayloadSegment, PayloadWriter
 from r3data.synth import MODEL_SHAPES, SyntheticRouter, serve_rollouts, synth_rollouts
@@ -246,13 +246,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--batches", type=int, default=6, help="steps in the steady-state run")
     parser.add_argument("--quick", action="store_true", help="small sizes for a smoke run")
-    parser.add_argument(
-        "--out",
-        type=Path,
-        help="report path (default: benchmarks/results/; --quick: a temporary folder)",
-    )
-    args = parser.parse_args(argv)
-    args.out = report_path(args.out, args.quick, DEFAULT_OUT)
+    args = parse_report_args(parser, argv, DEFAULT_OUT)
     if args.quick:
         args.rollouts, args.tiny, args.repeats, args.batches = 16, 64, 1, 2
     row_shape = (48, 8)

@@ -35,7 +35,7 @@ import numpy as np
 from fsspec import AbstractFileSystem
 from fsspec.implementations.local import LocalFileSystem
 
-from r3data.benchmarking import report_path, time_interleaved, write_report
+from r3data.benchmarking import parse_report_args, time_interleaved, write_report
 from r3data.parallel import fill_rows, io_workers, pool_workers
 from r3data.payload import PayloadReader, PayloadSegment, PayloadWriter
 
@@ -100,13 +100,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--total-mb", type=float, default=None, help="routes written, in MB")
     parser.add_argument("--latency-ms", type=float, default=5.0)
     parser.add_argument("--repeats", type=int, default=None)
-    parser.add_argument(
-        "--out",
-        type=Path,
-        help="report path (default: benchmarks/results/; --quick: a temporary folder)",
-    )
-    args = parser.parse_args(argv)
-    args.out = report_path(args.out, args.quick, DEFAULT_OUT)
+    args = parse_report_args(parser, argv, DEFAULT_OUT)
     files = args.files or (32 if args.quick else 512)
     total_mb = args.total_mb or (4.0 if args.quick else 250.0)
     repeats = args.repeats or (2 if args.quick else 7)

@@ -33,7 +33,7 @@ import numpy as np
 import orjson
 import pybase64
 
-from r3data.benchmarking import report_path, time_interleaved, traced_peak_bytes, write_report
+from r3data.benchmarking import parse_report_args, time_interleaved, traced_peak_bytes, write_report
 from r3data.wire import load_packed_body, pack_ndarray
 
 TARGETS = {"speedup_vs_naive": 6.0, "ratio_to_floor": 1.5, "peak_extra_ratio": 1.2}
@@ -88,13 +88,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "--token-ids", type=int, default=0, help="completion token ids per choice (parse load)"
     )
     parser.add_argument("--repeats", type=int, default=None)
-    parser.add_argument(
-        "--out",
-        type=Path,
-        help="report path (default: benchmarks/results/; --quick: a temporary folder)",
-    )
-    args = parser.parse_args(argv)
-    args.out = report_path(args.out, args.quick, DEFAULT_OUT)
+    args = parse_report_args(parser, argv, DEFAULT_OUT)
     choices = args.choices or (4 if args.quick else 64)
     tokens = args.tokens or (256 if args.quick else 3840)
     repeats = args.repeats or (3 if args.quick else 11)

@@ -45,7 +45,7 @@ import numpy as np
 import torch
 
 from r3data.batch import TensorBatch
-from r3data.benchmarking import load_benchmark, report_path, time_interleaved, write_report
+from r3data.benchmarking import load_benchmark, parse_report_args, time_interleaved, write_report
 from r3data.buffers import BufferPool
 from r3data.nodes.collate import CollateRollouts
 from r3data.nodes.fill import _LANE_BYTES, _FixedFill
@@ -233,13 +233,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (each arm)")
     parser.add_argument("--top", type=int, default=20, help="functions in each profile")
     parser.add_argument("--quick", action="store_true", help="small sizes for a smoke run")
-    parser.add_argument(
-        "--out",
-        type=Path,
-        help="report path (default: benchmarks/results/; --quick: a temporary folder)",
-    )
-    args = parser.parse_args(argv)
-    args.out = report_path(args.out, args.quick, DEFAULT_OUT)
+    args = parse_report_args(parser, argv, DEFAULT_OUT)
     if args.quick:
         args.rollouts, args.repeats, args.warmup, args.top = 16, 15, 1, 8
     with tempfile.TemporaryDirectory(prefix="r3data-profile-loader-") as root:

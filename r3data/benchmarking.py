@@ -6,6 +6,7 @@ shared machine hits every arm alike; ratios are taken between arms of the same r
 
 from __future__ import annotations
 
+import argparse
 import gc
 import importlib.util
 import json
@@ -13,7 +14,7 @@ import sys
 import tempfile
 import time
 import tracemalloc
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -70,6 +71,21 @@ def report_path(out: Path | None, quick: bool, default: Path) -> Path:
     if quick:
         return Path(tempfile.mkdtemp(prefix="r3data-bench-quick-")) / default.name
     return default
+
+
+def parse_report_args(
+    parser: argparse.ArgumentParser, argv: Sequence[str] | None, default: Path
+) -> argparse.Namespace:
+    """Parse a benchmark's command line (its own options and ``--quick``) with the ``--out``
+    every benchmark takes, resolved by :func:`report_path`."""
+    parser.add_argument(
+        "--out",
+        type=Path,
+        help="report path (default: benchmarks/results/; --quick: a temporary folder)",
+    )
+    args = parser.parse_args(argv)
+    args.out = report_path(args.out, args.quick, default)
+    return args
 
 
 CHECKOUT_BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
