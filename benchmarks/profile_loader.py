@@ -54,8 +54,8 @@ from r3data.nodes.options import CollateOptions, TraceOptions
 from r3data.nodes.screen import ScreenOptions
 from r3data.nodes.stitcher import StitchedRollout, StitchRollout
 from r3data.packed import PackedTensor
-from r3data.parallel import fill_rows, pool_workers
-from r3data.payload.reader import OpenFiles, PayloadReader
+from r3data.parallel import pool_workers
+from r3data.payload.reader import OpenFiles, PayloadReader, Plan
 from r3data.synth import MODEL_SHAPES
 
 bench_loader = load_benchmark(Path(__file__).parent / "bench_loader.py")
@@ -146,10 +146,11 @@ def staged_field(
     values = allocate(shape, dtype, name=name, pin_memory=collate.pin_memory, pool=collate.pool)
     fill.out = values.numpy()
     clock.lap("allocate")
-    jobs = fill.jobs(opened)
+    plan = Plan()
+    jobs = fill.jobs(opened, plan.stop)
     clock.lap("jobs")
     lanes = min(collate.workers, max(1, fill.out.nbytes // _LANE_BYTES))
-    fill_rows(lambda i: jobs[i](), len(jobs), lanes)
+    plan.run(lambda i: jobs[i](), len(jobs), lanes)
     opened.close()
     clock.lap("fill")
     fill.convert_staged()

@@ -5,18 +5,10 @@ from __future__ import annotations
 import argparse
 import json
 
-from fsspec import AbstractFileSystem
-
-from r3data.cli.common import (
-    EXIT_PROBLEMS,
-    count,
-    format_bytes,
-    int_at_least,
-    printable,
-    resolve,
-)
-from r3data.errors import ConfigError, PayloadNotFoundError
+from r3data.cli.common import EXIT_PROBLEMS, count, format_bytes, int_at_least, printable
+from r3data.errors import ConfigError
 from r3data.payload import PayloadRoot, gc, verify
+from r3data.payload.fs import DEFAULT_TIMEOUT_S, checked_timeout
 
 
 def register(commands: argparse._SubParsersAction) -> None:
@@ -36,6 +28,7 @@ def register(commands: argparse._SubParsersAction) -> None:
     check.add_argument(
         "--workers", type=int_at_least(1), help="files checked at once (default: I/O workers)"
     )
+    _timeout_argument(check, "a look-up, a listing or a ranged read")
     check.add_argument("--json", action="store_true", help="print the report as JSON")
     check.set_defaults(run=run_verify)
 
@@ -53,6 +46,7 @@ def register(commands: argparse._SubParsersAction) -> None:
     sweep.add_argument(
         "--dry-run", action="store_true", help="list what would be deleted, delete nothing"
     )
+    _timeout_argument(sweep, "a look-up, a listing or a deletion; the first past it stops the run")
     sweep.add_argument("--json", action="store_true", help="print the report as JSON")
     sweep.set_defaults(run=run_gc)
 
@@ -73,26 +67,53 @@ def _retention_arguments(parser: argparse.ArgumentParser, *, required: bool) -> 
     )
 
 
-def _root(text: str) -> tuple[AbstractFileSystem, str]:
-    """The payload root ``text`` names; on an object store an empty prefix is an empty root."""
+def _timeout_argument(parser: argparse.ArgumentParser, calls: str) -> None:
+    parser.add_argument(
+        "--timeout",
+        type=_seconds,
+        default=DEFAULT_TIMEOUT_S,
+        metavar="SECONDS",
+        help=f"seconds one call to a root that is not local-backed may take ({calls}; "
+        f"default {DEFAULT_TIMEOUT_S:g})",
+    )
+
+
+def _seconds(text: str) -> float:
+    """An argparse type: a timeout in seconds (:func:`checked_timeout`)."""
     try:
-        return resolve(text, want="dir")
-    except PayloadNotFoundError:
-        root = PayloadRoot(text)
-        root.require()
-        return root.fs, root.path
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, found {text!r}") from None
+    try:
+        return checked_timeout(value)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _root(text: str, timeout: float) -> PayloadRoot:
+    """The payload root ``text`` names, a directory (on an object store an empty prefix is an
+    empty root), looked at with each call bounded by ``timeout``."""
+    try:
+        root = PayloadRoot(text, timeout=timeout)
+    except (ValueError, ImportError) as exc:  # an unknown protocol, its client not installed
+        raise ConfigError(f"cannot open {text!r}: {exc}") from None
+    root.require()
+    if root.call("isfile", root.path):
+        raise ConfigError(f"{text}: expected a directory (a payload root), found a file")
+    return root
 
 
 def run_verify(args: argparse.Namespace) -> int:
     if (args.step is None) != (args.max_off_policy_steps is None):
         raise ConfigError("verify: give both --step and --max-off-policy-steps, or neither")
-    fs, path = _root(args.root)
+    root = _root(args.root, args.timeout)
     report = verify(
-        path,
-        fs=fs,
+        root.path,
+        fs=root.fs,
         step=args.step,
         max_off_policy_steps=args.max_off_policy_steps,
         workers=args.workers,
+        timeout=args.timeout,
     )
     problems = (
         len(report.corrupt)
@@ -136,8 +157,15 @@ def run_verify(args: argparse.Namespace) -> int:
 
 
 def run_gc(args: argparse.Namespace) -> int:
-    fs, path = _root(args.root)
-    report = gc(path, args.step, args.max_off_policy_steps, fs=fs, dry_run=args.dry_run)
+    root = _root(args.root, args.timeout)
+    report = gc(
+        root.path,
+        args.step,
+        args.max_off_policy_steps,
+        fs=root.fs,
+        dry_run=args.dry_run,
+        timeout=args.timeout,
+    )
     if args.json:
         print(json.dumps(report.as_dict(), indent=2))
         return EXIT_PROBLEMS if report.errors else 0

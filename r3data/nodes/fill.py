@@ -41,8 +41,8 @@ from r3data.nodes.ragged_fill import fill_ragged
 from r3data.nodes.screen import RowFlags, ScreenOptions, screen_rows
 from r3data.packed import PackedTensor, aranges
 from r3data.packed_ragged import PackedRagged
-from r3data.parallel import fill_rows, pool_workers
-from r3data.payload.reader import OpenFiles, PayloadReader, RangeRead
+from r3data.parallel import pool_workers
+from r3data.payload.reader import OpenFiles, PayloadReader, Plan, RangeRead
 from r3data.ragged import RaggedRows
 from r3data.spans import format_spans, merge
 from r3data.trace.stitch import OnGap, PlaceholderRows, StitchedField, StitchStats, distinct_row
@@ -179,9 +179,10 @@ class _FixedFill:
             )
         return handles
 
-    def jobs(self, opened: OpenFiles) -> list[Callable[[], None]]:
+    def jobs(self, opened: OpenFiles, stop: threading.Event) -> list[Callable[[], None]]:
         """The fill's work, bound to the allocated buffer :attr:`out`: file reads first (the
-        files ``opened`` to check their sizes are read without opening them again)."""
+        files ``opened`` to check their sizes are read without opening them again), each
+        stopped at its next call to the filesystem once ``stop`` is set."""
         ranges: list[RangeRead] = []
         tasks: list[tuple[InlineRows | EncodedRows, np.ndarray, _Placed, int, bool]] = []
         out_bytes = memoryview(self.out.reshape(-1).view(np.uint8))  # the buffer, byte by byte
@@ -221,12 +222,12 @@ class _FixedFill:
                 dest = self.out[placed.lo : placed.lo + rows]
             step = max(1, _JOB_BYTES // max(self.row_bytes, 1))
             for first in range(0, rows, step):
-                stop = min(first + step, rows)
-                part = piece.clipped(piece.pos + first, piece.pos + stop)
-                tasks.append((part, dest[first:stop], placed, first, sink is not None))
+                end = min(first + step, rows)
+                part = piece.clipped(piece.pos + first, piece.pos + end)
+                tasks.append((part, dest[first:end], placed, first, sink is not None))
         jobs = [lambda group=group: self._copy_all(group) for group in _grouped(tasks)]
         if ranges:
-            jobs = self.reader.file_jobs(ranges, opened) + jobs
+            jobs = self.reader.file_jobs(ranges, opened, stop=stop) + jobs
         return jobs
 
     # --- execution ----------------------------------------------------------------------------
@@ -547,10 +548,11 @@ def fill_field(
         shape = (int(fill.offsets[-1]), *fill.row_shape)
         values = allocate(shape, dtype, name=name, pin_memory=pin_memory, pool=pool)
         fill.out = values.numpy()
-        jobs = fill.jobs(opened)
+        plan = Plan()  # a failed job or an interrupt stops every other at its next call
+        jobs = fill.jobs(opened, plan.stop)
         lanes = min(workers, max(1, fill.out.nbytes // _LANE_BYTES))  # small batches: one
         with naming_failures("r3data_range", fill.range_samples):  # a read names its sample
-            fill_rows(lambda i: jobs[i](), len(jobs), lanes)
+            plan.run(lambda i: jobs[i](), len(jobs), lanes)
     finally:
         opened.close()
     fill.convert_staged()

@@ -14,7 +14,7 @@ from r3data.nodes.fill_common import FilledField, allocate, check_sizes, naming_
 from r3data.packed import PackedTensor
 from r3data.packed_ragged import PackedRagged
 from r3data.parallel import fill_rows
-from r3data.payload.reader import OpenFiles, PayloadReader, RangeRead, values_range
+from r3data.payload.reader import OpenFiles, PayloadReader, Plan, RangeRead, values_range
 from r3data.ragged import RaggedRows
 from r3data.trace.stitch import PlaceholderRows, StitchedField
 from r3data.wire.segment import PayloadSegment
@@ -110,9 +110,10 @@ def fill_ragged(
             elif isinstance(run, RangeRead):
                 run.dest = memoryview(dest.view(np.uint8))
         if reads:
-            jobs = reader.file_jobs([r for r, _ in reads], opened)
+            plan = Plan()  # a failed read or an interrupt stops every other at its next call
+            jobs = reader.file_jobs([r for r, _ in reads], opened, stop=plan.stop)
             with naming_failures("r3data_range", samples):
-                fill_rows(lambda i: jobs[i](), len(jobs), reader.workers)
+                plan.run(lambda i: jobs[i](), len(jobs), reader.workers)
     finally:
         opened.close()
     fill_rows(lambda i: np.copyto(*copies[i], casting="safe"), len(copies), workers)

@@ -28,7 +28,7 @@ from r3data.payload.fileformat import (
     read_header,
     starts_like_payload,
 )
-from r3data.payload.fs import PayloadFile, PayloadRoot, open_file
+from r3data.payload.fs import DEFAULT_TIMEOUT_S, PayloadFile, PayloadRoot, open_file
 from r3data.payload.retention import VERSION_DIR, min_fresh_version
 from r3data.payload.writer import TEMP_SUFFIX
 from r3data.wire.segment import INDEX_DTYPE
@@ -198,6 +198,7 @@ def verify(
     step: int | None = None,
     max_off_policy_steps: int | None = None,
     workers: int | None = None,
+    timeout: float | None = DEFAULT_TIMEOUT_S,
 ) -> VerifyReport:
     """Walk ``root``, checking every payload file's header and checksums (files in parallel).
 
@@ -206,8 +207,10 @@ def verify(
     ``max_off_policy_steps``, versions below ``min_fresh_version(step + 1,
     max_off_policy_steps)`` are reported as stale. Only files are looked at: whether a store
     still lists an emptied directory (SeaweedFS does for a while, AWS does not) changes nothing.
+    ``timeout`` bounds each call to a root that is not local-backed
+    (:data:`~r3data.payload.fs.DEFAULT_TIMEOUT_S`; None: no limit).
     """
-    payload_root = PayloadRoot(root, fs)
+    payload_root = PayloadRoot(root, fs, timeout=timeout)
     payload_root.require()
     payload_root.fs.invalidate_cache(payload_root.path)
     files = sorted(

@@ -26,6 +26,7 @@ import errno
 import math
 import os
 import posixpath
+import queue
 import stat
 import sys
 import threading
@@ -35,6 +36,7 @@ from operator import methodcaller
 from typing import Any
 
 import fsspec
+import numpy as np
 from fsspec import AbstractFileSystem
 from fsspec.asyn import AsyncFileSystem, sync
 from fsspec.exceptions import FSTimeoutError
@@ -226,9 +228,56 @@ filesystem may have at once: past it a call is refused at once instead of leavin
 thread behind, so a store that stays stalled while every batch tries again cannot pile up
 threads without bound."""
 
+KEEP_IDLE_THREADS = 32
+"""Threads that ran a call with a deadline kept waiting for the next one (past it, a thread
+ends after its call): as many as the widest I/O pool (:data:`r3data.parallel.IO_WORKERS_MAX`)
+keeps calling at once."""
+
+
+class _Threads:
+    """The daemon threads calls with a deadline run on: a thread idle since its last call is
+    reused (starting one costs as much as a fast call), one is started when none is idle, so a
+    call never waits behind another and a hung call keeps its own thread. Daemons: a hung call
+    never holds up the interpreter's exit."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._idle: list[queue.SimpleQueue[Callable[[], None]]] = []  # each idle thread's inbox
+
+    def start(self, task: Callable[[], None]) -> None:
+        """Run ``task`` (which raises nothing) on an idle thread, else on a new one."""
+        with self._lock:
+            inbox = self._idle.pop() if self._idle else None
+        if inbox is None:
+            inbox = queue.SimpleQueue()
+            threading.Thread(
+                target=self._serve, args=(inbox,), name="r3data-deadline", daemon=True
+            ).start()
+        inbox.put(task)
+
+    def _serve(self, inbox: queue.SimpleQueue[Callable[[], None]]) -> None:
+        while True:
+            inbox.get()()
+            with self._lock:
+                if len(self._idle) >= KEEP_IDLE_THREADS:
+                    return
+                self._idle.append(inbox)
+
+
+_threads: _Threads | None = None  # created on first use; a forked child starts without one
 _hung: dict[int, int] = {}  # id(filesystem) -> its calls abandoned and still blocked (each
 # thread holds its filesystem, so an id counted here is never another's)
 _hung_lock = threading.Lock()
+
+
+def _after_fork() -> None:
+    """In a forked child: none of the parent's threads exist, idle or hung, and a lock one of
+    them held stays held."""
+    global _threads, _hung, _hung_lock
+    _threads, _hung, _hung_lock = None, {}, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork)
 
 
 def _within(
@@ -238,17 +287,19 @@ def _within(
     fs: object,
     late: Callable[[Any], None] | None = None,
 ) -> Any:
-    """``call()`` on a daemon thread, waited for at most ``timeout`` seconds (None: called
-    here). A call past its deadline is abandoned to its thread (a blocking call cannot be
-    interrupted): it must touch nothing its caller still uses (its exception is dropped; a
-    result is handed to ``late``, to release what it holds), and as a daemon it never holds up
-    the interpreter's exit. While :data:`MAX_HUNG_CALLS` of ``fs``'s calls are abandoned and
-    still blocked, another is refused at once."""
+    """``call()`` on a daemon thread (:class:`_Threads`), waited for at most ``timeout``
+    seconds (None: called here). A call past its deadline is abandoned to its thread (a
+    blocking call cannot be interrupted): it must touch nothing its caller still uses (its
+    exception is dropped; a result is handed to ``late``, to release what it holds), and as a
+    daemon it never holds up the interpreter's exit. While :data:`MAX_HUNG_CALLS` of ``fs``'s
+    calls are abandoned and still blocked, another is refused at once."""
+    global _threads
     if timeout is None:
         return call()
     outcome: list[Any] = []
-    done = threading.Event()
-    state = {"abandoned": False}
+    done = threading.Lock()  # released once the call returned or raised (cheaper than an Event)
+    done.acquire()
+    state = {"finished": False, "abandoned": False}  # decided under _hung_lock
     key = id(fs)
 
     def run() -> None:
@@ -258,29 +309,31 @@ def _within(
             outcome.append((False, exc))
         finally:
             with _hung_lock:
-                done.set()
+                state["finished"] = True
                 abandoned = state["abandoned"]
                 if abandoned:
                     _hung[key] -= 1
                     if not _hung[key]:
                         del _hung[key]
+            done.release()
             if abandoned and late is not None and outcome[0][0]:
                 with contextlib.suppress(Exception):
                     late(outcome[0][1])
 
     with _hung_lock:
         hung = _hung.get(key, 0)
+        threads = _threads = _threads or _Threads()
     if hung >= MAX_HUNG_CALLS:
         raise PayloadReadError(
             f"{doing}: refused, {hung} earlier calls to this filesystem are still unanswered "
             f"past their timeout of {timeout:g} s"
         )
-    threading.Thread(target=run, name="r3data-deadline", daemon=True).start()
+    threads.start(run)
     try:
-        done.wait(timeout)
+        done.acquire(timeout=timeout)
     finally:  # past the deadline, or the caller interrupted: the call is left to its thread
         with _hung_lock:
-            if not done.is_set():
+            if not state["finished"]:
                 state["abandoned"] = True
                 _hung[key] = _hung.get(key, 0) + 1
     if state["abandoned"]:
@@ -291,11 +344,18 @@ def _within(
     raise value
 
 
-def _read_into(f: Any, offset: int, nbytes: int) -> memoryview:
-    """``nbytes`` of ``f`` from ``offset`` (fewer at its end), in a buffer of their own."""
+def _read_into(f: Any, offset: int, nbytes: int) -> np.ndarray:
+    """``nbytes`` of ``f`` from ``offset`` (fewer at its end), in a buffer of their own (not
+    zeroed first: what comes back is what the read filled)."""
     f.seek(offset)
-    buffer = bytearray(nbytes)
-    return memoryview(buffer)[: f.readinto(buffer) or 0]
+    buffer = np.empty(nbytes, np.uint8)
+    return buffer[: f.readinto(memoryview(buffer)) or 0]  # a view: what files are handed
+
+
+def _land(dest: memoryview, data: Any) -> None:
+    """Copy ``data`` (bytes, or a byte array) to the start of ``dest`` with numpy, which copies
+    with the GIL released: lanes landing chunks at once copy in parallel."""
+    np.copyto(np.frombuffer(dest, np.uint8, len(data)), np.frombuffer(data, np.uint8))
 
 
 class PayloadFile:
@@ -350,10 +410,11 @@ class FsspecPayloadFile(PayloadFile):
     one ranged request (one ranged GET on an object store), and a small read never fetches the
     block around it. Each call to the filesystem is given up after ``timeout`` seconds
     (:data:`DEFAULT_TIMEOUT_S`; None: no limit). On an event-loop filesystem (s3fs and the
-    like) a read is the filesystem's own ranged ``cat_file``, cancelled at its deadline; on any
-    other it goes through a file opened once, and with a timeout lands in a buffer of its own
-    before it is copied into the caller's, so that a read abandoned at its deadline can never
-    write into the caller's buffer later."""
+    like) a read is the filesystem's own ranged ``cat_file`` (of the object version seen at open
+    on a version-aware s3fs), cancelled at its deadline; on any other it goes through a file
+    opened once, and with a timeout lands in a buffer of its own before it is copied into the
+    caller's, so that a read abandoned at its deadline can never write into the caller's buffer
+    later."""
 
     def __init__(
         self,
@@ -367,6 +428,7 @@ class FsspecPayloadFile(PayloadFile):
         self.fs, self.path, self.timeout = fs, path, timeout
         self.closed = False
         self.f: Any = None
+        self._version = _pinned_version(fs, info)
         if _on_loop(fs, "cat_file") is None:
             doing = f"opening {self.url}"
             with _fsspec_errors(self.url, doing):
@@ -397,6 +459,7 @@ class FsspecPayloadFile(PayloadFile):
                     self.path,
                     start=offset,
                     end=offset + wanted,
+                    **self._version,
                 )
             elif self.timeout is None:
                 self.f.seek(offset)
@@ -409,7 +472,7 @@ class FsspecPayloadFile(PayloadFile):
             raise PayloadReadError(
                 f"{doing}: asked for {wanted} bytes, the filesystem returned {len(data)}"
             )
-        dest[: len(data)] = data
+        _land(dest, data)
         return len(data)
 
     def close(self) -> None:
@@ -422,6 +485,17 @@ class FsspecPayloadFile(PayloadFile):
             return
         with contextlib.suppress(PayloadReadError):  # past its deadline: left to its thread
             _within(self.timeout, f"closing {self.url}", f.close, self.fs)
+
+
+def _pinned_version(fs: AbstractFileSystem, info: dict[str, Any]) -> dict[str, str]:
+    """``{"version_id": ...}``, the object version ``info`` describes, when ``fs`` reads
+    through a version-aware s3fs (``S3FileSystem(version_aware=True)``): every ranged read of
+    the file then reads the version its open looked at, as s3fs's own files do; else ``{}``."""
+    *_, (inner, _) = _layers(fs, "")
+    version = info.get("VersionId")
+    if version and getattr(inner, "version_aware", False):
+        return {"version_id": version}
+    return {}
 
 
 @contextlib.contextmanager

@@ -44,7 +44,7 @@ from r3data.ragged import RaggedRows
 from r3data.validate import checked_int
 from r3data.wire.segment import INDEX_DTYPE, PayloadSegment
 
-__all__ = ["CHUNK_BYTES", "OpenFiles", "PayloadReader", "RangeRead", "ReadJob"]
+__all__ = ["CHUNK_BYTES", "OpenFiles", "PayloadReader", "Plan", "RangeRead", "ReadJob"]
 
 ReadJob = tuple[Sequence[PayloadSegment], Any]
 """Segments of one fixed-width field and the buffer (numpy array or CPU tensor) their rows fill."""
@@ -176,23 +176,43 @@ class OpenFiles:
             handle.close()
 
 
-class _Plan:
-    """One plan's jobs on the pool, for a caller that may be interrupted while they run (a
-    ``KeyboardInterrupt``, a loader shutting down): :meth:`run` then stops every job at its
-    next call to the filesystem and waits for the calls under way (each bounded by the root's
-    timeout) before the caller goes on, so no job outlives the root descriptor it shares."""
+class _Stopped(Exception):
+    """A job its plan never started: the plan had stopped (what the plan raises is the first
+    failure, or the caller's interrupt)."""
+
+
+class Plan:
+    """One plan's jobs on the pool (a batch's reads, a fill's reads and copies), for a caller
+    that may be interrupted while they run (a ``KeyboardInterrupt``, a loader shutting down)
+    and whose jobs may fail: either sets :attr:`stop`, which every job of the plan is to check
+    at its next call to the filesystem (:meth:`PayloadReader.file_jobs`), so none retries on;
+    :meth:`run` then waits for the calls under way (each bounded by the root's timeout), starts
+    no other job, and raises the job's failure that stopped it, or the interrupt: no job
+    outlives the call, nor the root descriptor or buffer it shares."""
 
     def __init__(self) -> None:
         self.stop = threading.Event()
         self._running = 0
         self._idle = threading.Condition()
+        self._failure: BaseException | None = None
 
     def run(self, job: Callable[[int], None], n: int, workers: int) -> None:
+        """Run ``job(i)`` for ``i in range(n)``, at most ``workers`` at once
+        (:func:`~r3data.parallel.fill_rows`)."""
+
         def counted(i: int) -> None:
             with self._idle:
+                if self.stop.is_set():
+                    raise _Stopped
                 self._running += 1
             try:
                 job(i)
+            except BaseException as exc:
+                with self._idle:
+                    if not self.stop.is_set():  # the first failure; any later one its echo
+                        self._failure = exc
+                        self.stop.set()
+                raise
             finally:
                 with self._idle:
                     self._running -= 1
@@ -200,11 +220,15 @@ class _Plan:
 
         try:
             fill_rows(counted, n, workers)
-        except BaseException:
+            return
+        except BaseException as exc:
             self.stop.set()  # lanes still running when the caller itself was interrupted
             with self._idle:
                 self._idle.wait_for(lambda: self._running == 0)
-            raise
+            first = self._failure
+            if first is None or first is exc or not isinstance(exc, Exception):
+                raise
+        raise first  # fill_rows raises the first lane's failure, maybe one stopped for it
 
 
 class PayloadReader:
@@ -221,8 +245,9 @@ class PayloadReader:
     most :data:`CHUNK_BYTES`): a call past it is an I/O error like any other, retried as above,
     so a store that stops answering fails a read with :class:`PayloadReadError` after at most
     ``(retries + 1) * timeout`` seconds plus the backoff, per file. A plan interrupted in its
-    caller (``KeyboardInterrupt``, a loader shutting down) stops its files' reads at their next
-    call instead of retrying on.
+    caller (``KeyboardInterrupt``, a loader shutting down), or one of whose files failed for
+    good, stops its other files' reads at their next call (or backoff) instead of retrying on
+    (:class:`Plan`).
     """
 
     def __init__(
@@ -266,7 +291,7 @@ class PayloadReader:
 
     def read_ranges(self, ranges: Iterable[RangeRead]) -> None:
         """Read every range: files in parallel, each opened once, adjacent ranges together."""
-        plan = _Plan()
+        plan = Plan()
         with self.root.held() as root_fd:  # every file's first open: one root descriptor
             jobs = self.file_jobs(ranges, root_fd=root_fd, stop=plan.stop)
             plan.run(lambda i: jobs[i](), len(jobs), self.workers)
@@ -346,7 +371,7 @@ class PayloadReader:
                 ends[name] = (end, s)
         claims = list(ends.items())
         workers = 1 if self.root.local_backed else self.workers  # an open is microseconds here
-        plan = _Plan()
+        plan = Plan()
         with self.root.held() as root_fd:  # the first look at every file: one root descriptor
             plan.run(
                 partial(self._check_size, claims, keep, root_fd, plan.stop), len(claims), workers
@@ -374,7 +399,7 @@ class PayloadReader:
                 if end <= size:
                     return
                 if attempt <= self.retries:
-                    time.sleep(delay)
+                    _pause(delay, stop)
                     delay = min(2 * delay, self.max_backoff)
             raise SegmentError(
                 f"{url}: segment of field {s.field!r} rows [{s.pos}, {s.end}) claims bytes up "
@@ -405,7 +430,7 @@ class PayloadReader:
             except OSError as exc:
                 failure = exc
             if attempt <= self.retries:
-                time.sleep(delay)
+                _pause(delay, stop)
                 delay = min(2 * delay, self.max_backoff)
         raise self._failed(name, s.offset, failure, attempt)
 
@@ -477,7 +502,7 @@ class PayloadReader:
                     return handle
                 handle = _closed(handle)
                 if attempt <= self.retries:
-                    time.sleep(delay)
+                    _pause(delay, stop)
                     delay = min(2 * delay, self.max_backoff)
         except BaseException:
             _closed(handle)
@@ -618,6 +643,14 @@ def _read_whole(handle: PayloadFile, r: RangeRead) -> bool:
         r.crc_running = checksum(dest)
     r.done = got
     return True
+
+
+def _pause(delay: float, stop: threading.Event | None) -> None:
+    """The backoff before a retry, cut short once ``stop`` is set (the retry then checks it)."""
+    if stop is None:
+        time.sleep(delay)
+    else:
+        stop.wait(delay)
 
 
 def _offset(r: RangeRead) -> int:

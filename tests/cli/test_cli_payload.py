@@ -4,12 +4,21 @@ from __future__ import annotations
 
 import json
 import os
+import sys
+import threading
+import time
 import uuid
+from pathlib import Path
+from typing import Any
 
+import fsspec
 import numpy as np
 import orjson
 import pytest
 from written_roots import SHAPE, bincount
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "payload"))  # stalling
+from stalling import SlowMemory
 
 from r3data.cli import main
 from r3data.payload import PayloadWriter
@@ -223,6 +232,59 @@ def test_fsspec_urls_work_like_local_paths(capsys):
     assert (code, report["files"]) == (0, [segment.file])
     code, report = run_json(capsys, "verify", root)
     assert (code, report["files_checked"]) == (0, 0)
+
+
+class StalledStore(SlowMemory):
+    """``r3stalled://``: a memory store of its own, the one instance every URL of it names
+    (the CLI makes its filesystem from the URL)."""
+
+    protocol = "r3stalled"
+    cachable = True
+
+    @classmethod
+    def _strip_protocol(cls, path: str) -> str:
+        return super()._strip_protocol(path.removeprefix("r3stalled://"))
+
+
+@pytest.fixture(name="stalled")
+def stalled_fixture() -> Any:
+    """A root of three files on ``r3stalled://`` and the store, answering until told not to."""
+    fsspec.register_implementation("r3stalled", StalledStore, clobber=True)
+    fs = fsspec.filesystem("r3stalled")
+    fs.hold, fs.release = "", threading.Event()
+    root = f"r3stalled://run-{uuid.uuid4().hex}"
+    routes = np.zeros((4, 3, 2), np.uint8)
+    for version in range(3):
+        PayloadWriter(root).write(version, {"routed_experts": routes})
+    yield root, fs
+    fs.release.set()
+
+
+def test_gc_timeout_stops_a_run_on_a_stalled_store_at_its_first_deletion(stalled, capsys):
+    root, fs = stalled
+    fs.hold = "rm"
+    argv = ["gc", root, "--step", "9", "--max-off-policy-steps", "1", "--timeout", "0.2"]
+    start = time.monotonic()
+    code, report = run_json(capsys, *argv)
+    assert time.monotonic() - start < 0.2 * 3  # one call's timeout, not one per file
+    assert code == 1
+    assert report["files"] == []
+    (error,) = report["errors"]
+    assert "no answer within the timeout of 0.2 s" in error
+    assert "1 of 3 files tried" in error
+
+
+def test_verify_timeout_bounds_each_look_at_a_stalled_store(stalled, capsys):
+    root, fs = stalled
+    code, report = run_json(capsys, "verify", root, "--timeout", "0.2")
+    assert (code, report["files_checked"]) == (0, 3)
+    fs.hold = "info"
+    start = time.monotonic()
+    assert main(["verify", root, "--timeout", "0.2"]) == 2
+    assert time.monotonic() - start < 0.2 * 3
+    error = capsys.readouterr().err
+    assert "no answer within the timeout of 0.2 s" in error
+    assert root.removeprefix("r3stalled://") in error
 
 
 def test_inspect_a_corrupt_payload_file_reports_it_with_exit_code_1(written_root, capsys):

@@ -223,3 +223,32 @@ def test_ctrl_c_during_a_stalled_read_ends_the_process_within_the_timeout(s3, s3
         proxy.close()
     assert b"KeyboardInterrupt" in child.stderr.read()
     assert took < 2.0 + SLACK_S, took  # not 21 attempts of 2 s per file
+
+
+def test_a_version_aware_read_reads_the_version_its_open_saw(s3, s3_root, s3_fs):
+    """Writers publish unique keys; should a key be published again while a reader holds it
+    open, a version-aware s3fs still reads the version the open looked at, chunk after chunk."""
+    import s3fs
+
+    bucket = s3_root.removeprefix("s3://").split("/")[0]
+    try:
+        s3_fs.call_s3(
+            "put_bucket_versioning", Bucket=bucket, VersioningConfiguration={"Status": "Enabled"}
+        )
+    except Exception as exc:  # a store without versioning: nothing to pin
+        pytest.skip(f"the store keeps no object versions: {exc}")
+    fs = s3fs.S3FileSystem(**s3.storage_options(), version_aware=True)
+    data = routes(64)
+    (segment,) = PayloadWriter(s3_root, fs=fs).write(0, {"routes": data})
+    root = PayloadRoot(s3_root, fs, timeout=TIMEOUT)
+    handle = root.open_read(segment.file)
+    path = f"{root.path}/{segment.file}"
+    if not fs.info(path).get("VersionId"):
+        pytest.skip("the store returns no version id")
+    fs.pipe_file(path, bytes(255 - b for b in fs.cat_file(path)))  # the same key again
+    got = bytearray(segment.nbytes)
+    assert handle.read_at(segment.offset, memoryview(got)) == segment.nbytes
+    assert bytes(got) == data.tobytes()
+    fresh = bytearray(segment.nbytes)  # a file opened now reads the newest version
+    assert root.open_read(segment.file).read_at(segment.offset, memoryview(fresh)) > 0
+    assert bytes(fresh) == bytes(255 - b for b in data.tobytes())

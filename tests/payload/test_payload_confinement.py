@@ -9,7 +9,6 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from types import SimpleNamespace
 
 import fsspec
 import numpy as np
@@ -232,10 +231,10 @@ def test_a_failed_read_closes_each_descriptor_exactly_once(tmp_path, monkeypatch
 
     held: dict[str, int] = {}
 
-    def hold_a_descriptor(seconds: float) -> None:  # the backoff: gets the freed number
+    def hold_a_descriptor(seconds: float, stop: object) -> None:  # the backoff: the freed number
         held["fd"] = os.open(tmp_path / "bystander", os.O_RDWR | os.O_CREAT)
 
-    monkeypatch.setattr(reader_module, "time", SimpleNamespace(sleep=hold_a_descriptor))
+    monkeypatch.setattr(reader_module, "_pause", hold_a_descriptor)
     reader = PayloadReader(str(root), workers=1, retries=1)
     with pytest.raises(PayloadReadError, match="short read"):
         reader.read([routes, other])

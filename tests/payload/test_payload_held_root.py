@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 from dataclasses import replace
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -172,9 +171,7 @@ def test_a_file_cut_then_written_back_during_the_backoff_reads_exactly(tmp_path,
     (s, _), (a, _) = two_files(root)
     path = root / s.file
     whole = path.read_bytes()
-    monkeypatch.setattr(
-        reader_module, "time", SimpleNamespace(sleep=lambda _: path.write_bytes(whole))
-    )
+    monkeypatch.setattr(reader_module, "_pause", lambda *_: path.write_bytes(whole))  # backoff
     reader = PayloadReader(str(root), workers=1, retries=1)
     kept = OpenFiles()
     reader.check_sizes([s], kept)

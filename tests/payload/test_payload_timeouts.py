@@ -5,84 +5,20 @@ behind a stalling proxy, is in ``tests/integration/test_s3_slow_store.py``.)"""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from typing import Any
 
 import numpy as np
 import pytest
-from fsspec.implementations.memory import MemoryFileSystem
+from stalling import SlowMemory
 
 from r3data.errors import ConfigError, PayloadReadError, PayloadWriteError
 from r3data.payload import PayloadReader, PayloadRetention, PayloadRoot, PayloadWriter
 from r3data.payload import fs as payload_fs
 
 TIMEOUT = 0.3
-
-
-class HeldFile:
-    """An open file whose reads wait for ``release``, then fill the buffer they were given."""
-
-    def __init__(self, f: Any, fs: SlowMemory) -> None:
-        self.f, self.fs = f, fs
-
-    @property
-    def closed(self) -> bool:
-        return self.f.closed
-
-    def seek(self, offset: int, whence: int = 0) -> int:
-        return self.f.seek(offset, whence)
-
-    def readinto(self, buffer: Any) -> int:
-        self.fs.reading.set()
-        self.fs.release.wait()
-        n = self.f.readinto(buffer)
-        self.fs.landed.set()
-        return n
-
-    def close(self) -> None:
-        self.f.close()
-
-
-class LateFile:
-    """A file that tells whether it was closed (a memory file's close does nothing)."""
-
-    def __init__(self, f: Any) -> None:
-        self.f, self.closed = f, False
-
-    def close(self) -> None:
-        self.closed = True
-
-
-class SlowMemory(MemoryFileSystem):
-    """A private memory:// store whose reads (``hold="read"``) or look-ups (``hold="info"``)
-    wait for ``release``."""
-
-    cachable = False
-
-    def __init__(self) -> None:
-        super().__init__(global_store=False)
-        self.hold = ""
-        self.release, self.reading, self.landed = (threading.Event() for _ in range(3))
-        self.late: list[Any] = []  # files opened after their caller gave up
-
-    def info(self, path: str, **kwargs: Any) -> dict[str, Any]:
-        if self.hold == "info":
-            self.release.wait()
-        return super().info(path, **kwargs)
-
-    def rm_file(self, path: str) -> None:
-        if self.hold == "rm":
-            self.release.wait()
-        super().rm_file(path)
-
-    def _open(self, path: str, mode: str = "rb", **kwargs: Any) -> Any:
-        f = super()._open(path, mode, **kwargs)
-        if "r" in mode and self.hold == "open":
-            self.release.wait()
-            f = LateFile(f)
-            self.late.append(f)
-        return HeldFile(f, self) if "r" in mode and self.hold == "read" else f
 
 
 @pytest.fixture(name="slow")
@@ -164,6 +100,19 @@ def deadline_threads() -> int:
     return sum(t.name == "r3data-deadline" for t in threading.enumerate())
 
 
+def hung_calls() -> int:
+    """Calls abandoned at their deadline and still blocked, over every filesystem."""
+    with payload_fs._hung_lock:
+        return sum(payload_fs._hung.values())
+
+
+def wait_for(condition: Any, seconds: float = 5) -> bool:
+    deadline = time.monotonic() + seconds
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return condition()
+
+
 def test_a_store_that_stays_stalled_leaves_a_bounded_number_of_calls_behind(slow, monkeypatch):
     segment, _ = written(slow)
     monkeypatch.setattr(payload_fs, "MAX_HUNG_CALLS", 3)
@@ -174,14 +123,13 @@ def test_a_store_that_stays_stalled_leaves_a_bounded_number_of_calls_behind(slow
         with pytest.raises(PayloadReadError, match=r"memory:///run/"):
             reader.check_sizes([segment])
     assert deadline_threads() - before <= 3
+    assert hung_calls() == 3
     start = time.monotonic()
     with pytest.raises(PayloadReadError, match=r"3 earlier calls .* still unanswered"):
         reader.check_sizes([segment])
     assert time.monotonic() - start < 0.05  # refused at once, no thread started
     slow.release.set()  # the store answers again: the abandoned calls end ...
-    deadline = time.monotonic() + 5
-    while deadline_threads() > before and time.monotonic() < deadline:
-        time.sleep(0.01)
+    assert wait_for(lambda: hung_calls() == 0)
     slow.hold = ""
     assert reader.read([segment])  # ... and calls go through again
 
@@ -252,3 +200,78 @@ def test_a_fresh_run_on_a_stalled_store_fails_at_its_first_timeout(slow):
         PayloadRetention("/run", 5, fs=slow, fresh=True, run_started=time.time() + 60, timeout=0.2)
     assert time.monotonic() - start < 0.2 * 3  # one call's timeout, not one per file
     assert "stopped after 1 of 12 files" in str(caught.value)
+
+
+class Recording(SlowMemory):
+    """A :class:`SlowMemory` that records which thread each look-up ran on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.threads: list[threading.Thread] = []  # held: an ident is reused once one ends
+
+    def info(self, path: str, **kwargs: Any) -> dict[str, Any]:
+        self.threads.append(threading.current_thread())
+        return super().info(path, **kwargs)
+
+
+@pytest.fixture(name="recording")
+def recording_fixture() -> Any:
+    fs = Recording()
+    yield fs
+    fs.release.set()
+
+
+def test_calls_with_a_deadline_reuse_idle_threads(recording):
+    written(recording)
+    root = PayloadRoot("/run", fs=recording, timeout=TIMEOUT)
+    before = deadline_threads()
+    for _ in range(50):
+        assert root.call("exists", "/run")
+    assert len(recording.threads) >= 50
+    assert len(set(map(id, recording.threads))) <= 3  # not one thread per call
+    assert threading.current_thread() not in recording.threads  # still off the caller's
+    assert deadline_threads() - before <= 3
+
+
+def test_a_hung_call_keeps_its_thread_and_holds_up_no_other(recording):
+    written(recording)
+    root = PayloadRoot("/run", fs=recording, timeout=TIMEOUT)
+    recording.hold = "info"
+    with pytest.raises(PayloadReadError, match=r"info of memory:///run: no answer"):
+        root.call("info", "/run")
+    hung = recording.threads[-1]
+    recording.hold = ""
+    for _ in range(5):
+        start = time.monotonic()
+        assert root.call("info", "/run")["type"] == "directory"
+        assert time.monotonic() - start < TIMEOUT / 2
+    assert hung not in recording.threads[1:]
+    assert hung_calls() == 1
+    recording.release.set()
+    assert wait_for(lambda: hung_calls() == 0)
+
+
+def test_a_forked_child_starts_its_own_threads_and_counts_none_of_the_parents(
+    recording, monkeypatch
+):
+    written(recording)
+    monkeypatch.setattr(payload_fs, "MAX_HUNG_CALLS", 1)
+    root = PayloadRoot("/run", fs=recording, timeout=TIMEOUT)
+    assert root.call("exists", "/run")  # an idle thread, which the child does not inherit
+    recording.hold = "info"
+    with pytest.raises(PayloadReadError, match="no answer"):
+        root.call("info", "/run")
+    recording.hold = ""
+    with pytest.raises(PayloadReadError, match=r"1 earlier calls .* still unanswered"):
+        root.call("info", "/run")
+    child = os.fork()
+    if child == 0:  # pragma: no cover - the child reports through its exit status
+        try:
+            code = 0 if root.call("info", "/run")["type"] == "directory" else 1
+        except BaseException:
+            code = 2
+        os._exit(code)
+    _, status = os.waitpid(child, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    recording.release.set()
+    assert wait_for(lambda: hung_calls() == 0)
