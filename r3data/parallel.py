@@ -177,6 +177,18 @@ def shared_pool() -> ThreadPoolExecutor:
         return _pool
 
 
+def _forget_pool_in_child() -> None:
+    """A forked child has none of the pool's threads (nor a lock another thread held): it
+    makes a pool of its own on first use instead of queueing work for dead workers."""
+    global _pool, _pool_lock
+    _pool, _pool_lock = None, threading.Lock()
+    _in_pool.active = False
+
+
+if hasattr(os, "register_at_fork"):  # POSIX
+    os.register_at_fork(after_in_child=_forget_pool_in_child)
+
+
 def in_pool_thread() -> bool:
     """True inside a shared-pool worker, where nested parallel work must run inline."""
     return getattr(_in_pool, "active", False)

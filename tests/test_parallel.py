@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import select
+import signal
 import threading
 import time
 
@@ -179,3 +181,30 @@ def test_the_quota_of_the_process_own_cgroup_and_its_parents_counts(tmp_path, mo
     moved = cgroup(tmp_path, {"self-moved": "0::/docker/abc\n"}) / "self-moved"
     assert permitted_cpus(tmp_path / "a", self_cgroup=moved) == 8
     assert permitted_cpus(tmp_path / "a", self_cgroup=tmp_path / "absent") == 8
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_forked_child_fills_on_a_pool_of_its_own():
+    """A child forked after the parent used the pool inherits none of its threads: its fills
+    run on a new pool instead of waiting forever on the parent's dead workers."""
+    lanes = io_workers()  # the pool's size: every one of its threads started, then idle
+    assert fill_rows(lambda i: time.sleep(0.05) or i, lanes, workers=lanes) == list(range(lanes))
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: report the fill's result, or nothing if it hangs
+        try:
+            os.close(read)
+            result = fill_rows(lambda i: i + 1, 8, workers=2)
+            os.write(write, repr(result).encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    try:
+        ready, _, _ = select.select([read], [], [], 20)
+        got = os.read(read, 1000).decode() if ready else "hung"
+    finally:
+        os.close(read)
+        if not ready:
+            os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    assert got == repr([i + 1 for i in range(8)])
