@@ -208,7 +208,7 @@ def verify(
     max_off_policy_steps)`` are reported as stale. Only files are looked at: whether a store
     still lists an emptied directory (SeaweedFS does for a while, AWS does not) changes nothing.
     ``timeout`` bounds each call to a root that is not local-backed
-    (:data:`~r3data.payload.fs.DEFAULT_TIMEOUT_S`; None: no limit).
+    (:data:`~r3data.payload.deadline.DEFAULT_TIMEOUT_S`; None: no limit).
     """
     payload_root = PayloadRoot(root, fs, timeout=timeout)
     payload_root.require()

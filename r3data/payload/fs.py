@@ -23,13 +23,10 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
-import math
 import os
 import posixpath
-import queue
 import stat
 import sys
-import threading
 from collections.abc import Callable, Iterable, Iterator
 from functools import partial
 from operator import methodcaller
@@ -38,8 +35,6 @@ from typing import Any
 import fsspec
 import numpy as np
 from fsspec import AbstractFileSystem
-from fsspec.asyn import AsyncFileSystem, sync
-from fsspec.exceptions import FSTimeoutError
 from fsspec.implementations.cached import CachingFileSystem
 from fsspec.implementations.dirfs import DirFileSystem
 from fsspec.implementations.local import LocalFileSystem
@@ -52,15 +47,15 @@ from r3data.errors import (
     PayloadPermissionError,
     PayloadReadError,
 )
+from r3data.payload.deadline import (
+    DEFAULT_TIMEOUT_S,
+    bounded,
+    checked_timeout,
+    on_event_loop,
+    within,
+)
 
 __all__ = ["DEFAULT_TIMEOUT_S", "PayloadFile", "PayloadRoot", "checked_timeout", "open_file"]
-
-DEFAULT_TIMEOUT_S = 30.0
-"""Seconds one call to a filesystem that is not local-backed may take (a look-up, a ranged read
-of at most one chunk, a listing, a deletion) before it counts as failed, with whatever retries
-the client library makes inside it: a store that accepts connections but stops answering, or
-trickles, fails the call in bounded time instead of blocking its caller for as long as the
-client's own timeouts and retries add up to (minutes with botocore's and s3fs's)."""
 
 _DIRECTORY = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
 _ROOT = os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC
@@ -176,174 +171,6 @@ def _check_confinable(fs: AbstractFileSystem, root: str) -> None:
             )
 
 
-def checked_timeout(timeout: float | None) -> float | None:
-    """``timeout`` (seconds, > 0 and at most ``threading.TIMEOUT_MAX``, or None for no limit),
-    else :class:`ConfigError`."""
-    if timeout is None:
-        return None
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
-        raise ConfigError(f"timeout must be seconds (a number > 0) or None, found {timeout!r}")
-    if not (math.isfinite(timeout) and 0 < timeout <= threading.TIMEOUT_MAX):
-        raise ConfigError(
-            f"timeout must be a finite number of seconds > 0 and at most "
-            f"{threading.TIMEOUT_MAX:g} (what a thread can wait), found {timeout!r}"
-        )
-    return float(timeout)
-
-
-def _timed_out(doing: str, timeout: float) -> PayloadReadError:
-    return PayloadReadError(f"{doing}: no answer within the timeout of {timeout:g} s")
-
-
-def _on_loop(fs: AbstractFileSystem, method: str) -> Callable[..., Any] | None:
-    """The coroutine function behind ``fs.<method>`` when ``fs`` runs it on an event loop
-    (s3fs, gcsfs, adlfs, a ``DirFileSystem`` over one), else None."""
-    inner = fs
-    while isinstance(inner, DirFileSystem):  # async by its class, whatever it reads through
-        inner = inner.fs
-    if not (isinstance(inner, AsyncFileSystem) and inner.async_impl):
-        return None
-    return getattr(fs, f"_{method}", None)
-
-
-def _bounded(
-    fs: AbstractFileSystem, timeout: float | None, doing: str, method: str, *args: Any, **kw: Any
-) -> Any:
-    """``fs.<method>(*args, **kw)`` given up after ``timeout`` seconds (None: no limit), as
-    :class:`PayloadReadError` naming ``doing``. On an event-loop filesystem the coroutine is
-    cancelled at the deadline (fsspec's ``sync(..., timeout=...)``): its connection is closed,
-    nothing is left running; on any other, see :func:`_within`."""
-    coroutine = None if timeout is None else _on_loop(fs, method)
-    if coroutine is None:
-        return _within(timeout, doing, partial(getattr(fs, method), *args, **kw), fs)
-    try:
-        return sync(fs.loop, coroutine, *args, timeout=timeout, **kw)
-    except FSTimeoutError:
-        raise _timed_out(doing, timeout) from None
-
-
-MAX_HUNG_CALLS = 64
-"""Calls abandoned at their deadline (each a daemon thread still blocked in the filesystem) one
-filesystem may have at once: past it a call is refused at once instead of leaving one more
-thread behind, so a store that stays stalled while every batch tries again cannot pile up
-threads without bound."""
-
-KEEP_IDLE_THREADS = 32
-"""Threads that ran a call with a deadline kept waiting for the next one (past it, a thread
-ends after its call): as many as the widest I/O pool (:data:`r3data.parallel.IO_WORKERS_MAX`)
-keeps calling at once."""
-
-
-class _Threads:
-    """The daemon threads calls with a deadline run on: a thread idle since its last call is
-    reused (starting one costs as much as a fast call), one is started when none is idle, so a
-    call never waits behind another and a hung call keeps its own thread. Daemons: a hung call
-    never holds up the interpreter's exit."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._idle: list[queue.SimpleQueue[Callable[[], None]]] = []  # each idle thread's inbox
-
-    def start(self, task: Callable[[], None]) -> None:
-        """Run ``task`` (which raises nothing) on an idle thread, else on a new one."""
-        with self._lock:
-            inbox = self._idle.pop() if self._idle else None
-        if inbox is None:
-            inbox = queue.SimpleQueue()
-            threading.Thread(
-                target=self._serve, args=(inbox,), name="r3data-deadline", daemon=True
-            ).start()
-        inbox.put(task)
-
-    def _serve(self, inbox: queue.SimpleQueue[Callable[[], None]]) -> None:
-        while True:
-            inbox.get()()
-            with self._lock:
-                if len(self._idle) >= KEEP_IDLE_THREADS:
-                    return
-                self._idle.append(inbox)
-
-
-_threads: _Threads | None = None  # created on first use; a forked child starts without one
-_hung: dict[int, int] = {}  # id(filesystem) -> its calls abandoned and still blocked (each
-# thread holds its filesystem, so an id counted here is never another's)
-_hung_lock = threading.Lock()
-
-
-def _after_fork() -> None:
-    """In a forked child: none of the parent's threads exist, idle or hung, and a lock one of
-    them held stays held."""
-    global _threads, _hung, _hung_lock
-    _threads, _hung, _hung_lock = None, {}, threading.Lock()
-
-
-os.register_at_fork(after_in_child=_after_fork)
-
-
-def _within(
-    timeout: float | None,
-    doing: str,
-    call: Callable[[], Any],
-    fs: object,
-    late: Callable[[Any], None] | None = None,
-) -> Any:
-    """``call()`` on a daemon thread (:class:`_Threads`), waited for at most ``timeout``
-    seconds (None: called here). A call past its deadline is abandoned to its thread (a
-    blocking call cannot be interrupted): it must touch nothing its caller still uses (its
-    exception is dropped; a result is handed to ``late``, to release what it holds), and as a
-    daemon it never holds up the interpreter's exit. While :data:`MAX_HUNG_CALLS` of ``fs``'s
-    calls are abandoned and still blocked, another is refused at once."""
-    global _threads
-    if timeout is None:
-        return call()
-    outcome: list[Any] = []
-    done = threading.Lock()  # released once the call returned or raised (cheaper than an Event)
-    done.acquire()
-    state = {"finished": False, "abandoned": False}  # decided under _hung_lock
-    key = id(fs)
-
-    def run() -> None:
-        try:
-            outcome.append((True, call()))
-        except BaseException as exc:  # handed to the waiting caller
-            outcome.append((False, exc))
-        finally:
-            with _hung_lock:
-                state["finished"] = True
-                abandoned = state["abandoned"]
-                if abandoned:
-                    _hung[key] -= 1
-                    if not _hung[key]:
-                        del _hung[key]
-            done.release()
-            if abandoned and late is not None and outcome[0][0]:
-                with contextlib.suppress(Exception):
-                    late(outcome[0][1])
-
-    with _hung_lock:
-        hung = _hung.get(key, 0)
-        threads = _threads = _threads or _Threads()
-    if hung >= MAX_HUNG_CALLS:
-        raise PayloadReadError(
-            f"{doing}: refused, {hung} earlier calls to this filesystem are still unanswered "
-            f"past their timeout of {timeout:g} s"
-        )
-    threads.start(run)
-    try:
-        done.acquire(timeout=timeout)
-    finally:  # past the deadline, or the caller interrupted: the call is left to its thread
-        with _hung_lock:
-            if not state["finished"]:
-                state["abandoned"] = True
-                _hung[key] = _hung.get(key, 0) + 1
-    if state["abandoned"]:
-        raise _timed_out(doing, timeout)
-    ok, value = outcome[0]
-    if ok:
-        return value
-    raise value
-
-
 def _read_into(f: Any, offset: int, nbytes: int) -> np.ndarray:
     """``nbytes`` of ``f`` from ``offset`` (fewer at its end), in a buffer of their own (not
     zeroed first: what comes back is what the read filled)."""
@@ -429,10 +256,10 @@ class FsspecPayloadFile(PayloadFile):
         self.closed = False
         self.f: Any = None
         self._version = _pinned_version(fs, info)
-        if _on_loop(fs, "cat_file") is None:
+        if on_event_loop(fs, "cat_file") is None:
             doing = f"opening {self.url}"
             with _fsspec_errors(self.url, doing):
-                self.f = _within(
+                self.f = within(
                     timeout,
                     doing,
                     partial(fs.open, path, "rb", cache_type="none", size=self.size),
@@ -451,7 +278,7 @@ class FsspecPayloadFile(PayloadFile):
         doing = f"reading {self.url} at offset {offset}"
         with _fsspec_errors(self.url, doing):
             if self.f is None:
-                data = _bounded(
+                data = bounded(
                     self.fs,
                     self.timeout,
                     doing,
@@ -465,7 +292,7 @@ class FsspecPayloadFile(PayloadFile):
                 self.f.seek(offset)
                 return self.f.readinto(dest) or 0
             else:
-                data = _within(
+                data = within(
                     self.timeout, doing, partial(_read_into, self.f, offset, wanted), self.fs
                 )
         if len(data) > wanted:
@@ -484,7 +311,7 @@ class FsspecPayloadFile(PayloadFile):
             f.close()  # a buffered file open to read closes without a request
             return
         with contextlib.suppress(PayloadReadError):  # past its deadline: left to its thread
-            _within(self.timeout, f"closing {self.url}", f.close, self.fs)
+            within(self.timeout, f"closing {self.url}", f.close, self.fs)
 
 
 def _pinned_version(fs: AbstractFileSystem, info: dict[str, Any]) -> dict[str, str]:
@@ -642,7 +469,7 @@ def _open_fsspec(
     fs.invalidate_cache(path)  # a listing cached before the file was published must not hide it
     doing = f"opening {url}"
     with _fsspec_errors(url, doing):
-        info = _bounded(fs, timeout, doing, "info", path)
+        info = bounded(fs, timeout, doing, "info", path)
     if info.get("type") != "file":
         raise PayloadHandleError(f"{what} is a {info.get('type')}, not a regular file")
     return FsspecPayloadFile(fs, path, info, timeout)
@@ -709,7 +536,7 @@ class PayloadRoot:
         if self._os_path is not None:
             return getattr(self.fs, method)(path, *args, **kwargs)
         doing = f"{method} of {self.fs.unstrip_protocol(path)}"
-        return _bounded(self.fs, self.timeout, doing, method, path, *args, **kwargs)
+        return bounded(self.fs, self.timeout, doing, method, path, *args, **kwargs)
 
     def require(self) -> None:
         """Raise :class:`PayloadNotFoundError` when the root does not exist.

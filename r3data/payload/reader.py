@@ -240,7 +240,7 @@ class PayloadReader:
     reopening the file, after ``backoff`` seconds doubling up to ``max_backoff``. Segments
     carrying ``crc32c`` are verified.
 
-    ``timeout`` (seconds; :data:`~r3data.payload.fs.DEFAULT_TIMEOUT_S`; None: no limit) bounds
+    ``timeout`` (seconds; :data:`~r3data.payload.deadline.DEFAULT_TIMEOUT_S`; None: no limit) bounds
     each call to a root that is not local-backed (an open's look-up, each ranged read of at
     most :data:`CHUNK_BYTES`): a call past it is an I/O error like any other, retried as above,
     so a store that stops answering fails a read with :class:`PayloadReadError` after at most

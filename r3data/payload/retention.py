@@ -199,7 +199,7 @@ class PayloadRetention:
 
     Deletion runs on the shared pool and never blocks the caller; a failed deletion is logged
     and retried on the next call. ``timeout`` bounds each call to a root that is not
-    local-backed (a listing, a deletion: :data:`~r3data.payload.fs.DEFAULT_TIMEOUT_S`), so a
+    local-backed (a listing, a deletion: :data:`~r3data.payload.deadline.DEFAULT_TIMEOUT_S`), so a
     store that stops answering fails a pass (logged, retried on the next call) instead of
     holding :meth:`wait`, :meth:`close` and a claim of a file being deleted for as long as
     the client's own retries take. A deletion past its deadline is in doubt (the store may

@@ -15,8 +15,7 @@ import pytest
 from stalling import SlowMemory
 
 from r3data.errors import ConfigError, PayloadReadError, PayloadWriteError
-from r3data.payload import PayloadReader, PayloadRetention, PayloadRoot, PayloadWriter
-from r3data.payload import fs as payload_fs
+from r3data.payload import PayloadReader, PayloadRetention, PayloadRoot, PayloadWriter, deadline
 
 TIMEOUT = 0.3
 
@@ -102,8 +101,8 @@ def deadline_threads() -> int:
 
 def hung_calls() -> int:
     """Calls abandoned at their deadline and still blocked, over every filesystem."""
-    with payload_fs._hung_lock:
-        return sum(payload_fs._hung.values())
+    with deadline._hung_lock:
+        return sum(deadline._hung.values())
 
 
 def wait_for(condition: Any, seconds: float = 5) -> bool:
@@ -115,7 +114,7 @@ def wait_for(condition: Any, seconds: float = 5) -> bool:
 
 def test_a_store_that_stays_stalled_leaves_a_bounded_number_of_calls_behind(slow, monkeypatch):
     segment, _ = written(slow)
-    monkeypatch.setattr(payload_fs, "MAX_HUNG_CALLS", 3)
+    monkeypatch.setattr(deadline, "MAX_HUNG_CALLS", 3)
     reader = PayloadReader("/run", fs=slow, timeout=0.05, retries=0)
     slow.hold = "info"
     before = deadline_threads()
@@ -255,7 +254,7 @@ def test_a_forked_child_starts_its_own_threads_and_counts_none_of_the_parents(
     recording, monkeypatch
 ):
     written(recording)
-    monkeypatch.setattr(payload_fs, "MAX_HUNG_CALLS", 1)
+    monkeypatch.setattr(deadline, "MAX_HUNG_CALLS", 1)
     root = PayloadRoot("/run", fs=recording, timeout=TIMEOUT)
     assert root.call("exists", "/run")  # an idle thread, which the child does not inherit
     recording.hold = "info"
