@@ -200,11 +200,18 @@ class Plan:
         """Run ``job(i)`` for ``i in range(n)``, at most ``workers`` at once
         (:func:`~r3data.parallel.fill_rows`)."""
 
+        caller = threading.get_ident()
+
         def counted(i: int) -> None:
+            # Only jobs on other threads are counted: one run inline on the caller's thread
+            # is over once an interrupt reaches the caller, and a count an interrupt could
+            # land in the middle of would leave the wait below waiting forever.
+            counts = threading.get_ident() != caller
             with self._idle:
                 if self.stop.is_set():
                     raise _Stopped
-                self._running += 1
+                if counts:
+                    self._running += 1
             try:
                 job(i)
             except BaseException as exc:
@@ -214,9 +221,10 @@ class Plan:
                         self.stop.set()
                 raise
             finally:
-                with self._idle:
-                    self._running -= 1
-                    self._idle.notify_all()
+                if counts:
+                    with self._idle:
+                        self._running -= 1
+                        self._idle.notify_all()
 
         try:
             fill_rows(counted, n, workers)
