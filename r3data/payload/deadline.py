@@ -9,10 +9,10 @@ and abandoned at the deadline with what it holds.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import math
 import os
-import queue
 import threading
 from collections.abc import Callable
 from functools import partial
@@ -106,30 +106,34 @@ class _Threads:
     """The daemon threads calls with a deadline run on: a thread idle since its last call is
     reused (starting one costs as much as a fast call), one is started when none is idle, so a
     call never waits behind another and a hung call keeps its own thread. Daemons: a hung call
-    never holds up the interpreter's exit."""
+    never holds up the interpreter's exit. The tasks wait in one queue that every idle thread
+    takes from, so a caller interrupted while handing one over strands no thread."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._idle: list[queue.SimpleQueue[Callable[[], None]]] = []  # each idle thread's inbox
+        self._ready = threading.Condition(threading.Lock())
+        self._tasks: collections.deque[Callable[[], None]] = collections.deque()
+        self._waiting = 0  # threads waiting for a task (counted by the threads themselves)
 
     def start(self, task: Callable[[], None]) -> None:
         """Run ``task`` (which raises nothing) on an idle thread, else on a new one."""
-        with self._lock:
-            inbox = self._idle.pop() if self._idle else None
-        if inbox is None:
-            inbox = queue.SimpleQueue()
-            threading.Thread(
-                target=self._serve, args=(inbox,), name="r3data-deadline", daemon=True
-            ).start()
-        inbox.put(task)
+        with self._ready:
+            self._tasks.append(task)
+            more = len(self._tasks) > self._waiting
+            self._ready.notify()
+        if more:
+            threading.Thread(target=self._serve, name="r3data-deadline", daemon=True).start()
 
-    def _serve(self, inbox: queue.SimpleQueue[Callable[[], None]]) -> None:
+    def _serve(self) -> None:
         while True:
-            inbox.get()()
-            with self._lock:
-                if len(self._idle) >= KEEP_IDLE_THREADS:
+            with self._ready:
+                if self._waiting >= KEEP_IDLE_THREADS and not self._tasks:
                     return
-                self._idle.append(inbox)
+                self._waiting += 1
+                while not self._tasks:
+                    self._ready.wait()
+                self._waiting -= 1
+                task = self._tasks.popleft()
+            task()
 
 
 _threads: _Threads | None = None  # created on first use; a forked child starts without one
@@ -156,9 +160,10 @@ def within(
     late: Callable[[Any], None] | None = None,
 ) -> Any:
     """``call()`` on a daemon thread (:class:`_Threads`), waited for at most ``timeout``
-    seconds (None: called here). A call past its deadline is abandoned to its thread (a
-    blocking call cannot be interrupted): it must touch nothing its caller still uses (its
-    exception is dropped; a result is handed to ``late``, to release what it holds), and as a
+    seconds (None: called here). A call past its deadline, or whose caller is interrupted
+    while it waits, is abandoned to its thread (a blocking call cannot be interrupted): it must
+    touch nothing its caller still uses (its exception is dropped; a result is handed to
+    ``late``, to release what it holds; a call abandoned before it started never starts), and as a
     daemon it never holds up the interpreter's exit. While :data:`MAX_HUNG_CALLS` of ``fs``'s
     calls are abandoned and still blocked, another is refused at once."""
     global _threads
@@ -167,10 +172,14 @@ def within(
     outcome: list[Any] = []
     done = threading.Lock()  # released once the call returned or raised (cheaper than an Event)
     done.acquire()
-    state = {"finished": False, "abandoned": False}  # decided under _hung_lock
+    state = {"running": False, "finished": False, "abandoned": False}  # under _hung_lock
     key = id(fs)
 
     def run() -> None:
+        with _hung_lock:
+            if state["abandoned"]:  # its caller left before it started: never started
+                return
+            state["running"] = True
         try:
             outcome.append((True, call()))
         except BaseException as exc:  # handed to the waiting caller
@@ -196,14 +205,15 @@ def within(
             f"{doing}: refused, {hung} earlier calls to this filesystem are still unanswered "
             f"past their timeout of {timeout:g} s"
         )
-    threads.start(run)
     try:
+        threads.start(run)
         done.acquire(timeout=timeout)
     finally:  # past the deadline, or the caller interrupted: the call is left to its thread
         with _hung_lock:
             if not state["finished"]:
                 state["abandoned"] = True
-                _hung[key] = _hung.get(key, 0) + 1
+                if state["running"]:  # blocked in the filesystem (else it never starts)
+                    _hung[key] = _hung.get(key, 0) + 1
     if state["abandoned"]:
         raise timed_out(doing, timeout)
     ok, value = outcome[0]
