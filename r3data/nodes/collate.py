@@ -27,6 +27,7 @@ micro-batch's number in the step, and how many the step has on every data-parall
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 from collections.abc import Mapping, Sequence
@@ -48,7 +49,7 @@ from r3data.nodes.source import MicroBatch
 from r3data.nodes.stitcher import StitchedRollout
 from r3data.packed import PackedTensor
 from r3data.packed_ragged import PackedRagged
-from r3data.payload.reader import PayloadReader
+from r3data.payload.reader import PayloadReader, PlanStop
 from r3data.trace import ROUTES_FIELD, StitchedField, StitchStats
 from r3data.trace.builder import FieldInfo, clip_source
 from r3data.trace.stitch import OnGap
@@ -111,10 +112,21 @@ class CollateRollouts:
         self,
         rollouts: Sequence[StitchedRollout] | MicroBatch[StitchedRollout],
         forms: Mapping[str, FieldInfo] | None = None,
+        stop: PlanStop | None = None,
     ) -> TensorBatch:
         """One batch of ``rollouts``; a :class:`MicroBatch` adds its step to the metadata.
         ``forms`` (:func:`~r3data.nodes.sample.field_forms`) give a batch without a sample its
-        fields' dtype, row shape and raggedness (a field without one: 1-D, uint8)."""
+        fields' dtype, row shape and raggedness (a field without one: 1-D, uint8). Once
+        ``stop`` is set (from any thread), the batch's reads stop at their next call to the
+        filesystem and the call raises (the loader sets its thread's stop at a shutdown)."""
+        with contextlib.nullcontext() if stop is None else stop.within():
+            return self._collate(rollouts, forms)
+
+    def _collate(
+        self,
+        rollouts: Sequence[StitchedRollout] | MicroBatch[StitchedRollout],
+        forms: Mapping[str, FieldInfo] | None,
+    ) -> TensorBatch:
         micro = rollouts if isinstance(rollouts, MicroBatch) else None
         rollouts = micro.items if micro is not None else rollouts
         kept = [r for r in rollouts if r.stitched is not None]

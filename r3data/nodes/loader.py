@@ -14,13 +14,21 @@ is raised on the trainer's thread: the original exception class, its message fir
 line (naming the sample, field and position), the worker's traceback as its cause. A
 ``SystemExit`` or ``KeyboardInterrupt`` in a sample cannot stop a worker thread that the
 pipeline then waits on forever.
+
+A batch being prepared answers to its thread's :class:`~r3data.payload.reader.PlanStop`
+(:class:`_Stops`): a reset, the loader collected, or the interpreter exiting sets it, so its
+reads stop at their next call to the filesystem, its thread prepares no other batch, and no
+pool lane keeps retrying for an abandoned batch.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
 import os
+import threading
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -28,7 +36,7 @@ from torchdata.nodes import BaseNode, Loader, Mapper, Prefetcher
 
 from r3data.batch import TensorBatch
 from r3data.buffers import BufferPool
-from r3data.errors import ConfigError
+from r3data.errors import ConfigError, PayloadReadError
 from r3data.nodes.collate import CollateRollouts
 from r3data.nodes.options import CollateOptions, TraceOptions
 from r3data.nodes.sample import field_forms
@@ -39,7 +47,7 @@ from r3data.nodes.stitcher import StitchRollout
 from r3data.options import as_options, checked_keywords
 from r3data.parallel import pool_workers
 from r3data.payload.fs import PayloadRoot
-from r3data.payload.reader import PayloadReader
+from r3data.payload.reader import PayloadReader, PlanStop
 from r3data.payload.retention import PayloadRetention
 from r3data.validate import checked_int
 
@@ -58,17 +66,86 @@ class _Failed:
         self.error = error
 
 
-class _Stage:
-    """One stage of the pipeline, applied to a micro-batch; a failure travels as a value."""
+class _Stops:
+    """The stop of the batch each thread prepares: one :class:`PlanStop` per thread, set when
+    the node running that thread shuts it down (:meth:`retire`), resets in place
+    (:meth:`clear`), or is collected or the interpreter exits (:meth:`close`)."""
 
-    def __init__(self, work: Callable[[Any], Any]) -> None:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._threads: weakref.WeakKeyDictionary[threading.Thread, PlanStop] = (
+            weakref.WeakKeyDictionary()
+        )
+        self._closed = False
+        _LIVE.add(self)
+
+    def of_caller(self) -> PlanStop:
+        """The stop of the calling thread (a new one for a thread first seen)."""
+        thread = threading.current_thread()
+        with self._lock:
+            stop = self._threads.get(thread)
+            if stop is None:
+                stop = self._threads[thread] = PlanStop()
+                if self._closed:
+                    stop.set()
+        return stop
+
+    def retire(self, thread: threading.Thread | None) -> None:
+        """Stop every thread seen so far and ``thread`` for good: a shut-down run's threads
+        prepare no other batch (a thread first seen later has a stop of its own)."""
+        with self._lock:
+            if thread is not None:
+                self._threads.setdefault(thread, PlanStop())
+            stops = list(self._threads.values())
+        for stop in stops:
+            stop.set()
+
+    def clear(self) -> None:
+        """Stop every thread's batch and forget their stops: the next run starts afresh."""
+        with self._lock:
+            stops = list(self._threads.values())
+            self._threads.clear()
+        for stop in stops:
+            stop.set()
+
+    def close(self) -> None:
+        """Stop every batch, now and later."""
+        with self._lock:
+            self._closed = True
+        self.retire(None)
+
+
+_LIVE: weakref.WeakSet[_Stops] = weakref.WeakSet()
+
+
+def _close_all() -> None:
+    for stops in list(_LIVE):
+        stops.close()
+
+
+# Before the interpreter joins the shared pool's lanes (concurrent.futures registered its join
+# when r3data.parallel was imported; these hooks run last registered first), so that no lane
+# keeps retrying a read for a batch nobody will take; ``atexit`` would run after that join.
+(getattr(threading, "_register_atexit", None) or atexit.register)(_close_all)
+
+
+class _Stage:
+    """One stage of the pipeline, applied to a micro-batch under its thread's stop (never
+    started once that is set); a failure travels as a value."""
+
+    def __init__(self, work: Callable[[Any], Any], stops: _Stops) -> None:
         self.work = work
+        self.stops = stops
 
     def __call__(self, item: Any) -> Any:
         if isinstance(item, _Failed):
             return item
         try:
-            return self.work(item)
+            stop = self.stops.of_caller()
+            if stop.is_set():
+                raise PayloadReadError("batch not prepared: the loader was shut down")
+            with stop.within():
+                return self.work(item)
         except BaseException as exc:
             return _Failed(exc)
 
@@ -103,12 +180,15 @@ class _InPlace(BaseNode[Any]):
 
     SNAPSHOT, STEPS = "snapshot", "steps_since_snapshot"
 
-    def __init__(self, source: BaseNode[Any]) -> None:
+    def __init__(self, source: BaseNode[Any], stops: _Stops) -> None:
         super().__init__()
         self.source = source
+        self.stops = stops
+        weakref.finalize(self, stops.close)
 
     def reset(self, initial_state: dict[str, Any] | None = None) -> None:
         super().reset(initial_state)
+        self.stops.clear()  # a batch another thread is preparing in place is abandoned
         if initial_state is None:
             self.source.reset(None)
             return
@@ -121,6 +201,21 @@ class _InPlace(BaseNode[Any]):
 
     def get_state(self) -> dict[str, Any]:
         return {self.SNAPSHOT: self.source.state_dict(), self.STEPS: 0}
+
+
+class _StoppingPrefetcher(Prefetcher):
+    """torchdata's ``Prefetcher`` whose shutdowns stop the batch its thread is preparing: a
+    reset retires the running thread before torchdata joins it (briefly, then leaves it), and
+    the node collected (the loader dropped) closes every stop."""
+
+    def __init__(self, source: BaseNode[Any], prefetch_factor: int, stops: _Stops) -> None:
+        super().__init__(source, prefetch_factor=prefetch_factor)
+        self.stops = stops
+        weakref.finalize(self, stops.close)  # before torchdata's own shutdown joins the thread
+
+    def reset(self, initial_state: dict[str, Any] | None = None) -> None:
+        self.stops.retire(getattr(self._it, "_thread", None))  # the run torchdata shuts down
+        super().reset(initial_state)
 
 
 def _delivered(batch: TensorBatch | _Failed) -> TensorBatch:
@@ -154,8 +249,8 @@ def _reader(
     root = retention.root if payload_root is None and retention is not None else payload_root
     if root is None:
         return None
-    if isinstance(root, PayloadRoot):
-        return PayloadReader(root.path, fs=root.fs)
+    if isinstance(root, PayloadRoot):  # its timeout bounds each of the reader's calls
+        return PayloadReader(root.path, fs=root.fs, timeout=root.timeout)
     return PayloadReader(root)
 
 
@@ -333,6 +428,7 @@ def loader(
             forms = field_forms(micro.step_samples, collate.fields, trace)
         return fill(rollouts, forms)
 
-    node: BaseNode[Any] = Mapper(_Guarded(source), _Stage(prepared))
-    node = Prefetcher(node, prefetch_factor=prefetch) if prefetch else _InPlace(node)
+    stops = _Stops()
+    node: BaseNode[Any] = Mapper(_Guarded(source), _Stage(prepared, stops))
+    node = _StoppingPrefetcher(node, prefetch, stops) if prefetch else _InPlace(node, stops)
     return Loader(Mapper(node, _delivered), restart_on_stop_iteration=False)

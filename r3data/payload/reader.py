@@ -15,12 +15,14 @@ filesystem class.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import os
 import resource
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -44,7 +46,15 @@ from r3data.ragged import RaggedRows
 from r3data.validate import checked_int
 from r3data.wire.segment import INDEX_DTYPE, PayloadSegment
 
-__all__ = ["CHUNK_BYTES", "OpenFiles", "PayloadReader", "Plan", "RangeRead", "ReadJob"]
+__all__ = [
+    "CHUNK_BYTES",
+    "OpenFiles",
+    "PayloadReader",
+    "Plan",
+    "PlanStop",
+    "RangeRead",
+    "ReadJob",
+]
 
 ReadJob = tuple[Sequence[PayloadSegment], Any]
 """Segments of one fixed-width field and the buffer (numpy array or CPU tensor) their rows fill."""
@@ -181,14 +191,64 @@ class _Stopped(Exception):
     failure, or the caller's interrupt)."""
 
 
+class PlanStop:
+    """A stop for every :class:`Plan` run on this thread :meth:`within` it (a loader's batch
+    being prepared, whatever plans its fill makes): :meth:`set`, from any thread, sets the
+    :attr:`Plan.stop` of those under way and of any started later, so each stops at its next
+    call to the filesystem."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._plans: set[Plan] = set()
+        self._set = False
+
+    def is_set(self) -> bool:
+        return self._set
+
+    def set(self) -> None:
+        with self._lock:
+            self._set = True
+            plans = list(self._plans)
+        for plan in plans:
+            plan.stop.set()
+
+    @contextlib.contextmanager
+    def within(self) -> Iterator[None]:
+        """Plans this thread runs inside the block answer to this stop."""
+        token = _PLAN_STOP.set(self)
+        try:
+            yield
+        finally:
+            _PLAN_STOP.reset(token)
+
+    @contextlib.contextmanager
+    def _covering(self, plan: Plan) -> Iterator[None]:
+        with self._lock:
+            self._plans.add(plan)
+            if self._set:
+                plan.stop.set()
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._plans.discard(plan)
+
+
+_PLAN_STOP: contextvars.ContextVar[PlanStop | None] = contextvars.ContextVar(
+    "r3data_plan_stop", default=None
+)
+
+
 class Plan:
     """One plan's jobs on the pool (a batch's reads, a fill's reads and copies), for a caller
-    that may be interrupted while they run (a ``KeyboardInterrupt``, a loader shutting down)
-    and whose jobs may fail: either sets :attr:`stop`, which every job of the plan is to check
-    at its next call to the filesystem (:meth:`PayloadReader.file_jobs`), so none retries on;
-    :meth:`run` then waits for the calls under way (each bounded by the root's timeout), starts
-    no other job, and raises the job's failure that stopped it, or the interrupt: no job
-    outlives the call, nor the root descriptor or buffer it shares."""
+    that may be interrupted while they run (a ``KeyboardInterrupt``, a loader shutting down:
+    the :class:`PlanStop` it runs within) and whose jobs may fail: either sets :attr:`stop`,
+    which every job of the plan is to check at its next call to the filesystem
+    (:meth:`PayloadReader.file_jobs`), so none retries on; :meth:`run` then waits for the calls
+    under way (each bounded by the root's timeout), starts no other job, and raises the job's
+    failure that stopped it, the interrupt, or (stopped from outside) a
+    :class:`PayloadReadError`: no job outlives the call, nor the root descriptor or buffer it
+    shares."""
 
     def __init__(self) -> None:
         self.stop = threading.Event()
@@ -199,7 +259,11 @@ class Plan:
     def run(self, job: Callable[[int], None], n: int, workers: int) -> None:
         """Run ``job(i)`` for ``i in range(n)``, at most ``workers`` at once
         (:func:`~r3data.parallel.fill_rows`)."""
+        outer = _PLAN_STOP.get()
+        with contextlib.nullcontext() if outer is None else outer._covering(self):
+            self._run(job, n, workers)
 
+    def _run(self, job: Callable[[int], None], n: int, workers: int) -> None:
         caller = threading.get_ident()
 
         def counted(i: int) -> None:
@@ -234,6 +298,8 @@ class Plan:
             with self._idle:
                 self._idle.wait_for(lambda: self._running == 0)
             first = self._failure
+            if first is None and isinstance(exc, _Stopped):  # stopped from outside
+                raise PayloadReadError("reads stopped: their caller was shut down") from None
             if first is None or first is exc or not isinstance(exc, Exception):
                 raise
         raise first  # fill_rows raises the first lane's failure, maybe one stopped for it
