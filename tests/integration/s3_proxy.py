@@ -5,8 +5,10 @@ store's S3 port, on an asyncio loop of its own thread, in one of three modes: ``
 (forward as it comes), ``"stall"`` (keep every connection open, accept new ones, forward
 nothing in either direction: a store that stopped answering) and ``"trickle"`` (the store's
 answers go out ``trickle_bytes`` at a time, one piece every ``trickle_s`` seconds). A stall
-may be limited to the connections whose request starts with ``only`` (``b"DELETE"``: a store
-that lists and reads but never answers a deletion). A switch applies at once to every
+may be limited to the connections whose request line starts with ``only`` (``b"DELETE"``: a
+store that lists and reads but never answers a deletion), or matches it when it is a compiled
+pattern (``re.compile(rb"POST [^ ]*[?&]uploadId=")``: a store that never answers the
+completion of a multipart upload). A switch applies at once to every
 connection, open or new, so the faults are real network behaviour: the client's own
 timeouts, retries and cancellations meet them as they would a real store's.
 """
@@ -23,6 +25,8 @@ from typing import Any, TypeVar
 MODES = ("pass", "stall", "trickle")
 READ_BYTES = 64 << 10
 REQUEST_LINE = re.compile(rb"(?:GET|HEAD|PUT|POST|DELETE) ")
+REQUEST_LINE_BYTES = 2048
+"""The most of a request line kept to match ``only`` against (S3 keys are at most 1 KiB)."""
 T = TypeVar("T")
 
 
@@ -52,9 +56,10 @@ class SlowProxy:
     async def _start(self) -> asyncio.Server:
         return await asyncio.start_server(self._serve, "127.0.0.1", 0)
 
-    def set_mode(self, mode: str, only: bytes = b"") -> None:
+    def set_mode(self, mode: str, only: bytes | re.Pattern[bytes] = b"") -> None:
         """Switch every connection, open or new, to ``mode`` (one of :data:`MODES`); a stall
-        ``only`` of the connections whose latest request starts with ``only``, if given."""
+        ``only`` of the connections whose latest request line starts with ``only`` (or matches
+        it, a compiled pattern), if given."""
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, found {mode!r}")
 
@@ -66,7 +71,7 @@ class SlowProxy:
         self._run(switch())
 
     @contextmanager
-    def mode_for(self, mode: str, only: bytes = b"") -> Iterator[SlowProxy]:
+    def mode_for(self, mode: str, only: bytes | re.Pattern[bytes] = b"") -> Iterator[SlowProxy]:
         """``mode`` (see :meth:`set_mode`) inside the block, ``"pass"`` after it."""
         self.set_mode(mode, only)
         try:
@@ -75,7 +80,11 @@ class SlowProxy:
             self.set_mode("pass")
 
     def _stalls(self, request: list[bytes]) -> bool:
-        return self.mode == "stall" and request[0].startswith(self.only)
+        if self.mode != "stall":
+            return False
+        if isinstance(self.only, re.Pattern):
+            return self.only.match(request[0]) is not None
+        return request[0].startswith(self.only)
 
     async def _flowing(self, request: list[bytes]) -> None:
         """Return once the connection whose latest request began ``request[0]`` may flow."""
@@ -117,7 +126,7 @@ class SlowProxy:
                 if not data:
                     break
                 if not answers and REQUEST_LINE.match(data):
-                    request[0] = data[:16]
+                    request[0] = data[:REQUEST_LINE_BYTES].split(b"\r\n", 1)[0]
                 await self._flowing(request)  # read before a stall began: held, not forwarded
                 step = self.trickle_bytes if answers and self.mode == "trickle" else len(data)
                 for at in range(0, len(data), step):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -25,7 +26,7 @@ from payload_campaigns import stored
 from s3_fixtures import s3_fixture, s3_fs_fixture, s3_root_fixture  # noqa: F401
 from s3_proxy import SlowProxy
 
-from r3data.errors import PayloadReadError
+from r3data.errors import PayloadReadError, PayloadWriteError
 from r3data.payload import PayloadReader, PayloadRetention, PayloadRoot, PayloadWriter
 
 REPO = Path(__file__).resolve().parents[2]
@@ -49,6 +50,15 @@ def slow_fs_fixture(s3: Any, proxy: SlowProxy) -> Any:
 
     options = {**s3.storage_options(endpoint_url=proxy.endpoint), "config_kwargs": {}}
     return s3fs.S3FileSystem(**options)
+
+
+def slow_writes_fs(s3: Any, proxy: SlowProxy) -> Any:
+    """:func:`slow_fs_fixture`'s filesystem with s3fs's smallest block (5 MiB): a file of a
+    few blocks is a multipart upload."""
+    import s3fs
+
+    options = {**s3.storage_options(endpoint_url=proxy.endpoint), "config_kwargs": {}}
+    return s3fs.S3FileSystem(**options, default_block_size=5 << 20)
 
 
 def routes(rows: int, seed: int = 0) -> np.ndarray:
@@ -252,3 +262,88 @@ def test_a_version_aware_read_reads_the_version_its_open_saw(s3, s3_root, s3_fs)
     fresh = bytearray(segment.nbytes)  # a file opened now reads the newest version
     assert root.open_read(segment.file).read_at(segment.offset, memoryview(fresh)) > 0
     assert bytes(fresh) == bytes(255 - b for b in data.tobytes())
+
+
+COMPLETION = rb"POST [^ ]*[?&]uploadId="
+
+
+def never_published(root: PayloadRoot, before: set[str], seconds: float) -> bool:
+    """Whether ``root`` holds nothing over ``before`` within ``seconds`` from now, and keeps
+    holding nothing for a second more."""
+    until = time.monotonic() + seconds
+    while stored(root) - before and time.monotonic() < until:
+        time.sleep(0.1)
+    gone_at = time.monotonic()
+    while time.monotonic() < gone_at + 1.0:
+        if stored(root) - before:
+            return False
+        time.sleep(0.1)
+    return True
+
+
+def warm(writer: PayloadWriter, data: np.ndarray) -> None:
+    """A first write with no deadline: the filesystem's session and client (half a second
+    here, more on 2 busy cores) and pooled connections, which a 1 s bound would not leave a
+    first call time for."""
+    PayloadWriter(writer.root.path, fs=writer.root.fs, timeout=None).write(1, {"routes": data})
+
+
+def uploads(s3_fs: Any, s3_root: str) -> list[Any]:
+    return s3_fs.list_multipart_uploads(s3_root.removeprefix("s3://").split("/")[0])
+
+
+@pytest.mark.parametrize(
+    ("stalls", "rows", "failing"),
+    [
+        (b"", 100, "makedirs"),  # nothing answers
+        (b"PUT", 100, "put_object"),  # the single put of a small file
+        (b"PUT", 20000, "upload_part"),  # a block of a multipart upload
+        (re.compile(COMPLETION), 20000, "complete_multipart_upload"),  # the publish
+    ],
+)
+def test_a_write_to_a_stalled_store_fails_typed_in_bounded_time_and_publishes_nothing(
+    s3, s3_root, s3_fs, proxy, stalls, rows, failing
+):
+    data = routes(rows, seed=4)  # 100 rows: 38 KB, one put; 20000: 7.7 MB, two parts
+    writer = PayloadWriter(s3_root, fs=slow_writes_fs(s3, proxy), timeout=TIMEOUT)
+    warm(writer, data)
+    root = PayloadRoot(s3_root, fs=s3_fs)
+    before = stored(root)
+    with proxy.mode_for("stall", only=stalls):
+        start = time.monotonic()
+        with pytest.raises(PayloadWriteError) as caught:
+            writer.write(1, {"routes": data})
+        took = time.monotonic() - start
+        assert stored(root) == before
+    message = str(caught.value)
+    assert message.startswith(f"writing payload file {s3_root}/v1/"), message
+    assert f"{failing} of {s3_root}/v1" in message, message
+    assert f"no answer within the timeout of {TIMEOUT:g} s" in message, message
+    # the stalled call, the abort of its upload, the look for what it left
+    assert took < 3 * TIMEOUT + SLACK_S, took
+    assert never_published(root, before, 5 * TIMEOUT)  # the store answers again
+    assert not uploads(s3_fs, s3_root)  # the multipart upload, if any, was aborted
+    assert len(writer.write(1, {"routes": data})) == 1  # the same writer writes again
+
+
+def test_a_completion_the_network_held_past_its_deadline_is_undone_once_the_store_answers(
+    s3, s3_root, s3_fs, proxy, caplog
+):
+    """The store answers neither the completion nor the abort: the proxy holds the completion's
+    request and hands it to the store once it answers again, after the writer was told the
+    write failed. The abort, tried again in the background, then the deletion undo it."""
+    data = routes(20000, seed=5)
+    writer = PayloadWriter(s3_root, fs=slow_writes_fs(s3, proxy), timeout=TIMEOUT)
+    warm(writer, data)
+    root = PayloadRoot(s3_root, fs=s3_fs)
+    before = stored(root)
+    caplog.set_level(logging.WARNING, logger="r3data.payload.writer")
+    with proxy.mode_for("stall", only=re.compile(rb"DELETE|" + COMPLETION)):
+        with pytest.raises(
+            PayloadWriteError, match=r"complete_multipart_upload of .*timeout of 1 s"
+        ):
+            writer.write(1, {"routes": data})
+        assert stored(root) == before
+    assert "did not confirm the abort" in caplog.text
+    assert never_published(root, before, 10 * TIMEOUT)  # it may show for a moment
+    assert not uploads(s3_fs, s3_root)

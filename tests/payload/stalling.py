@@ -5,9 +5,27 @@ per-call timeout (the reader's, the fill's, the CLI's). Tests outside this folde
 from __future__ import annotations
 
 import threading
+import time
+from collections.abc import Callable
 from typing import Any
 
 from fsspec.implementations.memory import MemoryFileSystem
+
+from r3data.payload import deadline
+
+
+def hung_calls() -> int:
+    """Calls abandoned at their deadline and still blocked, over every filesystem."""
+    with deadline._hung_lock:
+        return sum(deadline._hung.values())
+
+
+def wait_for(condition: Callable[[], bool], seconds: float = 5) -> bool:
+    """Whether ``condition()`` holds within ``seconds``."""
+    until = time.monotonic() + seconds
+    while not condition() and time.monotonic() < until:
+        time.sleep(0.01)
+    return condition()
 
 
 class HeldFile:

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from stalling import SlowMemory
+from stalling import SlowMemory, hung_calls, wait_for
 
 from r3data.errors import ConfigError, PayloadReadError, PayloadWriteError
 from r3data.payload import PayloadReader, PayloadRetention, PayloadRoot, PayloadWriter, deadline
@@ -97,19 +97,6 @@ def test_a_timeout_must_be_positive_finite_seconds_or_none(bad):
 
 def deadline_threads() -> int:
     return sum(t.name == "r3data-deadline" for t in threading.enumerate())
-
-
-def hung_calls() -> int:
-    """Calls abandoned at their deadline and still blocked, over every filesystem."""
-    with deadline._hung_lock:
-        return sum(deadline._hung.values())
-
-
-def wait_for(condition: Any, seconds: float = 5) -> bool:
-    deadline = time.monotonic() + seconds
-    while not condition() and time.monotonic() < deadline:
-        time.sleep(0.01)
-    return condition()
 
 
 def test_a_store_that_stays_stalled_leaves_a_bounded_number_of_calls_behind(slow, monkeypatch):
