@@ -337,7 +337,7 @@ def test_a_completion_the_network_held_past_its_deadline_is_undone_once_the_stor
     warm(writer, data)
     root = PayloadRoot(s3_root, fs=s3_fs)
     before = stored(root)
-    caplog.set_level(logging.WARNING, logger="r3data.payload.writer")
+    caplog.set_level(logging.WARNING, logger="r3data.payload.abort_retry")
     with proxy.mode_for("stall", only=re.compile(rb"DELETE|" + COMPLETION)):
         with pytest.raises(
             PayloadWriteError, match=r"complete_multipart_upload of .*timeout of 1 s"

@@ -19,6 +19,7 @@ from store_helpers import MemoryBacked
 
 from r3data.errors import ConfigError, PayloadWriteError
 from r3data.payload import PayloadReader, PayloadWriter, deadline
+from r3data.payload import upload as upload_module
 from r3data.payload import writer as writer_module
 
 TIMEOUT = 0.3
@@ -161,7 +162,8 @@ def test_a_local_root_writes_without_any_deadline_call(tmp_path, monkeypatch):
         raise AssertionError("a local-backed root's write went through a deadline")
 
     monkeypatch.setattr(writer_module, "within", refused)
-    monkeypatch.setattr(writer_module, "bounded", refused)
+    monkeypatch.setattr(upload_module, "within", refused)
+    monkeypatch.setattr(upload_module, "bounded", refused)
     monkeypatch.setattr(deadline, "within", refused)
     (segment,) = PayloadWriter(tmp_path, timeout=TIMEOUT).write(1, {"routes": ROUTES})
     assert (tmp_path / segment.file).stat().st_size > ROUTES.nbytes

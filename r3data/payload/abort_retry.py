@@ -1,0 +1,131 @@
+"""Failed uploads whose abort the store did not confirm, tried again in the background.
+
+A request held in the network past its cancellation (a completion the store takes once it
+answers again) could publish a file after its writer was told the write failed. Each such
+upload is a cleanup: abort it, then delete the final name if it was published, retried on one
+daemon thread until the store confirms or :data:`CLEANUP_HORIZON_S` has passed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+
+from r3data.payload.fs import PayloadRoot
+
+__all__ = ["CLEANUP_HORIZON_S", "published", "retry_abort"]
+
+logger = logging.getLogger(__name__)
+
+CLEANUP_HORIZON_S = 15 * 60.0
+"""How long a failed upload whose abort the store did not answer is tried again (abort, then
+delete the final name), in the background: a request held in the network past its
+cancellation (a completion the store takes once it answers again) could otherwise publish
+the file after its writer was told it failed. S3 refuses a request signed more than 15
+minutes before it arrives."""
+
+MAX_PENDING_CLEANUPS = 1024
+"""Failed uploads waiting for their abort at once; past it the oldest is given up (logged)."""
+
+
+def retry_abort(url: str, abort: Callable[[], None], root: PayloadRoot, path: str) -> None:
+    """Try ``abort`` (raises ``FileNotFoundError`` when the upload is gone) again in the
+    background, then delete ``path`` should a completion the network still held have
+    published it."""
+    _cleanups.add(_Cleanup(url, abort, root, path))
+
+
+def published(root: PayloadRoot, path: str) -> bool:
+    """Whether ``path`` exists now (no listing cached before a late publish hides it)."""
+    root.fs.invalidate_cache(path)
+    return bool(root.call("exists", path))
+
+
+class _Cleanup:
+    """One failed upload whose abort the store did not confirm: ``abort`` (raises
+    ``FileNotFoundError`` when the upload is gone), then delete ``path`` if it was published."""
+
+    def __init__(self, url: str, abort: Callable[[], None], root: PayloadRoot, path: str) -> None:
+        self.url, self.abort, self.root, self.path = url, abort, root, path
+        self.until = time.monotonic() + CLEANUP_HORIZON_S
+
+    def attempt(self) -> None:
+        """Abort the upload and delete the final name if it was published; raises while the
+        store does not confirm either."""
+        if self.abort is not None:
+            with contextlib.suppress(FileNotFoundError):
+                self.abort()
+            self.abort = None  # confirmed: from now on no completion can succeed
+        if published(self.root, self.path):  # completed before the abort: delete it
+            self.root.call("rm_file", self.path)
+
+
+class _Cleanups:
+    """Failed uploads tried again on one daemon thread, every ``timeout`` (doubling to a
+    minute) until confirmed or :data:`CLEANUP_HORIZON_S` passed; each call is bounded by its
+    root's timeout."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pending: list[_Cleanup] = []
+        self._thread: threading.Thread | None = None
+
+    def add(self, cleanup: _Cleanup) -> None:
+        logger.warning(
+            "the store did not confirm the abort of the upload of %s: tried again in the "
+            "background for up to %g s",
+            cleanup.url,
+            CLEANUP_HORIZON_S,
+        )
+        with self._lock:
+            self._pending.append(cleanup)
+            if len(self._pending) > MAX_PENDING_CLEANUPS:
+                dropped = self._pending.pop(0)
+                logger.warning("giving up the cleanup of the upload of %s", dropped.url)
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, name="r3data-writer-cleanup", daemon=True
+                )
+                self._thread.start()
+
+    def pending(self) -> int:
+        with self._lock:
+            return len(self._pending)
+
+    def _run(self) -> None:
+        wait: float | None = None
+        while True:
+            with self._lock:
+                pending = list(self._pending)
+                if not pending:
+                    self._thread = None
+                    return
+            first = min(cleanup.root.timeout or 1.0 for cleanup in pending)
+            wait = first if wait is None else min(2 * wait, 60.0)
+            time.sleep(wait)
+            for cleanup in pending:
+                try:
+                    cleanup.attempt()
+                except Exception as exc:
+                    logger.debug("cleanup of the upload of %s: %s", cleanup.url, exc)
+                    if time.monotonic() < cleanup.until:
+                        continue
+                    logger.warning("giving up the cleanup of the upload of %s", cleanup.url)
+                with self._lock:
+                    self._pending.remove(cleanup)
+
+
+_cleanups = _Cleanups()
+
+
+def _forget_cleanups_in_child() -> None:
+    """In a forked child the parent's cleanup thread does not exist (its lock may be held)."""
+    global _cleanups
+    _cleanups = _Cleanups()
+
+
+os.register_at_fork(after_in_child=_forget_cleanups_in_child)

@@ -1,0 +1,161 @@
+"""The bounded, streamed upload of a payload file to an object store, and what a failed one left.
+
+An object store's fsspec file publishes the object only when it closes, so a file streamed
+block by block is never seen half-written and the upload holds about a block, not a second
+copy. With a timeout every call of the upload is bounded, and a failed upload is aborted so
+that nothing completes it later: an s3fs abort the store does not confirm is retried in the
+background (:mod:`r3data.payload.abort_retry`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+import numpy as np
+from fsspec import AbstractFileSystem
+
+from r3data.payload.abort_retry import published, retry_abort
+from r3data.payload.deadline import bounded, on_event_loop, within
+from r3data.payload.fs import PayloadRoot
+
+__all__ = ["byte_view", "removal", "remove_quietly", "upload"]
+
+logger = logging.getLogger(__name__)
+
+_STREAM_CHUNK = 8 << 20
+"""Bytes per write into an object store's file when it does not say its block size."""
+
+
+def upload(root: PayloadRoot, path: str, url: str, parts: list[Any]) -> None:
+    """Stream ``parts`` into one upload that the store publishes when the file closes.
+
+    Object stores' fsspec files (s3fs, gcsfs, adlfs) buffer a block at a time (one put below
+    the block size, a multipart upload above it) and make the object visible only at close: the
+    file is never seen half-written, and the upload holds about a block, not a second copy of
+    the file. On failure the upload is discarded and the file marked closed, so that nothing
+    (not even garbage collection) completes it.
+
+    With a timeout, each call is bounded: on an s3fs file every request it makes (creating the
+    multipart upload, each part, the completion or the single put) runs on s3fs's event loop
+    and is cancelled at its deadline (:func:`_bound_requests`), so an abandoned publish never
+    completes later; on any other file the open, each block's write and the close run with
+    :func:`~r3data.payload.deadline.within`, and a close abandoned at its deadline that
+    completes after all has what it published deleted as it returns.
+    """
+    fs, timeout = root.fs, root.timeout
+    out = within(timeout, f"opening {url}", partial(fs.open, path, "wb"), fs, late=_abandon)
+    requests_bounded = timeout is not None and _bound_requests(out, timeout, url)
+
+    def step(doing: str, call: Callable[[], Any], late: Callable[[Any], None] | None = None) -> Any:
+        if requests_bounded:
+            return call()  # each request the call makes has its own deadline
+        return within(timeout, doing, call, fs, late=late)
+
+    chunk = getattr(out, "blocksize", None) or _STREAM_CHUNK
+    try:
+        written = 0
+        for part in parts:
+            view = byte_view(part)
+            for start in range(0, len(view), chunk):
+                piece = view[start : start + chunk]
+                step(f"writing {url} at offset {written}", partial(out.write, piece))
+                written += len(piece)
+        step(f"publishing {url}", out.close, late=removal(root, path))
+    except BaseException:
+        _abort(out, root, path, url, requests_bounded)
+        raise
+
+
+def _bound_requests(out: Any, timeout: float, url: str) -> bool:
+    """Give each request of ``out``, an s3fs file (``S3File``), the deadline ``timeout``;
+    False (nothing changed) for any other file.
+
+    An ``S3File`` makes every request of an upload (create the multipart upload, upload each
+    part, complete it, or the single ``put_object`` of a small file) through its ``_call_s3``,
+    which runs s3fs's ``_call_s3`` coroutine on the filesystem's event loop with no deadline,
+    for as long as botocore's and s3fs's retries add up to. This file's ``_call_s3`` (its own
+    attribute: no other file or caller of the filesystem is touched) runs the same coroutine
+    through :func:`~r3data.payload.deadline.bounded`, which cancels it at its deadline: the
+    request's connection is closed, and nothing retries it later."""
+    inner = getattr(out, "fs", None)
+    if not callable(getattr(type(out), "_call_s3", None)) or inner is None:
+        return False
+    if on_event_loop(inner, "call_s3") is None:
+        return False
+
+    def request(method: str, *kwarglist: Any, **kwargs: Any) -> Any:
+        extra = (out.s3_additional_kwargs, out._request_payer_kw)  # what S3File._call_s3 adds
+        doing = f"{method} of {url}"
+        return bounded(inner, timeout, doing, "call_s3", method, *extra, *kwarglist, **kwargs)
+
+    out._call_s3 = request
+    return True
+
+
+def _abort(out: Any, root: PayloadRoot, path: str, url: str, requests_bounded: bool) -> None:
+    """Discard the upload of ``out`` and mark the file closed, so that nothing completes it
+    later; failures here are not the error to report.
+
+    An s3fs multipart upload is aborted here, bounded by the root's timeout (``discard`` would
+    wait without one); when the store does not confirm the abort, it is tried again in the
+    background (:func:`~r3data.payload.abort_retry.retry_abort`), then the final name deleted
+    should a completion the network still held have published it."""
+    timeout = root.timeout
+    try:
+        if requests_bounded:
+            mpu, out.mpu = getattr(out, "mpu", None), None
+            if mpu:
+                abort = partial(_abort_upload, out.fs, timeout, url, out.bucket, out.key, mpu)
+                try:
+                    abort()
+                except FileNotFoundError:  # gone: completed (then deleted) or aborted already
+                    pass
+                except Exception:
+                    retry_abort(url, abort, root, path)
+            out.discard()
+        else:
+            within(timeout, f"aborting the upload of {url}", out.discard, root.fs)
+    except Exception as exc:
+        logger.debug("discarding the upload of %s: %s", url, exc)
+    with contextlib.suppress(AttributeError):
+        out.closed = True
+
+
+def _abort_upload(
+    fs: AbstractFileSystem, timeout: float | None, url: str, bucket: str, key: str, mpu: Any
+) -> None:
+    doing = f"aborting the upload of {url}"
+    bounded(fs, timeout, doing, "abort_mpu", bucket, key, mpu["UploadId"])
+
+
+def _abandon(out: Any) -> None:
+    """A file opened after its caller gave up: discarded unpublished, never closed."""
+    with contextlib.suppress(Exception):
+        out.discard()
+    with contextlib.suppress(AttributeError):
+        out.closed = True
+
+
+def remove_quietly(root: PayloadRoot, path: str) -> None:
+    """Delete ``path`` if a failed write left it (a filesystem that shows files while they are
+    written, a publish that completed after its deadline), each call bounded by the root's
+    timeout; a failure to look or delete is not the error to report."""
+    with contextlib.suppress(Exception):
+        if published(root, path):
+            root.call("rm_file", path)
+
+
+def removal(root: PayloadRoot, path: str) -> Callable[[Any], None]:
+    """What a publish abandoned at its deadline does if it completes after all (``late`` of
+    :func:`~r3data.payload.deadline.within`): delete what it published."""
+    return lambda _: remove_quietly(root, path)
+
+
+def byte_view(buffer: np.ndarray | bytes) -> memoryview:
+    if isinstance(buffer, np.ndarray):
+        return memoryview(buffer.reshape(-1).view(np.uint8))
+    return memoryview(buffer)
