@@ -72,7 +72,8 @@ class _Stops:
     (:meth:`clear`), or is collected or the interpreter exits (:meth:`close`)."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        # reentrant: a collection inside it may run a dropped node's finalizer (close)
+        self._lock = threading.RLock()
         self._threads: weakref.WeakKeyDictionary[threading.Thread, PlanStop] = (
             weakref.WeakKeyDictionary()
         )

@@ -234,3 +234,65 @@ def test_nodes_built_by_hand_take_an_optional_stop():
     batch = collate(rollouts, stop=PlanStop())
     assert np.array_equal(batch["routed_experts"][1].numpy(), expected[1])
     assert np.array_equal(collate(rollouts)["routed_experts"][0].numpy(), expected[0])
+
+
+COLLECTED_WHILE_CLOSING = """
+import gc, sys, time
+sys.path.insert(0, {tests!r})
+sys.path.insert(0, {payload_tests!r})
+from test_loader_stop import StalledFiles, by_handle_samples
+from r3data import loader
+from r3data.payload.fs import PayloadRoot
+
+store = StalledFiles("")
+samples, _ = by_handle_samples(store, 3)
+gc.collect()
+gc.disable()  # the loader's objects stay young: the next collection can take them
+ld = loader(samples, batch_size=1, payload_root=PayloadRoot("/run", fs=store), prefetch=1)
+it = iter(ld)
+next(it)
+time.sleep(0.5)  # its thread has prepared the next batch and waits
+stops = ld.root.source.stops
+lock = stops._lock
+holder = [ld, it]
+del ld, it
+
+
+def held() -> bool:  # by this thread
+    return lock._is_owned() if hasattr(lock, "_is_owned") else lock.locked()
+
+
+def dropped(phase, info):  # the trainer's last reference goes just as a collection starts
+    if phase == "start" and held():
+        holder.clear()
+
+
+gc.callbacks.append(dropped)
+gc.set_threshold(1, 1, 1)  # every allocation collects, wherever it happens
+gc.enable()
+stops.close()  # what the interpreter's exit runs
+print("closed", flush=True)
+"""
+
+
+def test_a_loader_collected_while_its_stops_are_being_set_does_not_deadlock():
+    """A collection can run on any thread at any allocation: here on the thread closing the
+    loader's stops (the interpreter's exit, a reset), inside their lock, and it collects the
+    dropped loader, whose finalizer closes the same stops."""
+    script = COLLECTED_WHILE_CLOSING.format(
+        tests=str(Path(__file__).resolve().parent),
+        payload_tests=str(Path(__file__).resolve().parents[1] / "payload"),
+    )
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", textwrap.dedent(script)],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            env=env,
+        )
+    except subprocess.TimeoutExpired:
+        pytest.fail("closing the stops deadlocked on their own lock")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["closed"]
