@@ -124,6 +124,18 @@ def _close_all() -> None:
         stops.close()
 
 
+def _forget_threads_in_child() -> None:
+    """A forked child has none of the parent's threads, nor their batches; a lock one of them
+    held at the fork stays held (the child's exit closes every loader's stops)."""
+    for stops in list(_LIVE):
+        stops._lock = threading.RLock()
+        stops._threads = weakref.WeakKeyDictionary()
+
+
+if hasattr(os, "register_at_fork"):  # POSIX
+    os.register_at_fork(after_in_child=_forget_threads_in_child)
+
+
 # Before the interpreter joins the shared pool's lanes (concurrent.futures registered its join
 # when r3data.parallel was imported; these hooks run last registered first), so that no lane
 # keeps retrying a read for a batch nobody will take; ``atexit`` would run after that join.

@@ -6,6 +6,7 @@ the interpreter's exit is not held by reads retrying on."""
 from __future__ import annotations
 
 import gc
+import multiprocessing
 import os
 import subprocess
 import sys
@@ -296,3 +297,41 @@ def test_a_loader_collected_while_its_stops_are_being_set_does_not_deadlock():
         pytest.fail("closing the stops deadlocked on their own lock")
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["closed"]
+
+
+def exits() -> None:
+    pass
+
+
+def test_a_child_forked_while_a_batch_is_being_prepared_exits():
+    """A child forked while a thread of the parent held a loader's stops' lock (its prefetch
+    thread taking its stop for the next batch) has no such thread: its exit (which closes
+    every loader's stops) must not wait for that lock forever."""
+    store = StalledFiles("")
+    samples, _ = by_handle_samples(store, 3)
+    ld = loader(samples, batch_size=1, payload_root=PayloadRoot("/run", fs=store), prefetch=1)
+    it = iter(ld)
+    next(it)
+    stops = ld.root.source.stops
+    holding, release = threading.Event(), threading.Event()
+
+    def hold() -> None:  # where the prefetch thread is for a moment in each batch
+        with stops._lock:
+            holding.set()
+            release.wait()
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    assert holding.wait(5)
+    child = multiprocessing.get_context("fork").Process(target=exits)
+    try:
+        child.start()
+        release.set()
+        holder.join()
+        child.join(10)
+        assert child.exitcode == 0, "the forked child hung at its exit"
+    finally:
+        release.set()
+        if child.exitcode is None:
+            child.kill()
+            child.join()
