@@ -196,23 +196,27 @@ print(time.time(), flush=True)
 """
 
 
-@pytest.mark.parametrize("prefetch", [2, 0], ids=["prefetching", "in_place_on_a_thread"])
-def test_interpreter_exit_is_not_held_by_stalled_reads(prefetch):
-    timeout = 1.0  # unstopped: 5 attempts of 1 s plus 1.5 s of backoff per file
-    script = EXITING.format(
+def run_script(template: str, limit_s: float, **fields: Any) -> subprocess.CompletedProcess:
+    """``template`` (importing this module's helpers) run by a fresh interpreter."""
+    script = template.format(
         tests=str(Path(__file__).resolve().parent),
         payload_tests=str(Path(__file__).resolve().parents[1] / "payload"),
-        timeout=timeout,
-        prefetch=prefetch,
+        **fields,
     )
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
-    done = subprocess.run(
+    return subprocess.run(
         [sys.executable, "-c", textwrap.dedent(script)],
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=limit_s,
         env=env,
     )
+
+
+@pytest.mark.parametrize("prefetch", [2, 0], ids=["prefetching", "in_place_on_a_thread"])
+def test_interpreter_exit_is_not_held_by_stalled_reads(prefetch):
+    timeout = 1.0  # unstopped: 5 attempts of 1 s plus 1.5 s of backoff per file
+    done = run_script(EXITING, 60, timeout=timeout, prefetch=prefetch)
     ended = time.time()
     assert done.returncode == 0, done.stderr
     exiting = float(done.stdout.split()[-1])
@@ -280,19 +284,8 @@ def test_a_loader_collected_while_its_stops_are_being_set_does_not_deadlock():
     """A collection can run on any thread at any allocation: here on the thread closing the
     loader's stops (the interpreter's exit, a reset), inside their lock, and it collects the
     dropped loader, whose finalizer closes the same stops."""
-    script = COLLECTED_WHILE_CLOSING.format(
-        tests=str(Path(__file__).resolve().parent),
-        payload_tests=str(Path(__file__).resolve().parents[1] / "payload"),
-    )
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     try:
-        done = subprocess.run(
-            [sys.executable, "-c", textwrap.dedent(script)],
-            capture_output=True,
-            text=True,
-            timeout=30,
-            env=env,
-        )
+        done = run_script(COLLECTED_WHILE_CLOSING, 30)
     except subprocess.TimeoutExpired:
         pytest.fail("closing the stops deadlocked on their own lock")
     assert done.returncode == 0, done.stderr
