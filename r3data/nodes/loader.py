@@ -72,7 +72,8 @@ class _Stops:
     (:meth:`clear`), or is collected or the interpreter exits (:meth:`close`)."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        # reentrant: a collection inside it may run a dropped node's finalizer (close)
+        self._lock = threading.RLock()
         self._threads: weakref.WeakKeyDictionary[threading.Thread, PlanStop] = (
             weakref.WeakKeyDictionary()
         )
@@ -121,6 +122,18 @@ _LIVE: weakref.WeakSet[_Stops] = weakref.WeakSet()
 def _close_all() -> None:
     for stops in list(_LIVE):
         stops.close()
+
+
+def _forget_threads_in_child() -> None:
+    """A forked child has none of the parent's threads, nor their batches; a lock one of them
+    held at the fork stays held (the child's exit closes every loader's stops)."""
+    for stops in list(_LIVE):
+        stops._lock = threading.RLock()
+        stops._threads = weakref.WeakKeyDictionary()
+
+
+if hasattr(os, "register_at_fork"):  # POSIX
+    os.register_at_fork(after_in_child=_forget_threads_in_child)
 
 
 # Before the interpreter joins the shared pool's lanes (concurrent.futures registered its join

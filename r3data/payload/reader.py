@@ -198,7 +198,8 @@ class PlanStop:
     call to the filesystem."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        # reentrant: a collection inside it may run a dropped loader's finalizer, which sets it
+        self._lock = threading.RLock()
         self._plans: set[Plan] = set()
         self._set = False
 

@@ -6,6 +6,7 @@ the interpreter's exit is not held by reads retrying on."""
 from __future__ import annotations
 
 import gc
+import multiprocessing
 import os
 import subprocess
 import sys
@@ -195,23 +196,27 @@ print(time.time(), flush=True)
 """
 
 
-@pytest.mark.parametrize("prefetch", [2, 0], ids=["prefetching", "in_place_on_a_thread"])
-def test_interpreter_exit_is_not_held_by_stalled_reads(prefetch):
-    timeout = 1.0  # unstopped: 5 attempts of 1 s plus 1.5 s of backoff per file
-    script = EXITING.format(
+def run_script(template: str, limit_s: float, **fields: Any) -> subprocess.CompletedProcess:
+    """``template`` (importing this module's helpers) run by a fresh interpreter."""
+    script = template.format(
         tests=str(Path(__file__).resolve().parent),
         payload_tests=str(Path(__file__).resolve().parents[1] / "payload"),
-        timeout=timeout,
-        prefetch=prefetch,
+        **fields,
     )
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
-    done = subprocess.run(
+    return subprocess.run(
         [sys.executable, "-c", textwrap.dedent(script)],
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=limit_s,
         env=env,
     )
+
+
+@pytest.mark.parametrize("prefetch", [2, 0], ids=["prefetching", "in_place_on_a_thread"])
+def test_interpreter_exit_is_not_held_by_stalled_reads(prefetch):
+    timeout = 1.0  # unstopped: 5 attempts of 1 s plus 1.5 s of backoff per file
+    done = run_script(EXITING, 60, timeout=timeout, prefetch=prefetch)
     ended = time.time()
     assert done.returncode == 0, done.stderr
     exiting = float(done.stdout.split()[-1])
@@ -234,3 +239,92 @@ def test_nodes_built_by_hand_take_an_optional_stop():
     batch = collate(rollouts, stop=PlanStop())
     assert np.array_equal(batch["routed_experts"][1].numpy(), expected[1])
     assert np.array_equal(collate(rollouts)["routed_experts"][0].numpy(), expected[0])
+
+
+COLLECTED_WHILE_CLOSING = """
+import gc, sys, time
+sys.path.insert(0, {tests!r})
+sys.path.insert(0, {payload_tests!r})
+from test_loader_stop import StalledFiles, by_handle_samples
+from r3data import loader
+from r3data.payload.fs import PayloadRoot
+
+store = StalledFiles("")
+samples, _ = by_handle_samples(store, 3)
+gc.collect()
+gc.disable()  # the loader's objects stay young: the next collection can take them
+ld = loader(samples, batch_size=1, payload_root=PayloadRoot("/run", fs=store), prefetch=1)
+it = iter(ld)
+next(it)
+time.sleep(0.5)  # its thread has prepared the next batch and waits
+stops = ld.root.source.stops
+lock = stops._lock
+holder = [ld, it]
+del ld, it
+
+
+def held() -> bool:  # by this thread
+    return lock._is_owned() if hasattr(lock, "_is_owned") else lock.locked()
+
+
+def dropped(phase, info):  # the trainer's last reference goes just as a collection starts
+    if phase == "start" and held():
+        holder.clear()
+
+
+gc.callbacks.append(dropped)
+gc.set_threshold(1, 1, 1)  # every allocation collects, wherever it happens
+gc.enable()
+stops.close()  # what the interpreter's exit runs
+print("closed", flush=True)
+"""
+
+
+def test_a_loader_collected_while_its_stops_are_being_set_does_not_deadlock():
+    """A collection can run on any thread at any allocation: here on the thread closing the
+    loader's stops (the interpreter's exit, a reset), inside their lock, and it collects the
+    dropped loader, whose finalizer closes the same stops."""
+    try:
+        done = run_script(COLLECTED_WHILE_CLOSING, 30)
+    except subprocess.TimeoutExpired:
+        pytest.fail("closing the stops deadlocked on their own lock")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["closed"]
+
+
+def exits() -> None:
+    pass
+
+
+def test_a_child_forked_while_a_batch_is_being_prepared_exits():
+    """A child forked while a thread of the parent held a loader's stops' lock (its prefetch
+    thread taking its stop for the next batch) has no such thread: its exit (which closes
+    every loader's stops) must not wait for that lock forever."""
+    store = StalledFiles("")
+    samples, _ = by_handle_samples(store, 3)
+    ld = loader(samples, batch_size=1, payload_root=PayloadRoot("/run", fs=store), prefetch=1)
+    it = iter(ld)
+    next(it)
+    stops = ld.root.source.stops
+    holding, release = threading.Event(), threading.Event()
+
+    def hold() -> None:  # where the prefetch thread is for a moment in each batch
+        with stops._lock:
+            holding.set()
+            release.wait()
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    assert holding.wait(5)
+    child = multiprocessing.get_context("fork").Process(target=exits)
+    try:
+        child.start()
+        release.set()
+        holder.join()
+        child.join(10)
+        assert child.exitcode == 0, "the forked child hung at its exit"
+    finally:
+        release.set()
+        if child.exitcode is None:
+            child.kill()
+            child.join()
