@@ -16,18 +16,16 @@ line (naming the sample, field and position), the worker's traceback as its caus
 pipeline then waits on forever.
 
 A batch being prepared answers to its thread's :class:`~r3data.payload.reader.PlanStop`
-(:class:`_Stops`): a reset, the loader collected, or the interpreter exiting sets it, so its
+(:class:`ThreadStops`): a reset, the loader collected, or the interpreter exiting sets it, so its
 reads stop at their next call to the filesystem, its thread prepares no other batch, and no
 pool lane keeps retrying for an abandoned batch.
 """
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import dataclasses
 import os
-import threading
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -44,10 +42,11 @@ from r3data.nodes.screen import ScreenOptions
 from r3data.nodes.source import MicroBatch, StepSource
 from r3data.nodes.steps import FAILED, DataParallel, MicroBatches, Shuffle, agree_on_plan
 from r3data.nodes.stitcher import StitchRollout
+from r3data.nodes.stops import ThreadStops
 from r3data.options import as_options, checked_keywords
 from r3data.parallel import pool_workers
 from r3data.payload.fs import PayloadRoot
-from r3data.payload.reader import PayloadReader, PlanStop
+from r3data.payload.reader import PayloadReader
 from r3data.payload.retention import PayloadRetention
 from r3data.validate import checked_int
 
@@ -66,87 +65,11 @@ class _Failed:
         self.error = error
 
 
-class _Stops:
-    """The stop of the batch each thread prepares: one :class:`PlanStop` per thread, set when
-    the node running that thread shuts it down (:meth:`retire`), resets in place
-    (:meth:`clear`), or is collected or the interpreter exits (:meth:`close`)."""
-
-    def __init__(self) -> None:
-        # reentrant: a collection inside it may run a dropped node's finalizer (close)
-        self._lock = threading.RLock()
-        self._threads: weakref.WeakKeyDictionary[threading.Thread, PlanStop] = (
-            weakref.WeakKeyDictionary()
-        )
-        self._closed = False
-        _LIVE.add(self)
-
-    def of_caller(self) -> PlanStop:
-        """The stop of the calling thread (a new one for a thread first seen)."""
-        thread = threading.current_thread()
-        with self._lock:
-            stop = self._threads.get(thread)
-            if stop is None:
-                stop = self._threads[thread] = PlanStop()
-                if self._closed:
-                    stop.set()
-        return stop
-
-    def retire(self, thread: threading.Thread | None) -> None:
-        """Stop every thread seen so far and ``thread`` for good: a shut-down run's threads
-        prepare no other batch (a thread first seen later has a stop of its own)."""
-        with self._lock:
-            if thread is not None:
-                self._threads.setdefault(thread, PlanStop())
-            stops = list(self._threads.values())
-        for stop in stops:
-            stop.set()
-
-    def clear(self) -> None:
-        """Stop every thread's batch and forget their stops: the next run starts afresh."""
-        with self._lock:
-            stops = list(self._threads.values())
-            self._threads.clear()
-        for stop in stops:
-            stop.set()
-
-    def close(self) -> None:
-        """Stop every batch, now and later."""
-        with self._lock:
-            self._closed = True
-        self.retire(None)
-
-
-_LIVE: weakref.WeakSet[_Stops] = weakref.WeakSet()
-
-
-def _close_all() -> None:
-    for stops in list(_LIVE):
-        stops.close()
-
-
-def _forget_threads_in_child() -> None:
-    """A forked child has none of the parent's threads, nor their batches; a lock one of them
-    held at the fork stays held (the child's exit closes every loader's stops)."""
-    for stops in list(_LIVE):
-        stops._lock = threading.RLock()
-        stops._threads = weakref.WeakKeyDictionary()
-
-
-if hasattr(os, "register_at_fork"):  # POSIX
-    os.register_at_fork(after_in_child=_forget_threads_in_child)
-
-
-# Before the interpreter joins the shared pool's lanes (concurrent.futures registered its join
-# when r3data.parallel was imported; these hooks run last registered first), so that no lane
-# keeps retrying a read for a batch nobody will take; ``atexit`` would run after that join.
-(getattr(threading, "_register_atexit", None) or atexit.register)(_close_all)
-
-
 class _Stage:
     """One stage of the pipeline, applied to a micro-batch under its thread's stop (never
     started once that is set); a failure travels as a value."""
 
-    def __init__(self, work: Callable[[Any], Any], stops: _Stops) -> None:
+    def __init__(self, work: Callable[[Any], Any], stops: ThreadStops) -> None:
         self.work = work
         self.stops = stops
 
@@ -193,7 +116,7 @@ class _InPlace(BaseNode[Any]):
 
     SNAPSHOT, STEPS = "snapshot", "steps_since_snapshot"
 
-    def __init__(self, source: BaseNode[Any], stops: _Stops) -> None:
+    def __init__(self, source: BaseNode[Any], stops: ThreadStops) -> None:
         super().__init__()
         self.source = source
         self.stops = stops
@@ -221,7 +144,7 @@ class _StoppingPrefetcher(Prefetcher):
     reset retires the running thread before torchdata joins it (briefly, then leaves it), and
     the node collected (the loader dropped) closes every stop."""
 
-    def __init__(self, source: BaseNode[Any], prefetch_factor: int, stops: _Stops) -> None:
+    def __init__(self, source: BaseNode[Any], prefetch_factor: int, stops: ThreadStops) -> None:
         super().__init__(source, prefetch_factor=prefetch_factor)
         self.stops = stops
         weakref.finalize(self, stops.close)  # before torchdata's own shutdown joins the thread
@@ -441,7 +364,7 @@ def loader(
             forms = field_forms(micro.step_samples, collate.fields, trace)
         return fill(rollouts, forms)
 
-    stops = _Stops()
+    stops = ThreadStops()
     node: BaseNode[Any] = Mapper(_Guarded(source), _Stage(prepared, stops))
     node = _StoppingPrefetcher(node, prefetch, stops) if prefetch else _InPlace(node, stops)
     return Loader(Mapper(node, _delivered), restart_on_stop_iteration=False)
