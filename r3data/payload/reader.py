@@ -598,7 +598,8 @@ class PayloadReader:
     def _check_stop(self, name: str, stop: threading.Event | None) -> None:
         if stop is not None and stop.is_set():
             raise PayloadReadError(
-                f"reading {self._url(name)}: stopped, its caller was interrupted"
+                f"reading {self._url(name)}: stopped (another read of its plan failed, or its "
+                f"caller was interrupted or shut down)"
             )
 
     def _denied(self, name: str, exc: OSError) -> PayloadPermissionError:
