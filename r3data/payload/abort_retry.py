@@ -148,7 +148,8 @@ class _Cleanups:
                         continue
                     logger.warning("giving up the cleanup of the upload of %s", cleanup.url)
                 with self._lock:
-                    self._pending.remove(cleanup)
+                    if cleanup in self._pending:  # else given up past the limit meanwhile
+                        self._pending.remove(cleanup)
 
 
 _cleanups = _Cleanups()
