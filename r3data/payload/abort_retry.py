@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 from r3data.payload.fs import PayloadRoot
 
-__all__ = ["CLEANUP_HORIZON_S", "published", "retry_abort"]
+__all__ = ["CLEANUP_HORIZON_S", "published", "retry_abort", "watch_publish"]
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +39,13 @@ def retry_abort(url: str, abort: Callable[[], None], root: PayloadRoot, path: st
     _cleanups.add(_Cleanup(url, abort, root, path))
 
 
+def watch_publish(url: str, root: PayloadRoot, path: str) -> None:
+    """Look for ``path`` in the background until :data:`CLEANUP_HORIZON_S` has passed and
+    delete it should it show: a single put past its deadline cannot be aborted, and its body
+    the network still held lands once the store takes it."""
+    _cleanups.add(_Cleanup(url, None, root, path, watch=True))
+
+
 def published(root: PayloadRoot, path: str) -> bool:
     """Whether ``path`` exists now (no listing cached before a late publish hides it)."""
     root.fs.invalidate_cache(path)
@@ -49,36 +56,55 @@ class _Cleanup:
     """One failed upload whose abort the store did not confirm: ``abort`` (raises
     ``FileNotFoundError`` when the upload is gone), then delete ``path`` if it was published."""
 
-    def __init__(self, url: str, abort: Callable[[], None], root: PayloadRoot, path: str) -> None:
-        self.url, self.abort, self.root, self.path = url, abort, root, path
+    def __init__(
+        self,
+        url: str,
+        abort: Callable[[], None] | None,
+        root: PayloadRoot,
+        path: str,
+        watch: bool = False,
+    ) -> None:
+        self.url, self.abort, self.root, self.path, self.watch = url, abort, root, path, watch
         self.until = time.monotonic() + CLEANUP_HORIZON_S
+        self.wait = root.timeout or 1.0  # till the next try: doubles to a minute, its own
+        self.due = time.monotonic() + self.wait
 
-    def attempt(self) -> None:
+    def later(self) -> None:
+        """Try again after twice the last wait (at most a minute)."""
+        self.wait = min(2 * self.wait, 60.0)
+        self.due = time.monotonic() + self.wait
+
+    def attempt(self) -> bool:
         """Abort the upload and delete the final name if it was published; raises while the
-        store does not confirm either."""
+        store does not confirm either. False while a watched put could still land."""
         if self.abort is not None:
             with contextlib.suppress(FileNotFoundError):
                 self.abort()
             self.abort = None  # confirmed: from now on no completion can succeed
         if published(self.root, self.path):  # completed before the abort: delete it
             self.root.call("rm_file", self.path)
+            return True
+        return not self.watch
 
 
 class _Cleanups:
-    """Failed uploads tried again on one daemon thread, every ``timeout`` (doubling to a
-    minute) until confirmed or :data:`CLEANUP_HORIZON_S` passed; each call is bounded by its
-    root's timeout."""
+    """Failed uploads tried again on one daemon thread, each every ``timeout`` (doubling to a
+    minute, its own schedule: one added while another waits a minute is tried after its own
+    ``timeout``) until confirmed or :data:`CLEANUP_HORIZON_S` passed; each call is bounded by
+    its root's timeout."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
+        self._added = threading.Event()
         self._pending: list[_Cleanup] = []
         self._thread: threading.Thread | None = None
 
     def add(self, cleanup: _Cleanup) -> None:
         logger.warning(
-            "the store did not confirm the abort of the upload of %s: tried again in the "
-            "background for up to %g s",
+            "the store did not confirm %s of %s: %s in the background for up to %g s",
+            "the put" if cleanup.watch else "the abort of the upload",
             cleanup.url,
+            "its final name watched" if cleanup.watch else "tried again",
             CLEANUP_HORIZON_S,
         )
         with self._lock:
@@ -91,32 +117,39 @@ class _Cleanups:
                     target=self._run, name="r3data-writer-cleanup", daemon=True
                 )
                 self._thread.start()
+        self._added.set()
 
     def pending(self) -> int:
         with self._lock:
             return len(self._pending)
 
     def _run(self) -> None:
-        wait: float | None = None
         while True:
             with self._lock:
                 pending = list(self._pending)
                 if not pending:
                     self._thread = None
                     return
-            first = min(cleanup.root.timeout or 1.0 for cleanup in pending)
-            wait = first if wait is None else min(2 * wait, 60.0)
-            time.sleep(wait)
-            for cleanup in pending:
+                self._added.clear()
+            now = time.monotonic()
+            due = [cleanup for cleanup in pending if cleanup.due <= now]
+            if not due:
+                self._added.wait(min(cleanup.due for cleanup in pending) - now)
+                continue
+            for cleanup in due:
                 try:
-                    cleanup.attempt()
+                    if not cleanup.attempt() and time.monotonic() < cleanup.until:
+                        cleanup.later()  # a watched put not landed (yet)
+                        continue
                 except Exception as exc:
                     logger.debug("cleanup of the upload of %s: %s", cleanup.url, exc)
                     if time.monotonic() < cleanup.until:
+                        cleanup.later()
                         continue
                     logger.warning("giving up the cleanup of the upload of %s", cleanup.url)
                 with self._lock:
-                    self._pending.remove(cleanup)
+                    if cleanup in self._pending:  # else given up past the limit meanwhile
+                        self._pending.remove(cleanup)
 
 
 _cleanups = _Cleanups()

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 from fsspec import AbstractFileSystem
 
-from r3data.payload.abort_retry import published, retry_abort
+from r3data.payload.abort_retry import published, retry_abort, watch_publish
 from r3data.payload.deadline import bounded, on_event_loop, within
 from r3data.payload.fs import PayloadRoot
 
@@ -56,6 +56,7 @@ def upload(root: PayloadRoot, path: str, url: str, parts: list[Any]) -> None:
         return within(timeout, doing, call, fs, late=late)
 
     chunk = getattr(out, "blocksize", None) or _STREAM_CHUNK
+    publishing = False
     try:
         written = 0
         for part in parts:
@@ -64,9 +65,10 @@ def upload(root: PayloadRoot, path: str, url: str, parts: list[Any]) -> None:
                 piece = view[start : start + chunk]
                 step(f"writing {url} at offset {written}", partial(out.write, piece))
                 written += len(piece)
+        publishing = True
         step(f"publishing {url}", out.close, late=removal(root, path))
     except BaseException:
-        _abort(out, root, path, url, requests_bounded)
+        _abort(out, root, path, url, requests_bounded, publishing)
         raise
 
 
@@ -96,14 +98,19 @@ def _bound_requests(out: Any, timeout: float, url: str) -> bool:
     return True
 
 
-def _abort(out: Any, root: PayloadRoot, path: str, url: str, requests_bounded: bool) -> None:
+def _abort(
+    out: Any, root: PayloadRoot, path: str, url: str, requests_bounded: bool, publishing: bool
+) -> None:
     """Discard the upload of ``out`` and mark the file closed, so that nothing completes it
     later; failures here are not the error to report.
 
     An s3fs multipart upload is aborted here, bounded by the root's timeout (``discard`` would
     wait without one); when the store does not confirm the abort, it is tried again in the
     background (:func:`~r3data.payload.abort_retry.retry_abort`), then the final name deleted
-    should a completion the network still held have published it."""
+    should a completion the network still held have published it. A single put that failed
+    cannot be aborted: its final name is watched in the background
+    (:func:`~r3data.payload.abort_retry.watch_publish`), should its body, which the network
+    still held, land."""
     timeout = root.timeout
     try:
         if requests_bounded:
@@ -116,6 +123,8 @@ def _abort(out: Any, root: PayloadRoot, path: str, url: str, requests_bounded: b
                     pass
                 except Exception:
                     retry_abort(url, abort, root, path)
+            elif publishing:
+                watch_publish(url, root, path)
             out.discard()
         else:
             within(timeout, f"aborting the upload of {url}", out.discard, root.fs)

@@ -8,7 +8,10 @@ answers go out ``trickle_bytes`` at a time, one piece every ``trickle_s`` second
 may be limited to the connections whose request line starts with ``only`` (``b"DELETE"``: a
 store that lists and reads but never answers a deletion), or matches it when it is a compiled
 pattern (``re.compile(rb"POST [^ ]*[?&]uploadId=")``: a store that never answers the
-completion of a multipart upload). A switch applies at once to every
+completion of a multipart upload). With ``bodies=True`` a stall holds only what the client
+sends after a matching request's first read (a put's body, which botocore sends once the
+store answered ``100 Continue``), everything else flowing: a store that took the request but
+never the body, which it gets (and acts on) once the stall ends. A switch applies at once to every
 connection, open or new, so the faults are real network behaviour: the client's own
 timeouts, retries and cancellations meet them as they would a real store's.
 """
@@ -36,7 +39,7 @@ class SlowProxy:
     def __init__(self, upstream: int, trickle_bytes: int = 16 << 10, trickle_s: float = 0.02):
         self.upstream = upstream
         self.trickle_bytes, self.trickle_s = trickle_bytes, trickle_s
-        self.mode, self.only = "pass", b""
+        self.mode, self.only, self.bodies = "pass", b"", False
         self.connections = 0
         self._loop = asyncio.new_event_loop()
         self._switched = asyncio.Condition()
@@ -56,42 +59,47 @@ class SlowProxy:
     async def _start(self) -> asyncio.Server:
         return await asyncio.start_server(self._serve, "127.0.0.1", 0)
 
-    def set_mode(self, mode: str, only: bytes | re.Pattern[bytes] = b"") -> None:
+    def set_mode(
+        self, mode: str, only: bytes | re.Pattern[bytes] = b"", bodies: bool = False
+    ) -> None:
         """Switch every connection, open or new, to ``mode`` (one of :data:`MODES`); a stall
         ``only`` of the connections whose latest request line starts with ``only`` (or matches
-        it, a compiled pattern), if given."""
+        it, a compiled pattern), if given; with ``bodies``, only their requests' bodies."""
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, found {mode!r}")
 
         async def switch() -> None:
             async with self._switched:
-                self.mode, self.only = mode, only
+                self.mode, self.only, self.bodies = mode, only, bodies
                 self._switched.notify_all()
 
         self._run(switch())
 
     @contextmanager
-    def mode_for(self, mode: str, only: bytes | re.Pattern[bytes] = b"") -> Iterator[SlowProxy]:
+    def mode_for(
+        self, mode: str, only: bytes | re.Pattern[bytes] = b"", bodies: bool = False
+    ) -> Iterator[SlowProxy]:
         """``mode`` (see :meth:`set_mode`) inside the block, ``"pass"`` after it."""
-        self.set_mode(mode, only)
+        self.set_mode(mode, only, bodies)
         try:
             yield self
         finally:
             self.set_mode("pass")
 
-    def _stalls(self, request: list[bytes]) -> bool:
-        if self.mode != "stall":
+    def _stalls(self, request: list[bytes], body: bool = False) -> bool:
+        if self.mode != "stall" or (self.bodies and not body):
             return False
         if isinstance(self.only, re.Pattern):
             return self.only.match(request[0]) is not None
         return request[0].startswith(self.only)
 
-    async def _flowing(self, request: list[bytes]) -> None:
-        """Return once the connection whose latest request began ``request[0]`` may flow."""
-        if not self._stalls(request):
+    async def _flowing(self, request: list[bytes], body: bool = False) -> None:
+        """Return once the connection whose latest request began ``request[0]`` may flow
+        (``body``: what it sends after the request's first read)."""
+        if not self._stalls(request, body):
             return
         async with self._switched:
-            await self._switched.wait_for(lambda: not self._stalls(request))
+            await self._switched.wait_for(lambda: not self._stalls(request, body))
 
     async def _serve(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
         self.connections += 1
@@ -125,14 +133,15 @@ class SlowProxy:
                 data = await src.read(READ_BYTES)
                 if not data:
                     break
-                if not answers and REQUEST_LINE.match(data):
+                body = not answers and not REQUEST_LINE.match(data)
+                if not answers and not body:
                     request[0] = data[:REQUEST_LINE_BYTES].split(b"\r\n", 1)[0]
-                await self._flowing(request)  # read before a stall began: held, not forwarded
+                await self._flowing(request, body)  # read before a stall: held, not forwarded
                 step = self.trickle_bytes if answers and self.mode == "trickle" else len(data)
                 for at in range(0, len(data), step):
                     if at:
                         await asyncio.sleep(self.trickle_s)
-                        await self._flowing(request)
+                        await self._flowing(request, body)
                     dst.write(data[at : at + step])
                     await dst.drain()
         except (ConnectionError, OSError):

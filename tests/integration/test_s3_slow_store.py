@@ -347,3 +347,22 @@ def test_a_completion_the_network_held_past_its_deadline_is_undone_once_the_stor
     assert "did not confirm the abort" in caplog.text
     assert never_published(root, before, 10 * TIMEOUT)  # it may show for a moment
     assert not uploads(s3_fs, s3_root)
+
+
+def test_a_put_whose_body_the_network_held_past_its_deadline_is_deleted_once_it_lands(
+    s3, s3_root, s3_fs, proxy
+):
+    """The store answers the single put's ``100 Continue`` and then takes none of its body:
+    the proxy holds the body and hands it to the store once it answers again, after the writer
+    was told the write failed. No abort can stop a put: its final name is watched, and what
+    lands is deleted."""
+    data = routes(100, seed=6)  # 38 KB: one put
+    writer = PayloadWriter(s3_root, fs=slow_writes_fs(s3, proxy), timeout=TIMEOUT)
+    warm(writer, data)
+    root = PayloadRoot(s3_root, fs=s3_fs)
+    before = stored(root)
+    with proxy.mode_for("stall", only=b"PUT", bodies=True):
+        with pytest.raises(PayloadWriteError, match=r"put_object of .*timeout of 1 s"):
+            writer.write(1, {"routes": data})
+        assert stored(root) == before
+    assert never_published(root, before, 10 * TIMEOUT)  # it may show for a moment

@@ -18,7 +18,7 @@ from stalling import SlowMemory, hung_calls, wait_for
 from store_helpers import MemoryBacked
 
 from r3data.errors import ConfigError, PayloadWriteError
-from r3data.payload import PayloadReader, PayloadWriter, deadline
+from r3data.payload import PayloadReader, PayloadRoot, PayloadWriter, abort_retry, deadline
 from r3data.payload import upload as upload_module
 from r3data.payload import writer as writer_module
 
@@ -167,3 +167,27 @@ def test_a_local_root_writes_without_any_deadline_call(tmp_path, monkeypatch):
     monkeypatch.setattr(deadline, "within", refused)
     (segment,) = PayloadWriter(tmp_path, timeout=TIMEOUT).write(1, {"routes": ROUTES})
     assert (tmp_path / segment.file).stat().st_size > ROUTES.nbytes
+
+
+def test_a_cleanup_dropped_past_the_limit_while_it_is_tried_leaves_the_thread_serving(
+    monkeypatch,
+):
+    """The oldest pending cleanup is given up when the limit is passed, even while the
+    background thread is trying it: the thread must go on with the others."""
+    monkeypatch.setattr(abort_retry, "MAX_PENDING_CLEANUPS", 1)
+    root = PayloadRoot(ROOT, fs=SlowMemory(), timeout=0.05)
+    cleanups = abort_retry._Cleanups()
+    trying, release = threading.Event(), threading.Event()
+    aborted: list[str] = []
+
+    def held_abort() -> None:
+        trying.set()
+        release.wait(5)
+
+    cleanups.add(abort_retry._Cleanup("first", held_abort, root, f"{ROOT}/v1/a.bin"))
+    assert trying.wait(5)
+    second = abort_retry._Cleanup("second", lambda: aborted.append("second"), root, "/run/b")
+    cleanups.add(second)  # past the limit: the first, being tried, is given up
+    release.set()
+    assert wait_for(lambda: aborted == ["second"])
+    assert wait_for(lambda: cleanups.pending() == 0)
