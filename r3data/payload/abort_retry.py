@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 from r3data.payload.fs import PayloadRoot
 
-__all__ = ["CLEANUP_HORIZON_S", "published", "retry_abort", "watch_publish"]
+__all__ = ["CLEANUP_HORIZON_S", "published", "retry_abort", "retry_removal", "watch_publish"]
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +44,12 @@ def watch_publish(url: str, root: PayloadRoot, path: str) -> None:
     delete it should it show: a single put past its deadline cannot be aborted, and its body
     the network still held lands once the store takes it."""
     _cleanups.add(_Cleanup(url, None, root, path, watch=True))
+
+
+def retry_removal(url: str, root: PayloadRoot, path: str) -> None:
+    """Delete ``path`` in the background, should it exist, until the store confirms (a
+    deletion of what a failed write left that failed or timed out)."""
+    _cleanups.add(_Cleanup(url, None, root, path))
 
 
 def published(root: PayloadRoot, path: str) -> bool:
@@ -100,11 +106,17 @@ class _Cleanups:
         self._thread: threading.Thread | None = None
 
     def add(self, cleanup: _Cleanup) -> None:
+        if cleanup.watch:
+            what, then = "the put", "its final name watched"
+        elif cleanup.abort is not None:
+            what, then = "the abort of the upload", "tried again"
+        else:
+            what, then = "the deletion of what a failed write left", "tried again"
         logger.warning(
             "the store did not confirm %s of %s: %s in the background for up to %g s",
-            "the put" if cleanup.watch else "the abort of the upload",
+            what,
             cleanup.url,
-            "its final name watched" if cleanup.watch else "tried again",
+            then,
             CLEANUP_HORIZON_S,
         )
         with self._lock:

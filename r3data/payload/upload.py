@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 from fsspec import AbstractFileSystem
 
-from r3data.payload.abort_retry import published, retry_abort, watch_publish
+from r3data.payload.abort_retry import published, retry_abort, retry_removal, watch_publish
 from r3data.payload.deadline import bounded, on_event_loop, within
 from r3data.payload.fs import PayloadRoot
 
@@ -66,7 +66,7 @@ def upload(root: PayloadRoot, path: str, url: str, parts: list[Any]) -> None:
                 step(f"writing {url} at offset {written}", partial(out.write, piece))
                 written += len(piece)
         publishing = True
-        step(f"publishing {url}", out.close, late=removal(root, path))
+        step(f"publishing {url}", out.close, late=removal(root, path, url))
     except BaseException:
         _abort(out, root, path, url, requests_bounded, publishing)
         raise
@@ -149,19 +149,23 @@ def _abandon(out: Any) -> None:
         out.closed = True
 
 
-def remove_quietly(root: PayloadRoot, path: str) -> None:
+def remove_quietly(root: PayloadRoot, path: str, url: str) -> None:
     """Delete ``path`` if a failed write left it (a filesystem that shows files while they are
     written, a publish that completed after its deadline), each call bounded by the root's
-    timeout; a failure to look or delete is not the error to report."""
-    with contextlib.suppress(Exception):
+    timeout; a failure to look or delete is not the error to report: it is tried again in the
+    background (:func:`~r3data.payload.abort_retry.retry_removal`)."""
+    try:
         if published(root, path):
             root.call("rm_file", path)
+    except Exception as exc:
+        logger.debug("removing what a failed write left at %s: %s", url, exc)
+        retry_removal(url, root, path)
 
 
-def removal(root: PayloadRoot, path: str) -> Callable[[Any], None]:
+def removal(root: PayloadRoot, path: str, url: str) -> Callable[[Any], None]:
     """What a publish abandoned at its deadline does if it completes after all (``late`` of
     :func:`~r3data.payload.deadline.within`): delete what it published."""
-    return lambda _: remove_quietly(root, path)
+    return lambda _: remove_quietly(root, path, url)
 
 
 def byte_view(buffer: np.ndarray | bytes) -> memoryview:

@@ -153,11 +153,11 @@ class PayloadWriter:
                 # A put abandoned at its deadline that lands later is deleted as it lands.
                 data = b"".join(map(byte_view, parts))
                 put = partial(fs.pipe_file, final, data)
-                within(root.timeout, f"putting {url}", put, fs, late=removal(root, final))
+                within(root.timeout, f"putting {url}", put, fs, late=removal(root, final, url))
             else:
                 upload(root, final, url, parts)
         except BaseException as exc:
-            remove_quietly(root, final)
+            remove_quietly(root, final, url)
             if isinstance(exc, Exception):  # a client library's own errors fail a write too
                 raise PayloadWriteError(f"writing payload file {url}: {exc}") from exc
             raise

@@ -143,6 +143,33 @@ def test_a_stalled_single_put_fails_typed_and_what_lands_later_is_deleted():
     assert fs.find(ROOT) == []
 
 
+class FlakyRemove(HeldPut):
+    """A held-put store whose first ``failures`` deletions fail (a store still recovering)."""
+
+    def __init__(self, failures: int) -> None:
+        super().__init__()
+        self.failures = failures
+
+    def rm_file(self, path: str) -> None:
+        if self.failures:
+            self.failures -= 1
+            raise OSError("the store refused the deletion")
+        super().rm_file(path)
+
+
+def test_a_late_publish_whose_deletion_fails_is_deleted_in_the_background():
+    fs = FlakyRemove(failures=2)
+    fs.hold = "put"
+    try:
+        with pytest.raises(PayloadWriteError, match=r"putting .*timeout of 0\.3 s"):
+            PayloadWriter(ROOT, fs=fs, timeout=TIMEOUT).write(1, {"routes": ROUTES})
+    finally:
+        fs.release.set()  # the put lands late; its deletion fails, then again in the retry
+    assert wait_for(lambda: fs.failures == 0)
+    assert wait_for(lambda: fs.find(ROOT) == [], 10)  # the background retry deleted it
+    assert wait_for(lambda: abort_retry._cleanups.pending() == 0)
+
+
 def test_without_a_timeout_a_write_waits_for_the_store(store):
     store.hold = "publish"
     threading.Timer(2 * TIMEOUT, store.release.set).start()
