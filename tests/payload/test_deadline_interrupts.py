@@ -6,13 +6,13 @@ for a task that never comes."""
 
 from __future__ import annotations
 
-import sys
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
+from traced import run_traced
 
 from r3data.payload import deadline
 
@@ -35,7 +35,6 @@ def interrupted_at(line_event: int, call: Any, late: Any, finished: Any) -> tupl
     returned or raised, whether ``finished()`` held when the interrupt was raised)."""
     seen = [0]
     late_interrupt = [False]
-    outcome: list[Any] = [None]
     last: dict[int, int] = {}
 
     def trace(frame: Any, event: str, arg: Any) -> Any:
@@ -53,19 +52,10 @@ def interrupted_at(line_event: int, call: Any, late: Any, finished: Any) -> tupl
                     raise KeyboardInterrupt
         return trace
 
-    def caller() -> None:
-        sys.settrace(trace)
-        try:
-            outcome[0] = deadline.within(5.0, "a test call", call, "interrupts", late)
-        except BaseException as exc:
-            outcome[0] = exc
-        finally:
-            sys.settrace(None)
-
-    thread = threading.Thread(target=caller, daemon=True)
-    thread.start()
-    thread.join(5)
-    return not thread.is_alive(), outcome[0], late_interrupt[0]
+    ended, result = run_traced(
+        trace, lambda: deadline.within(5.0, "a test call", call, "interrupts", late)
+    )
+    return ended, result, late_interrupt[0]
 
 
 def wait_for(condition: Any, seconds: float = 5) -> bool:

@@ -5,11 +5,10 @@ back promptly, it never waits forever for a job of its own thread."""
 
 from __future__ import annotations
 
-import sys
-import threading
 from pathlib import Path
 
 import pytest
+from traced import run_traced
 
 from r3data.payload import reader as reader_module
 from r3data.payload.reader import Plan
@@ -22,7 +21,6 @@ def run_interrupted_at(line_event: int, workers: int, n: int) -> tuple[bool, Bas
     ``KeyboardInterrupt`` at the ``line_event``-th line the plan's own code runs in that thread
     (as a signal would); returns (whether it ended in time, what it raised)."""
     seen = [0]
-    outcome: list[BaseException | None] = [None]
 
     def trace(frame, event, arg):
         if frame.f_code.co_filename != READER:
@@ -33,19 +31,7 @@ def run_interrupted_at(line_event: int, workers: int, n: int) -> tuple[bool, Bas
                 raise KeyboardInterrupt
         return trace
 
-    def caller() -> None:
-        sys.settrace(trace)
-        try:
-            Plan().run(lambda i: None, n, workers)
-        except BaseException as exc:
-            outcome[0] = exc
-        finally:
-            sys.settrace(None)
-
-    thread = threading.Thread(target=caller, daemon=True)
-    thread.start()
-    thread.join(5)
-    return not thread.is_alive(), outcome[0]
+    return run_traced(trace, lambda: Plan().run(lambda i: None, n, workers))
 
 
 @pytest.mark.parametrize(("workers", "n"), [(1, 3), (4, 1)], ids=["one_worker", "one_job"])
