@@ -1,9 +1,11 @@
-"""Failed uploads whose abort the store did not confirm, tried again in the background.
+"""What a failed upload may still leave, undone in the background.
 
 A request held in the network past its cancellation (a completion the store takes once it
-answers again) could publish a file after its writer was told the write failed. Each such
-upload is a cleanup: abort it, then delete the final name if it was published, retried on one
-daemon thread until the store confirms or :data:`CLEANUP_HORIZON_S` has passed.
+answers again, a single put's body) could publish a file after its writer was told the write
+failed. Each such upload is a cleanup on one daemon thread, tried until the store confirms or
+:data:`CLEANUP_HORIZON_S` has passed: an abort the store did not confirm, tried again, then the
+final name deleted if it was published; a failed single put's final name watched and deleted
+should it show; a deletion of what a failed write left that failed, tried again.
 """
 
 from __future__ import annotations
@@ -59,8 +61,9 @@ def published(root: PayloadRoot, path: str) -> bool:
 
 
 class _Cleanup:
-    """One failed upload whose abort the store did not confirm: ``abort`` (raises
-    ``FileNotFoundError`` when the upload is gone), then delete ``path`` if it was published."""
+    """One failed upload's cleanup: ``abort`` if any (raises ``FileNotFoundError`` when the
+    upload is gone), then delete ``path`` if it was published; with ``watch``, look again until
+    the horizon (a put that cannot be aborted may still land)."""
 
     def __init__(
         self,

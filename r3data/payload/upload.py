@@ -130,8 +130,7 @@ def _abort(
             within(timeout, f"aborting the upload of {url}", out.discard, root.fs)
     except Exception as exc:
         logger.debug("discarding the upload of %s: %s", url, exc)
-    with contextlib.suppress(AttributeError):
-        out.closed = True
+    _mark_closed(out)
 
 
 def _abort_upload(
@@ -145,6 +144,11 @@ def _abandon(out: Any) -> None:
     """A file opened after its caller gave up: discarded unpublished, never closed."""
     with contextlib.suppress(Exception):
         out.discard()
+    _mark_closed(out)
+
+
+def _mark_closed(out: Any) -> None:
+    """Mark ``out`` closed, so that nothing (not even garbage collection) publishes it."""
     with contextlib.suppress(AttributeError):
         out.closed = True
 
