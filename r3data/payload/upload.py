@@ -67,8 +67,8 @@ def upload(root: PayloadRoot, path: str, url: str, parts: list[Any]) -> None:
                 written += len(piece)
         publishing = True
         step(f"publishing {url}", out.close, late=removal(root, path, url))
-    except BaseException:
-        _abort(out, root, path, url, requests_bounded, publishing)
+    except BaseException as error:
+        _abort(out, root, path, url, requests_bounded, publishing and not _refused(error))
         raise
 
 
@@ -98,19 +98,40 @@ def _bound_requests(out: Any, timeout: float, url: str) -> bool:
     return True
 
 
+def _refused(error: BaseException) -> bool:
+    """Whether the store answered the request that raised ``error`` with a refusal (an HTTP
+    4xx: denied, no such bucket, bad request), so that it did not and will not act on it.
+
+    Anything else leaves the outcome in doubt: a timeout or a lost connection (the network may
+    still hold the request), a 5xx (the store may have acted before failing), an interrupt.
+    s3fs raises a botocore ``ClientError``, or a Python error it translated from one and caused
+    by it; either carries the store's HTTP status."""
+    seen: set[int] = set()
+    cause: BaseException | None = error
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        response = getattr(cause, "response", None)
+        if isinstance(response, dict):
+            status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            return isinstance(status, int) and 400 <= status < 500
+        cause = cause.__cause__
+    return False
+
+
 def _abort(
-    out: Any, root: PayloadRoot, path: str, url: str, requests_bounded: bool, publishing: bool
+    out: Any, root: PayloadRoot, path: str, url: str, requests_bounded: bool, in_doubt: bool
 ) -> None:
     """Discard the upload of ``out`` and mark the file closed, so that nothing completes it
-    later; failures here are not the error to report.
+    later; failures here are not the error to report. ``in_doubt``: the publish failed without
+    the store's refusal (:func:`_refused`), so that it may still land.
 
     An s3fs multipart upload is aborted here, bounded by the root's timeout (``discard`` would
     wait without one); when the store does not confirm the abort, it is tried again in the
     background (:func:`~r3data.payload.abort_retry.retry_abort`), then the final name deleted
     should a completion the network still held have published it. A single put that failed
-    cannot be aborted: its final name is watched in the background
-    (:func:`~r3data.payload.abort_retry.watch_publish`), should its body, which the network
-    still held, land."""
+    cannot be aborted: unless the store refused it, its final name is watched in the
+    background (:func:`~r3data.payload.abort_retry.watch_publish`), should its body, which the
+    network still held, land."""
     timeout = root.timeout
     try:
         if requests_bounded:
@@ -123,7 +144,7 @@ def _abort(
                     pass
                 except Exception:
                     retry_abort(url, abort, root, path)
-            elif publishing:
+            elif in_doubt:
                 watch_publish(url, root, path)
             out.discard()
         else:

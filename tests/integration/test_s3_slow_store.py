@@ -366,3 +366,20 @@ def test_a_put_whose_body_the_network_held_past_its_deadline_is_deleted_once_it_
             writer.write(1, {"routes": data})
         assert stored(root) == before
     assert never_published(root, before, 10 * TIMEOUT)  # it may show for a moment
+
+
+def test_a_put_the_store_refused_is_reported_and_not_watched(s3, s3_root, s3_fs, caplog):
+    """A put the store answered with a refusal (403: this identity may read, not write) cannot
+    land later: the write fails at once, naming the refusal, and no background watch of its
+    final name starts."""
+    import s3fs
+    from s3_server import READER_KEY, READER_SECRET
+
+    reader = s3fs.S3FileSystem(**s3.storage_options(key=READER_KEY, secret=READER_SECRET))
+    writer = PayloadWriter(s3_root, fs=reader, timeout=TIMEOUT)
+    caplog.set_level(logging.WARNING, logger="r3data.payload.abort_retry")
+    with pytest.raises(PayloadWriteError, match=r"Access ?Denied|[Pp]ermission") as caught:
+        writer.write(1, {"routes": routes(100, seed=7)})
+    assert isinstance(caught.value.__cause__, PermissionError), repr(caught.value.__cause__)
+    assert "did not confirm the put" not in caplog.text, caplog.text
+    assert stored(PayloadRoot(s3_root, fs=s3_fs)) == set()

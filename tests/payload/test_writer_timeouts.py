@@ -217,3 +217,52 @@ def test_a_cleanup_dropped_past_the_limit_while_it_is_tried_leaves_the_thread_se
     release.set()
     assert wait_for(lambda: aborted == ["second"])
     assert wait_for(lambda: cleanups.pending() == 0)
+
+
+def _client_error(status: int, code: str) -> Exception:
+    from botocore.exceptions import ClientError
+
+    response = {
+        "Error": {"Code": code, "Message": code},
+        "ResponseMetadata": {"HTTPStatusCode": status},
+    }
+    return ClientError(response, "PutObject")
+
+
+@pytest.mark.parametrize(
+    ("status", "code", "refused"),
+    [
+        (403, "AccessDenied", True),
+        (404, "NoSuchBucket", True),
+        (400, "InvalidRequest", True),
+        (500, "InternalError", False),
+        (503, "SlowDown", False),
+    ],
+)
+def test_only_a_store_answered_4xx_counts_as_refused_raw_or_as_s3fs_translates_it(
+    status, code, refused
+):
+    """A 4xx the store answered leaves nothing to land later, whether botocore's error or the
+    Python one s3fs translates it into; a 5xx may follow an applied put."""
+    from s3fs.errors import translate_boto_error
+
+    error = _client_error(status, code)
+    assert upload_module._refused(error) is refused
+    assert upload_module._refused(translate_boto_error(error)) is refused
+
+
+def test_a_timeout_a_lost_connection_or_an_interrupt_leaves_the_put_in_doubt():
+    from botocore.exceptions import ConnectionClosedError, ReadTimeoutError
+
+    in_doubt = [
+        deadline.timed_out("put_object of s3://b/k", 1.0),
+        ConnectionClosedError(endpoint_url="http://127.0.0.1:1"),
+        ReadTimeoutError(endpoint_url="http://127.0.0.1:1"),
+        ConnectionResetError(),
+        KeyboardInterrupt(),
+    ]
+    for error in in_doubt:
+        assert not upload_module._refused(error), repr(error)
+    wrapped = OSError("the put failed")
+    wrapped.__cause__ = ConnectionClosedError(endpoint_url="http://127.0.0.1:1")
+    assert not upload_module._refused(wrapped)
