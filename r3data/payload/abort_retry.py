@@ -1,11 +1,13 @@
 """What a failed upload may still leave, undone in the background.
 
 A request held in the network past its cancellation (a completion the store takes once it
-answers again, a single put's body) could publish a file after its writer was told the write
-failed. Each such upload is a cleanup on one daemon thread, tried until the store confirms or
-:data:`CLEANUP_HORIZON_S` has passed: an abort the store did not confirm, tried again, then the
-final name deleted if it was published; a failed single put's final name watched and deleted
-should it show; a deletion of what a failed write left that failed, tried again.
+answers again, a single put's body, a multipart upload's creation) could publish a file, or
+leave an upload nobody aborts, after its writer was told the write failed. Each such upload is
+a cleanup on one daemon thread, tried until the store confirms or :data:`CLEANUP_HORIZON_S`
+has passed: an abort the store did not confirm, tried again, then the final name deleted if it
+was published; a failed single put's final name watched and deleted should it show; the
+uploads of a key whose creation got no answer listed and aborted; a deletion of what a failed
+write left that failed, tried again.
 """
 
 from __future__ import annotations
@@ -19,7 +21,14 @@ from collections.abc import Callable
 
 from r3data.payload.fs import PayloadRoot
 
-__all__ = ["CLEANUP_HORIZON_S", "published", "retry_abort", "retry_removal", "watch_publish"]
+__all__ = [
+    "CLEANUP_HORIZON_S",
+    "published",
+    "retry_abort",
+    "retry_removal",
+    "watch_publish",
+    "watch_uploads",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +57,14 @@ def watch_publish(url: str, root: PayloadRoot, path: str) -> None:
     _cleanups.add(_Cleanup(url, None, root, path, watch=True))
 
 
+def watch_uploads(url: str, abort: Callable[[], None], root: PayloadRoot, path: str) -> None:
+    """Call ``abort`` (abort every multipart upload the store holds for ``path``) in the
+    background until :data:`CLEANUP_HORIZON_S` has passed: a creation past its deadline left no
+    upload id, and the creation the network still held makes an upload once the store takes
+    it, which nobody would abort."""
+    _cleanups.add(_Cleanup(url, abort, root, path, watch=True))
+
+
 def retry_removal(url: str, root: PayloadRoot, path: str) -> None:
     """Delete ``path`` in the background, should it exist, until the store confirms (a
     deletion of what a failed write left that failed or timed out)."""
@@ -62,8 +79,9 @@ def published(root: PayloadRoot, path: str) -> bool:
 
 class _Cleanup:
     """One failed upload's cleanup: ``abort`` if any (raises ``FileNotFoundError`` when the
-    upload is gone), then delete ``path`` if it was published; with ``watch``, look again until
-    the horizon (a put that cannot be aborted may still land)."""
+    upload is gone), then delete ``path`` if it was published; with ``watch``, again until the
+    horizon (a put that cannot be aborted, or a creation that left no upload id, may still
+    land), ``abort`` included."""
 
     def __init__(
         self,
@@ -89,7 +107,8 @@ class _Cleanup:
         if self.abort is not None:
             with contextlib.suppress(FileNotFoundError):
                 self.abort()
-            self.abort = None  # confirmed: from now on no completion can succeed
+            if not self.watch:
+                self.abort = None  # confirmed: from now on no completion can succeed
         if published(self.root, self.path):  # completed before the abort: delete it
             self.root.call("rm_file", self.path)
             return True
@@ -109,7 +128,9 @@ class _Cleanups:
         self._thread: threading.Thread | None = None
 
     def add(self, cleanup: _Cleanup) -> None:
-        if cleanup.watch:
+        if cleanup.watch and cleanup.abort is not None:
+            what, then = "the creation of the multipart upload", "its uploads listed and aborted"
+        elif cleanup.watch:
             what, then = "the put", "its final name watched"
         elif cleanup.abort is not None:
             what, then = "the abort of the upload", "tried again"

@@ -18,7 +18,13 @@ from typing import Any
 import numpy as np
 from fsspec import AbstractFileSystem
 
-from r3data.payload.abort_retry import published, retry_abort, retry_removal, watch_publish
+from r3data.payload.abort_retry import (
+    published,
+    retry_abort,
+    retry_removal,
+    watch_publish,
+    watch_uploads,
+)
 from r3data.payload.deadline import bounded, on_event_loop, within
 from r3data.payload.fs import PayloadRoot
 
@@ -48,10 +54,10 @@ def upload(root: PayloadRoot, path: str, url: str, parts: list[Any]) -> None:
     """
     fs, timeout = root.fs, root.timeout
     out = within(timeout, f"opening {url}", partial(fs.open, path, "wb"), fs, late=_abandon)
-    requests_bounded = timeout is not None and _bound_requests(out, timeout, url)
+    requests = None if timeout is None else _bound_requests(out, timeout, url)
 
     def step(doing: str, call: Callable[[], Any], late: Callable[[Any], None] | None = None) -> Any:
-        if requests_bounded:
+        if requests is not None:
             return call()  # each request the call makes has its own deadline
         return within(timeout, doing, call, fs, late=late)
 
@@ -68,34 +74,51 @@ def upload(root: PayloadRoot, path: str, url: str, parts: list[Any]) -> None:
         publishing = True
         step(f"publishing {url}", out.close, late=removal(root, path, url))
     except BaseException as error:
-        _abort(out, root, path, url, requests_bounded, publishing and not _refused(error))
+        _abort(out, root, path, url, requests, publishing and not _refused(error))
         raise
 
 
-def _bound_requests(out: Any, timeout: float, url: str) -> bool:
-    """Give each request of ``out``, an s3fs file (``S3File``), the deadline ``timeout``;
-    False (nothing changed) for any other file.
+class _BoundRequests:
+    """The requests of one s3fs file (``S3File``), each given the deadline ``timeout``; notes
+    whether the creation of its multipart upload failed with its outcome in doubt, so that the
+    store may hold an upload whose id nobody got.
 
     An ``S3File`` makes every request of an upload (create the multipart upload, upload each
     part, complete it, or the single ``put_object`` of a small file) through its ``_call_s3``,
     which runs s3fs's ``_call_s3`` coroutine on the filesystem's event loop with no deadline,
-    for as long as botocore's and s3fs's retries add up to. This file's ``_call_s3`` (its own
-    attribute: no other file or caller of the filesystem is touched) runs the same coroutine
-    through :func:`~r3data.payload.deadline.bounded`, which cancels it at its deadline: the
-    request's connection is closed, and nothing retries it later."""
+    for as long as botocore's and s3fs's retries add up to. Installed as this file's
+    ``_call_s3`` (its own attribute: no other file or caller of the filesystem is touched), it
+    runs the same coroutine through :func:`~r3data.payload.deadline.bounded`, which cancels it
+    at its deadline: the request's connection is closed, and nothing retries it later."""
+
+    def __init__(self, out: Any, timeout: float, url: str) -> None:
+        self.out, self.timeout, self.url = out, timeout, url
+        self.creation_in_doubt = False
+
+    def __call__(self, method: str, *kwarglist: Any, **kwargs: Any) -> Any:
+        out = self.out
+        extra = (out.s3_additional_kwargs, out._request_payer_kw)  # what S3File._call_s3 adds
+        doing = f"{method} of {self.url}"
+        try:
+            return bounded(
+                out.fs, self.timeout, doing, "call_s3", method, *extra, *kwarglist, **kwargs
+            )
+        except BaseException as error:
+            if method == "create_multipart_upload" and not _refused(error):
+                self.creation_in_doubt = True
+            raise
+
+
+def _bound_requests(out: Any, timeout: float, url: str) -> _BoundRequests | None:
+    """Give each request of ``out``, an s3fs file, the deadline ``timeout``
+    (:class:`_BoundRequests`); None (nothing changed) for any other file."""
     inner = getattr(out, "fs", None)
     if not callable(getattr(type(out), "_call_s3", None)) or inner is None:
-        return False
+        return None
     if on_event_loop(inner, "call_s3") is None:
-        return False
-
-    def request(method: str, *kwarglist: Any, **kwargs: Any) -> Any:
-        extra = (out.s3_additional_kwargs, out._request_payer_kw)  # what S3File._call_s3 adds
-        doing = f"{method} of {url}"
-        return bounded(inner, timeout, doing, "call_s3", method, *extra, *kwarglist, **kwargs)
-
-    out._call_s3 = request
-    return True
+        return None
+    out._call_s3 = requests = _BoundRequests(out, timeout, url)
+    return requests
 
 
 def _refused(error: BaseException) -> bool:
@@ -119,7 +142,12 @@ def _refused(error: BaseException) -> bool:
 
 
 def _abort(
-    out: Any, root: PayloadRoot, path: str, url: str, requests_bounded: bool, in_doubt: bool
+    out: Any,
+    root: PayloadRoot,
+    path: str,
+    url: str,
+    requests: _BoundRequests | None,
+    in_doubt: bool,
 ) -> None:
     """Discard the upload of ``out`` and mark the file closed, so that nothing completes it
     later; failures here are not the error to report. ``in_doubt``: the publish failed without
@@ -134,7 +162,7 @@ def _abort(
     network still held, land."""
     timeout = root.timeout
     try:
-        if requests_bounded:
+        if requests is not None:
             mpu, out.mpu = getattr(out, "mpu", None), None
             if mpu:
                 abort = partial(_abort_upload, out.fs, timeout, url, out.bucket, out.key, mpu)
@@ -144,6 +172,9 @@ def _abort(
                     pass
                 except Exception:
                     retry_abort(url, abort, root, path)
+            elif requests.creation_in_doubt:
+                orphans = partial(_abort_uploads_of, out.fs, timeout, url, out.bucket, out.key)
+                watch_uploads(url, orphans, root, path)
             elif in_doubt:
                 watch_publish(url, root, path)
             out.discard()
@@ -159,6 +190,22 @@ def _abort_upload(
 ) -> None:
     doing = f"aborting the upload of {url}"
     bounded(fs, timeout, doing, "abort_mpu", bucket, key, mpu["UploadId"])
+
+
+def _abort_uploads_of(
+    fs: AbstractFileSystem, timeout: float | None, url: str, bucket: str, key: str
+) -> None:
+    """Abort every multipart upload of ``key`` the store holds (each write's key is a fresh
+    uuid4, so none is another write's)."""
+    doing = f"listing the uploads of {url}"
+    listing = bounded(
+        fs, timeout, doing, "call_s3", "list_multipart_uploads", Bucket=bucket, Prefix=key
+    )
+    for upload in listing.get("Uploads", []):
+        if upload.get("Key") == key:
+            with contextlib.suppress(FileNotFoundError):  # aborted meanwhile
+                _abort_upload(fs, timeout, url, bucket, key, {"UploadId": upload["UploadId"]})
+                logger.info("aborted the upload of %s that a late creation made", url)
 
 
 def _abandon(out: Any) -> None:

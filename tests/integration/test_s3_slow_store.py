@@ -25,6 +25,7 @@ import pytest
 from payload_campaigns import stored
 from s3_fixtures import s3_fixture, s3_fs_fixture, s3_root_fixture  # noqa: F401
 from s3_proxy import SlowProxy
+from stalling import wait_for
 
 from r3data.errors import PayloadReadError, PayloadWriteError
 from r3data.payload import PayloadReader, PayloadRetention, PayloadRoot, PayloadWriter
@@ -383,3 +384,28 @@ def test_a_put_the_store_refused_is_reported_and_not_watched(s3, s3_root, s3_fs,
     assert isinstance(caught.value.__cause__, PermissionError), repr(caught.value.__cause__)
     assert "did not confirm the put" not in caplog.text, caplog.text
     assert stored(PayloadRoot(s3_root, fs=s3_fs)) == set()
+
+
+CREATION = rb"POST [^ ]*[?&]uploads(?:[=& ]|$)"
+
+
+def test_an_upload_whose_creation_the_network_held_past_its_deadline_is_aborted_once_made(
+    s3, s3_root, s3_fs, proxy, caplog
+):
+    """The store takes none of a multipart upload's creation in time: the write fails with no
+    upload id to abort, and the proxy hands the creation to the store once it answers again,
+    which makes an upload nobody holds the id of. The key's uploads, listed in the background,
+    are aborted: none is left to the store's lifecycle rule."""
+    data = routes(20000, seed=8)  # 7.7 MB: a multipart upload
+    writer = PayloadWriter(s3_root, fs=slow_writes_fs(s3, proxy), timeout=TIMEOUT)
+    warm(writer, data)
+    root = PayloadRoot(s3_root, fs=s3_fs)
+    before = stored(root)
+    caplog.set_level(logging.INFO, logger="r3data.payload")
+    failed = pytest.raises(PayloadWriteError, match=r"create_multipart_upload of .*timeout of 1 s")
+    with proxy.mode_for("stall", only=re.compile(CREATION)), failed:
+        writer.write(1, {"routes": data})
+    assert "did not confirm the creation of the multipart upload" in caplog.text
+    assert wait_for(lambda: "that a late creation made" in caplog.text, 10 * TIMEOUT)
+    assert not uploads(s3_fs, s3_root)
+    assert stored(root) == before
