@@ -27,7 +27,6 @@ micro-batch's number in the step, and how many the step has on every data-parall
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 from collections.abc import Mapping, Sequence
@@ -119,8 +118,9 @@ class CollateRollouts:
         fields' dtype, row shape and raggedness (a field without one: 1-D, uint8). Once
         ``stop`` is set (from any thread), the batch's reads stop at their next call to the
         filesystem and the call raises (the loader sets its thread's stop at a shutdown)."""
-        with contextlib.nullcontext() if stop is None else stop.within():
+        if stop is None:
             return self._collate(rollouts, forms)
+        return stop.run(lambda: self._collate(rollouts, forms))
 
     def _collate(
         self,

@@ -80,8 +80,7 @@ class _Stage:
             stop = self.stops.of_caller()
             if stop.is_set():
                 raise PayloadReadError("batch not prepared: the loader was shut down")
-            with stop.within():
-                return self.work(item)
+            return stop.run(lambda: self.work(item))
         except BaseException as exc:
             return _Failed(exc)
 

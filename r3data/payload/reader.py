@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 from fsspec import AbstractFileSystem
@@ -64,6 +64,7 @@ CHUNK_BYTES = 1 << 20
 
 _IOV_MAX = min(getattr(os, "IOV_MAX", 1024), 1024)
 _KEEP_OPEN = 256
+T = TypeVar("T")
 
 
 @dataclass(eq=False, slots=True)
@@ -192,7 +193,7 @@ class _Stopped(Exception):
 
 
 class PlanStop:
-    """A stop for every :class:`Plan` run on this thread :meth:`within` it (a loader's batch
+    """A stop for every :class:`Plan` made inside its :meth:`run` (a loader's batch
     being prepared, whatever plans its fill makes): :meth:`set`, from any thread, sets the
     :attr:`Plan.stop` of those under way and of any started later, so each stops at its next
     call to the filesystem."""
@@ -213,14 +214,15 @@ class PlanStop:
         for plan in plans:
             plan.stop.set()
 
-    @contextlib.contextmanager
-    def within(self) -> Iterator[None]:
-        """Plans this thread runs inside the block answer to this stop."""
-        token = _PLAN_STOP.set(self)
-        try:
-            yield
-        finally:
-            _PLAN_STOP.reset(token)
+    def run(self, call: Callable[[], T]) -> T:
+        """``call()``, whose plans answer to this stop. It runs in a copy of the thread's
+        context, so the stop never outlives the call, whatever interrupt lands where (a
+        ``finally`` resetting a variable is itself a line an interrupt can skip)."""
+        return contextvars.copy_context().run(self._run_within, call)
+
+    def _run_within(self, call: Callable[[], T]) -> T:
+        _PLAN_STOP.set(self)
+        return call()
 
     @contextlib.contextmanager
     def _covering(self, plan: Plan) -> Iterator[None]:

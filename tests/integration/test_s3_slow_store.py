@@ -377,7 +377,9 @@ def test_a_put_the_store_refused_is_reported_and_not_watched(s3, s3_root, s3_fs,
     from s3_server import READER_KEY, READER_SECRET
 
     reader = s3fs.S3FileSystem(**s3.storage_options(key=READER_KEY, secret=READER_SECRET))
-    writer = PayloadWriter(s3_root, fs=reader, timeout=TIMEOUT)
+    reader.ls(s3_root.removeprefix("s3://").split("/")[0])  # makes the client: no deadline here
+    # no stall in this test: a deadline generous enough for a loaded machine's first request
+    writer = PayloadWriter(s3_root, fs=reader, timeout=30 * TIMEOUT)
     caplog.set_level(logging.WARNING, logger="r3data.payload.abort_retry")
     with pytest.raises(PayloadWriteError, match=r"Access ?Denied|[Pp]ermission") as caught:
         writer.write(1, {"routes": routes(100, seed=7)})
