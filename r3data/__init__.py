@@ -14,11 +14,12 @@ from r3data.errors import R3DataError
 
 logging.getLogger(__name__).addHandler(logging.NullHandler())
 
-__all__ = ["PackedTensor", "R3DataError", "RolloutDataset", "TensorBatch", "loader"]
+__all__ = ["BatchLoader", "PackedTensor", "R3DataError", "RolloutDataset", "TensorBatch", "loader"]
 
 _LAZY = {
     "PackedTensor": "r3data.packed",
     "TensorBatch": "r3data.batch",
+    "BatchLoader": "r3data.nodes",
     "loader": "r3data.nodes",
     "RolloutDataset": "r3data.nodes",
 }

@@ -1,6 +1,7 @@
 """The torchdata.nodes pipeline: samples -> stitched traces -> packed ``TensorBatch``es, one
 micro-batch of one optimizer step on one rank at a time."""
 
+from r3data.nodes.batch_loader import BatchLoader
 from r3data.nodes.collate import CollateRollouts
 from r3data.nodes.dataset import RolloutDataset
 from r3data.nodes.fill import FilledField, fill_field, materialize
@@ -13,6 +14,7 @@ from r3data.nodes.steps import DataParallel, MicroBatches, Shuffle, plan_step
 from r3data.nodes.stitcher import StitchedRollout, StitchRollout
 
 __all__ = [
+    "BatchLoader",
     "CollateOptions",
     "CollateRollouts",
     "DataParallel",

@@ -16,7 +16,8 @@ line (naming the sample, field and position), the worker's traceback as its caus
 pipeline then waits on forever.
 
 A batch being prepared answers to its thread's :class:`~r3data.payload.reader.PlanStop`
-(:class:`ThreadStops`): a reset, the loader collected, or the interpreter exiting sets it, so its
+(:class:`ThreadStops`): a reset, the loader closed (:class:`BatchLoader`) or collected, or the
+interpreter exiting sets it, so its
 reads stop at their next call to the filesystem, its thread prepares no other batch, and no
 pool lane keeps retrying for an abandoned batch.
 """
@@ -30,11 +31,12 @@ import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from torchdata.nodes import BaseNode, Loader, Mapper, Prefetcher
+from torchdata.nodes import BaseNode, Mapper, Prefetcher
 
 from r3data.batch import TensorBatch
 from r3data.buffers import BufferPool
 from r3data.errors import ConfigError, PayloadReadError
+from r3data.nodes.batch_loader import BatchLoader
 from r3data.nodes.collate import CollateRollouts
 from r3data.nodes.options import CollateOptions, TraceOptions
 from r3data.nodes.sample import field_forms
@@ -137,6 +139,10 @@ class _InPlace(BaseNode[Any]):
     def get_state(self) -> dict[str, Any]:
         return {self.SNAPSHOT: self.source.state_dict(), self.STEPS: 0}
 
+    def close(self) -> None:
+        """Stop the batch being prepared (on whatever thread runs the loader) for good."""
+        self.stops.close()
+
 
 class _StoppingPrefetcher(Prefetcher):
     """torchdata's ``Prefetcher`` whose shutdowns stop the batch its thread is preparing: a
@@ -151,6 +157,13 @@ class _StoppingPrefetcher(Prefetcher):
     def reset(self, initial_state: dict[str, Any] | None = None) -> None:
         self.stops.retire(getattr(self._it, "_thread", None))  # the run torchdata shuts down
         super().reset(initial_state)
+
+    def close(self) -> None:
+        """Stop the batch being prepared for good, then shut the thread down (torchdata's
+        join waits half a second; a stopped batch ends at its next call to the filesystem)."""
+        self.stops.close()
+        if self._it is not None:
+            self._it._shutdown()
 
 
 def _delivered(batch: TensorBatch | _Failed) -> TensorBatch:
@@ -260,7 +273,7 @@ def loader(
     screen: ScreenOptions | Mapping[str, Any] | None = None,
     collate: CollateOptions | Mapping[str, Any] | None = None,
     prefetch: int = 2,
-) -> Loader[TensorBatch]:
+) -> BatchLoader:
     """A resumable loader of this rank's micro-batches (:class:`TensorBatch`, see
     :mod:`r3data.nodes.collate`), optimizer step after optimizer step.
 
@@ -287,6 +300,7 @@ def loader(
     :class:`~r3data.nodes.screen.ScreenOptions` and
     :class:`~r3data.nodes.options.CollateOptions` (or mappings of their fields). With
     ``prefetch`` > 0 the next micro-batches are stitched and filled in the background.
+    ``close()`` (or a ``with`` block) stops that work at once (:class:`BatchLoader`).
 
     A misspelt keyword or option is a :class:`~r3data.errors.ConfigError` naming it.
     """
@@ -364,6 +378,6 @@ def loader(
         return fill(rollouts, forms)
 
     stops = ThreadStops()
-    node: BaseNode[Any] = Mapper(_Guarded(source), _Stage(prepared, stops))
-    node = _StoppingPrefetcher(node, prefetch, stops) if prefetch else _InPlace(node, stops)
-    return Loader(Mapper(node, _delivered), restart_on_stop_iteration=False)
+    node = Mapper(_Guarded(source), _Stage(prepared, stops))
+    work = _StoppingPrefetcher(node, prefetch, stops) if prefetch else _InPlace(node, stops)
+    return BatchLoader(Mapper(work, _delivered), work)

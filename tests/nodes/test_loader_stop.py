@@ -265,7 +265,7 @@ ld = loader(samples, batch_size=1, payload_root=PayloadRoot("/run", fs=store), p
 it = iter(ld)
 next(it)
 time.sleep(0.5)  # its thread has prepared the next batch and waits
-stops = ld.root.source.stops
+stops = ld.root.pipeline.source.stops
 lock = stops._lock
 holder = [ld, it]
 del ld, it
@@ -313,7 +313,7 @@ def test_a_child_forked_while_a_batch_is_being_prepared_exits():
     ld = loader(samples, batch_size=1, payload_root=PayloadRoot("/run", fs=store), prefetch=1)
     it = iter(ld)
     next(it)
-    stops = ld.root.source.stops
+    stops = ld.root.pipeline.source.stops
     holding, release = threading.Event(), threading.Event()
 
     def hold() -> None:  # where the prefetch thread is for a moment in each batch
