@@ -64,6 +64,7 @@ class BatchLoader(Loader[TensorBatch]):
 
     @property
     def closed(self) -> bool:
+        """Whether :meth:`close` was called (the loader then yields nothing more)."""
         return self._gate.closed
 
     def close(self) -> None:
