@@ -99,6 +99,7 @@ def run_distribution(kind: str, args: argparse.Namespace, rng: np.random.Generat
             "packed_pool": lambda: packed(threads),
         },
         args.repeats,
+        freeze_heap=args.quick,
     )
     times = {arm: min(runs) for arm, runs in seconds.items()}
     memcpy_s = times.pop("memcpy")

@@ -277,6 +277,7 @@ def main(argv: list[str] | None = None) -> dict:
                 "memcpy": lambda: np.copyto(target, source),
             },
             args.repeats,
+            freeze_heap=args.quick,
         )
         times = {arm: min(runs) for arm, runs in seconds.items()}
         times["loader"] /= args.batches
@@ -290,6 +291,7 @@ def main(argv: list[str] | None = None) -> dict:
                 "hand_written_by_handle": lambda: hand_written_tiny(by_handle, root, batch),
             },
             max(1, args.repeats // 2),
+            freeze_heap=args.quick,
         )
     per_sample = {arm: min(runs) / args.tiny * 1e6 for arm, runs in tiny.items()}
     ratios = {

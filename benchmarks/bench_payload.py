@@ -152,6 +152,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                 "floor": floor_read,
             },
             repeats,
+            freeze_heap=args.quick,
         )
 
         latency_fs = LatencyFileSystem(args.latency_ms / 1e3)

@@ -110,6 +110,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             "ours_two_fields": lambda: load_packed_body(raw, ("routed_experts", "sampling_mask")),
         },
         repeats,
+        freeze_heap=args.quick,
     )
     best = {name: min(values) for name, values in seconds.items()}
     peak = traced_peak_bytes(lambda: load_packed_body(raw))

@@ -254,7 +254,9 @@ def main(argv: list[str] | None = None) -> dict:
             return result
 
         seconds = time_interleaved(
-            {"step": lambda: step(stitch, collate, items), "staged": clocked}, args.repeats
+            {"step": lambda: step(stitch, collate, items), "staged": clocked},
+            args.repeats,
+            freeze_heap=args.quick,
         )
         stitch_profile, rollouts = profile(lambda: [stitch(item, 0) for item in items], args.top)
         collate_profile, _ = profile(lambda: collate(rollouts), args.top)

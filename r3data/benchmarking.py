@@ -25,21 +25,32 @@ def time_interleaved(
     repeats: int,
     *,
     sync: Callable[[], None] | None = None,
+    freeze_heap: bool = False,
 ) -> dict[str, list[float]]:
-    """Seconds of each case, ``repeats`` times, cases interleaved; ``sync`` (e.g.
-    ``torch.cuda.synchronize``) runs before the clock starts and before it stops."""
+    """Seconds of each case, ``repeats`` times, cases interleaved, each run after a collection
+    (what the runs before it left is freed); ``sync`` (e.g. ``torch.cuda.synchronize``) runs
+    before the clock starts and before it stops. With ``freeze_heap`` (a ``--quick`` smoke run)
+    what lived before the first run is left out of every collection: cheap in a large process
+    such as a test suite, but not the heap a trainer's collections walk."""
     seconds: dict[str, list[float]] = {name: [] for name in cases}
-    for _ in range(repeats):
-        for name, call in cases.items():
-            gc.collect()
-            if sync is not None:
-                sync()
-            start = time.perf_counter()
-            result = call()
-            if sync is not None:
-                sync()
-            seconds[name].append(time.perf_counter() - start)
-            del result
+    if freeze_heap:
+        gc.collect()
+        gc.freeze()
+    try:
+        for _ in range(repeats):
+            for name, call in cases.items():
+                gc.collect()
+                if sync is not None:
+                    sync()
+                start = time.perf_counter()
+                result = call()
+                if sync is not None:
+                    sync()
+                seconds[name].append(time.perf_counter() - start)
+                del result
+    finally:
+        if freeze_heap:
+            gc.unfreeze()
     return seconds
 
 
