@@ -17,9 +17,8 @@ pipeline then waits on forever.
 
 A batch being prepared answers to its thread's :class:`~r3data.payload.reader.PlanStop`
 (:class:`ThreadStops`): a reset, the loader closed (:class:`BatchLoader`) or collected, or the
-interpreter exiting sets it, so its
-reads stop at their next call to the filesystem, its thread prepares no other batch, and no
-pool lane keeps retrying for an abandoned batch.
+interpreter exiting sets it, so its reads stop at their next call to the filesystem, its thread
+prepares no other batch, and no pool lane keeps retrying for an abandoned batch.
 """
 
 from __future__ import annotations
