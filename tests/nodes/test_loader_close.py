@@ -15,11 +15,13 @@ from test_loader_stop import (
     StalledFiles,
     assert_stopped,
     by_handle_samples,
+    files_of,
     stalled_loader,
+    store_fixture,  # noqa: F401  (the stalled store, as a fixture named "store")
 )
 
 from r3data import BatchLoader, loader
-from r3data.errors import UsageError
+from r3data.errors import PayloadReadError, UsageError
 from r3data.payload.fs import PayloadRoot
 
 PREFETCH = pytest.mark.parametrize("prefetch", [2, 0], ids=["prefetching", "in_place"])
@@ -32,13 +34,6 @@ def prefetch_threads() -> set[threading.Thread]:
 
 def ids(batches) -> list[list[str]]:
     return [b["sample_id"] for b in batches]
-
-
-@pytest.fixture(name="store", params=["info", "read"], ids=["stalled_opens", "stalled_reads"])
-def store_fixture(request) -> StalledFiles:
-    fs = StalledFiles(request.param)
-    yield fs
-    fs.release.set()
 
 
 def test_closing_stops_the_stalled_reads_and_the_prefetch_thread(store):
@@ -63,7 +58,7 @@ def test_closing_stops_the_stalled_reads_and_the_prefetch_thread(store):
 
 def test_an_in_place_loader_closed_while_another_thread_runs_it_stops_that_batch(store):
     samples, _ = by_handle_samples(store, 3)
-    store.stalled = files_of_first(samples)
+    store.stalled = files_of(samples[0])
     root = PayloadRoot("/run", fs=store, timeout=TIMEOUT)
     ld = loader(samples, batch_size=1, payload_root=root, prefetch=0, collate={"workers": 2})
     failures: list[BaseException] = []
@@ -83,11 +78,8 @@ def test_an_in_place_loader_closed_while_another_thread_runs_it_stops_that_batch
     assert not runner.is_alive(), "the batch in flight did not stop"
     assert_stopped(store, len(store.touched))
     assert len(failures) == 1, failures
+    assert isinstance(failures[0], PayloadReadError), repr(failures[0])
     assert "shut down" in str(failures[0]) or "stopped" in str(failures[0]), failures[0]
-
-
-def files_of_first(samples: list[dict]) -> set[str]:
-    return {f"/run/{r['sources'][0]['file']}" for r in samples[0]["requests"]}
 
 
 @PREFETCH
