@@ -25,15 +25,18 @@ lint: $(STAMP)
 # Tracing coverage slows the suite by about half, so the foundation's gate runs on its own
 # tests; `make coverage` reports the whole package over every test.
 FOUNDATION_TESTS := tests/test_packed.py tests/test_batch.py tests/test_types_review.py tests/test_ragged.py
+# The suite runs in this many pytest-xdist worker processes, each test module whole on one
+# (tests/conftest.py): its stall tests sleep beside the CPU-bound ones. 0 runs it in this process.
+TEST_WORKERS ?= 2
 
 test: lint
-	$(PY) -m pytest
+	$(PY) -m pytest -n $(TEST_WORKERS)
 	@echo "Coverage of the foundation by its own tests (target >= 95%):"
 	$(PY) -m pytest -q --cov=r3data --cov-report= $(FOUNDATION_TESTS)
 	$(PY) -m coverage report --include='r3data/packed.py,r3data/batch.py' --fail-under=95
 
 coverage: $(STAMP)
-	$(PY) -m pytest --cov=r3data --cov-report=term-missing:skip-covered
+	$(PY) -m pytest -n $(TEST_WORKERS) --cov=r3data --cov-report=term-missing:skip-covered
 
 format: $(STAMP)
 	$(VENV)/bin/ruff check --fix .

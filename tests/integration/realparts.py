@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 
 import pytest
 
@@ -24,13 +25,17 @@ def unavailable(reason: str) -> None:
 
 
 def say(config: pytest.Config, text: str) -> None:
-    """A line on the terminal, past pytest's output capture (a server's log, a figure)."""
-    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    """A line on the terminal, past pytest's output capture (a server's log, a figure). In an
+    xdist worker it goes to the worker's standard error, which is the run's terminal."""
     capture = config.pluginmanager.get_plugin("capturemanager")
-    if reporter is None or capture is None:
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    if capture is None or reporter is None:
         return
     with capture.global_and_fixture_disabled():
-        reporter.write_line(text)
+        if hasattr(config, "workerinput"):
+            print(text, file=sys.stderr, flush=True)
+        else:
+            reporter.write_line(text)
 
 
 def free_ports(count: int) -> list[int]:

@@ -43,23 +43,29 @@ def proxy_fixture(s3: Any) -> Iterator[SlowProxy]:
     proxy.close()
 
 
-@pytest.fixture(name="slow_fs")
-def slow_fs_fixture(s3: Any, proxy: SlowProxy) -> Any:
+def proxied_fs(s3: Any, proxy: SlowProxy, **options: Any) -> Any:
     """s3fs through the proxy with its own timeouts and retries at their defaults (connect 5 s,
-    read 15 s, botocore's and s3fs's retries), as a user's filesystem would have them."""
+    read 15 s, botocore's and s3fs's retries), as a user's filesystem would have them. Its
+    client is made here: on a loaded machine that alone can take longer than a test's deadline,
+    and no test here times it."""
     import s3fs
 
-    options = {**s3.storage_options(endpoint_url=proxy.endpoint), "config_kwargs": {}}
-    return s3fs.S3FileSystem(**options)
+    fs = s3fs.S3FileSystem(
+        **{**s3.storage_options(endpoint_url=proxy.endpoint), "config_kwargs": {}}, **options
+    )
+    fs.connect()
+    return fs
+
+
+@pytest.fixture(name="slow_fs")
+def slow_fs_fixture(s3: Any, proxy: SlowProxy) -> Any:
+    return proxied_fs(s3, proxy)
 
 
 def slow_writes_fs(s3: Any, proxy: SlowProxy) -> Any:
-    """:func:`slow_fs_fixture`'s filesystem with s3fs's smallest block (5 MiB): a file of a
-    few blocks is a multipart upload."""
-    import s3fs
-
-    options = {**s3.storage_options(endpoint_url=proxy.endpoint), "config_kwargs": {}}
-    return s3fs.S3FileSystem(**options, default_block_size=5 << 20)
+    """:func:`proxied_fs` with s3fs's smallest block (5 MiB): a file of a few blocks is a
+    multipart upload."""
+    return proxied_fs(s3, proxy, default_block_size=5 << 20)
 
 
 def routes(rows: int, seed: int = 0) -> np.ndarray:
