@@ -20,11 +20,11 @@ def hung_calls() -> int:
         return sum(deadline._hung.values())
 
 
-def wait_for(condition: Callable[[], bool], seconds: float = 5) -> bool:
-    """Whether ``condition()`` holds within ``seconds``."""
+def wait_for(condition: Callable[[], bool], seconds: float = 5, poll_s: float = 0.01) -> bool:
+    """Whether ``condition()`` holds within ``seconds``, asked every ``poll_s``."""
     until = time.monotonic() + seconds
     while not condition() and time.monotonic() < until:
-        time.sleep(0.01)
+        time.sleep(poll_s)
     return condition()
 
 

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
+import stalling
 from traced import run_traced
 
 from r3data.payload import deadline
@@ -58,11 +60,9 @@ def interrupted_at(line_event: int, call: Any, late: Any, finished: Any) -> tupl
     return ended, result, late_interrupt[0]
 
 
-def wait_for(condition: Any, seconds: float = 5) -> bool:
-    end = time.monotonic() + seconds
-    while not condition() and time.monotonic() < end:
-        time.sleep(0.002)
-    return condition()
+def wait_for(condition: Callable[[], bool], seconds: float = 5) -> bool:
+    """:func:`stalling.wait_for`, asked every 2 ms: the campaigns below wait once per line."""
+    return stalling.wait_for(condition, seconds, poll_s=0.002)
 
 
 def hung_calls() -> int:
