@@ -31,8 +31,10 @@ def time_interleaved(
     (what the runs before it left is freed); ``sync`` (e.g. ``torch.cuda.synchronize``) runs
     before the clock starts and before it stops. With ``freeze_heap`` (a ``--quick`` smoke run)
     what lived before the first run is left out of every collection: cheap in a large process
-    such as a test suite, but not the heap a trainer's collections walk."""
+    such as a test suite, but not the heap a trainer's collections walk. A heap the caller
+    froze already is left as it is (``gc.unfreeze`` would give back the caller's part too)."""
     seconds: dict[str, list[float]] = {name: [] for name in cases}
+    freeze_heap = freeze_heap and gc.get_freeze_count() == 0
     if freeze_heap:
         gc.collect()
         gc.freeze()

@@ -51,3 +51,15 @@ def test_a_failing_case_gives_the_frozen_heap_back():
     with pytest.raises(RuntimeError, match="case failed"):
         time_interleaved({"failing": failing}, 2, freeze_heap=True)
     assert gc.get_freeze_count() == before
+
+
+def test_a_heap_the_caller_froze_stays_frozen():
+    gc.collect()
+    gc.freeze()
+    try:
+        before = gc.get_freeze_count()
+        assert before > 0
+        time_interleaved({"a": lambda: Cycle()}, 2, freeze_heap=True)
+        assert gc.get_freeze_count() == before
+    finally:
+        gc.unfreeze()
