@@ -11,8 +11,10 @@ relative to a fresh descriptor of the root (or one plan's, :meth:`PayloadRoot.he
 (an absolute symlink, which may still lead inside), what it cannot decide (``EAGAIN``: a
 rename anywhere on the machine raced a ``..``) and everything on kernels without ``openat2``
 is opened plainly, and the descriptor's own path, symlinks resolved as the kernel holds it,
-must then lie inside the root's, so nothing is remembered beyond one plan that a rename or
-a swapped symlink could invalidate. A file is opened
+must then lie inside the root's and, walked beneath the root following no symlink, name the
+same inode (a magic link into another mount namespace shows a path as that namespace sees
+it), so nothing is remembered beyond one plan that a rename or a swapped symlink could
+invalidate. A file is opened
 ``O_PATH`` first and must be a regular file before it is opened to read, so a FIFO cannot
 block a read and a device is never opened. A deletion follows no symlink at all, so that no
 file has a second name whose release deletes it. This needs Linux's ``/proc/self/fd``.
@@ -395,6 +397,28 @@ def _fd_path(fd: int) -> str:
 
 def _inside(path: str, root: str) -> bool:
     return path == root or path.startswith(root.rstrip("/") + "/")
+
+
+def _names_inode_of(fd: int, root_fd: int, rel: str) -> bool:
+    """Whether ``rel``, walked beneath ``root_fd`` one name at a time following no symlink,
+    names the inode ``fd`` holds. The kernel's path of a descriptor (:func:`_fd_path`) is the
+    one its own mount namespace sees: through a magic link (``/proc/PID/root/...``) a file of
+    another namespace can show a path inside the root that here names another file, or none."""
+    want = os.fstat(fd)
+    at = root_fd
+    try:
+        for part in rel.split("/") if rel else ():
+            inner = os.open(part, _PATH | os.O_NOFOLLOW, dir_fd=at)
+            if at != root_fd:
+                os.close(at)
+            at = inner
+        found = os.fstat(at)
+    except OSError:
+        return False
+    finally:
+        if at != root_fd:
+            os.close(at)
+    return (found.st_dev, found.st_ino) == (want.st_dev, want.st_ino)
 
 
 def _regular_size(fd: int, what: Callable[[], str]) -> int:
@@ -821,6 +845,12 @@ class PayloadRoot:
                         raise PayloadHandleError(
                             f"{what()} resolves through a symlink to {real!r}, outside the root "
                             f"{self.url}"
+                        )
+                    if not _names_inode_of(fd, root_fd, real[len(root_real) :].lstrip("/")):
+                        raise PayloadHandleError(
+                            f"{what()} resolves through a symlink to {real!r} as its own mount "
+                            f"namespace shows it, which is not what that path names beneath the "
+                            f"root {self.url} (another namespace's file, or the tree changed)"
                         )
                 except BaseException:
                     os.close(fd)

@@ -5,6 +5,8 @@ the tree changes; non-regular files refused before they are opened; each descrip
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
 import threading
 import time
 from collections.abc import Callable
@@ -30,6 +32,7 @@ from r3data.payload import (
     PayloadReader,
     PayloadRetention,
     PayloadRoot,
+    PayloadSegment,
     PayloadWriter,
     inspect,
     verify,
@@ -93,6 +96,52 @@ def test_symlinks_out_of_the_root_are_refused_on_every_local_backed_class(tmp_pa
     with pytest.raises(PayloadWriteError, match="outside the root"):  # writers are confined too
         PayloadWriter(root, fs=fs).write(7, {"routes": ROUTES})
     assert sorted(p.name for p in secret.iterdir()) == ["v1"]
+
+
+@pytest.fixture
+def other_namespace(tmp_path):
+    """A process holding its own mount namespace, in which a tmpfs over ``tmp_path/payloads``
+    holds ``v1/secret.bin`` and a folder ``v2``: here those paths name nothing."""
+    root = tmp_path / "payloads"
+    (root / "v0").mkdir(parents=True)
+    if shutil.which("unshare") is None:
+        pytest.skip("no unshare(1) here")
+    script = (
+        f"mount -t tmpfs none {root} && mkdir {root}/v1 {root}/v2 && "
+        f"printf SECRET-OF-ANOTHER-NAMESPACE > {root}/v1/secret.bin && echo ready && exec sleep 60"
+    )
+    holder = subprocess.Popen(
+        ["unshare", "-m", "--propagation", "private", "sh", "-c", script],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    try:
+        if holder.stdout.readline().strip() != "ready":
+            pytest.skip("cannot make a mount namespace here (unshare -m needs privileges)")
+        yield root, holder.pid
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_a_symlink_into_another_mount_namespace_is_refused(other_namespace):
+    # /proc/PID/root leads into another namespace, where the kernel shows the file's path as
+    # that namespace sees it: inside the root's path, yet not a file of this root.
+    root, pid = other_namespace
+    assert not (root / "v1" / "secret.bin").exists()
+    there = f"/proc/{pid}/root{root}"
+    (root / "v0" / "absolute.bin").symlink_to(f"{there}/v1/secret.bin")
+    (root / "v0" / "relative.bin").symlink_to("../" * len(root.parts) + f"{there}/v1/secret.bin")
+    reader = PayloadReader(str(root), retries=0)
+    for handle in ("v0/absolute.bin", "v0/relative.bin"):
+        segment = PayloadSegment("routes", handle, 0, 0, 4, "uint8", (4,))
+        with pytest.raises(PayloadHandleError, match="mount namespace"):
+            reader.read([segment])
+    (root / "v2").symlink_to(f"{there}/v2")
+    with pytest.raises(PayloadWriteError, match="mount namespace"):  # nor is anything written there
+        PayloadWriter(str(root)).write(2, {"routes": ROUTES})
+    assert os.listdir(f"{there}/v2") == []
 
 
 @pytest.mark.parametrize("kind", LOCAL_CLASSES)
