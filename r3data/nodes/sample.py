@@ -214,16 +214,16 @@ def _rereadable(name: str, items: object) -> Sequence[Any]:
     return ()
 
 
-_FILE_KEY = re.compile(rb'"file"')
-"""A by-handle segment's key, which no base64 blob can hold (it has no quotes)."""
+_FILE_KEY = re.compile(rb'"(?:f|\\u0066)(?:i|\\u0069)(?:l|\\u006[cC])(?:e|\\u0065)"')
+"""A by-handle segment's key as JSON may spell it (each letter itself or its ``\\u`` escape,
+which the parser reads alike); no base64 blob holds one (it has no quotes)."""
 
 
 def _response_files(source: Mapping[str, Any], request: Mapping[str, Any]) -> list[str]:
     """The files a producer response names by handle (prime-rl's ``payload``), decoded only
-    when the body may hold a segment: raw bodies without a ``"file"`` key are not parsed."""
+    when the body may hold a segment: raw bodies without a ``"file"`` key, in any spelling, are
+    not parsed (a spelling the scan missed would leave a file unclaimed, and deleted early)."""
     response = source.get("response")
-    if isinstance(response, str) and '"file"' not in response:
-        return []
     if isinstance(response, bytes | bytearray | memoryview) and not _FILE_KEY.search(response):
         return []
     try:

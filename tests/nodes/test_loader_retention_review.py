@@ -20,20 +20,22 @@ PROMPT, COMPLETION = 3, 2
 ROWS = PROMPT + COMPLETION - 1
 
 
-def primerl_by_handle(segment: dict) -> dict:
-    """A prime-rl ``/inference/v1/generate`` response whose one choice names ``segment``."""
+def primerl_by_handle(segment: dict, file_key: str = '"file"') -> dict:
+    """A prime-rl ``/inference/v1/generate`` response whose one choice names ``segment``, its
+    ``file`` key spelled ``file_key`` (JSON reads every spelling alike)."""
     choice = {"index": 0, "token_ids": [7] * COMPLETION, "payload": [segment]}
-    body = {"request_id": "r", "choices": [choice]}
-    return {"producer": "prime-rl", "response": json.dumps(body).encode()}
+    body = json.dumps({"request_id": "r", "choices": [choice]}).replace('"file"', file_key)
+    return {"producer": "prime-rl", "response": body.encode()}
 
 
 def request(source) -> dict:
     return {"prompt_len": PROMPT, "completion_len": COMPLETION, "sources": [source]}
 
 
-def shared_file_samples(root):
+def shared_file_samples(root, **spelling):
     """Sample 0 names the file by a segment dict, sample 1 the same rows by a prime-rl
-    response; one more file of sample 1's alone, read by a prime-rl response too."""
+    response; one more file of sample 1's alone, read by a prime-rl response too (both
+    responses spelled as ``spelling`` asks, :func:`primerl_by_handle`)."""
     writer = PayloadWriter(root)
     rng = np.random.default_rng(0)
     rows = rng.integers(1, EXPERTS, (ROWS, LAYERS, TOPK)).astype(np.uint8)
@@ -47,16 +49,25 @@ def shared_file_samples(root):
             "id": "b",
             "token_ids": tokens,
             "requests": [
-                request(primerl_by_handle(own.to_dict())),
-                request(primerl_by_handle(shared.to_dict())),
+                request(primerl_by_handle(own.to_dict(), **spelling)),
+                request(primerl_by_handle(shared.to_dict(), **spelling)),
             ],
         },
     ]
     return samples, {"a": rows, "b": rows}, shared.file, own.file
 
 
-def test_a_file_a_producer_response_names_is_claimed_for_its_step(tmp_path):
-    samples, expected, shared, own = shared_file_samples(tmp_path)
+@pytest.mark.parametrize(
+    "spelling",
+    [
+        {},
+        {"file_key": r'"fil\u0065"'},  # an escape the parser reads as "file"
+        {"file_key": r'"\u0066\u0069\u006C\u0065"'},
+    ],
+    ids=["plain", "escaped", "all-escaped"],
+)
+def test_a_file_a_producer_response_names_is_claimed_for_its_step(tmp_path, spelling):
+    samples, expected, shared, own = shared_file_samples(tmp_path, **spelling)
     retention = PayloadRetention(str(tmp_path), max_off_policy_steps=8, fresh=False)
     batches = loader(samples, batch_size=1, retention=retention, prefetch=0)
     for batch in batches:
