@@ -196,9 +196,12 @@ def _reader(
     root = retention.root if payload_root is None and retention is not None else payload_root
     if root is None:
         return None
+    # A retention deletes files by the names claimed for them: a file read through a symlink
+    # (a second name) would not be kept by its claim, so none is followed.
+    follow = retention is None
     if isinstance(root, PayloadRoot):  # its timeout bounds each of the reader's calls
-        return PayloadReader(root.path, fs=root.fs, timeout=root.timeout)
-    return PayloadReader(root)
+        return PayloadReader(root.path, fs=root.fs, timeout=root.timeout, follow_symlinks=follow)
+    return PayloadReader(root, follow_symlinks=follow)
 
 
 def _check_ranks(

@@ -351,19 +351,22 @@ class _OpenHow(ctypes.Structure):
 
 _SYS_OPENAT2 = 437  # the same number on every Linux architecture
 _RESOLVE_BENEATH_ONLY = 0x02 | 0x08  # RESOLVE_NO_MAGICLINKS | RESOLVE_BENEATH
+_RESOLVE_NO_SYMLINKS = 0x04
 _openat2_missing = sys.platform != "linux"
-_HOWS: dict[int, Any] = {}  # flags -> a by-reference ``open_how`` (the kernel only reads it)
+_HOWS: dict[tuple[int, int], Any] = {}  # (flags, resolve) -> a by-reference ``open_how``
 
 
-def _openat2(root_fd: int, rel: str, flags: int) -> int | None:
-    """``openat2(root_fd, rel, flags, RESOLVE_BENEATH)``: the kernel refuses (``EXDEV``) any
-    resolution leaving ``root_fd``; None on a kernel without the call."""
+def _openat2(
+    root_fd: int, rel: str, flags: int, resolve: int = _RESOLVE_BENEATH_ONLY
+) -> int | None:
+    """``openat2(root_fd, rel, flags, resolve)``, by default ``RESOLVE_BENEATH``: the kernel
+    refuses (``EXDEV``) any resolution leaving ``root_fd``; None on a kernel without the call."""
     global _openat2_missing
     if _openat2_missing:
         return None
-    how = _HOWS.get(flags)
+    how = _HOWS.get((flags, resolve))
     if how is None:
-        how = _HOWS[flags] = ctypes.byref(_OpenHow(flags, 0, _RESOLVE_BENEATH_ONLY))
+        how = _HOWS[flags, resolve] = ctypes.byref(_OpenHow(flags, 0, resolve))
     fd = _LIBC.syscall(_SYS_OPENAT2, root_fd, rel.encode(_FS_ENCODING, _FS_ERRORS), how, 24)
     if fd >= 0:
         return fd
@@ -399,25 +402,51 @@ def _inside(path: str, root: str) -> bool:
     return path == root or path.startswith(root.rstrip("/") + "/")
 
 
-def _names_inode_of(fd: int, root_fd: int, rel: str) -> bool:
-    """Whether ``rel``, walked beneath ``root_fd`` one name at a time following no symlink,
-    names the inode ``fd`` holds. The kernel's path of a descriptor (:func:`_fd_path`) is the
-    one its own mount namespace sees: through a magic link (``/proc/PID/root/...``) a file of
-    another namespace can show a path inside the root that here names another file, or none."""
-    want = os.fstat(fd)
-    at = root_fd
+def _walk_no_symlinks(root_fd: int, rel: str, flags: int) -> int:
+    """``rel`` (normalised, no ``..``) opened with ``flags`` beneath ``root_fd``, one name at a
+    time, following no symlink (one on the way: ``ELOOP`` or ``ENOTDIR``)."""
+    at, parts = root_fd, rel.split("/")
     try:
-        for part in rel.split("/") if rel else ():
-            inner = os.open(part, _PATH | os.O_NOFOLLOW, dir_fd=at)
+        for part in parts[:-1]:
+            inner = os.open(part, _PATH | os.O_NOFOLLOW | os.O_DIRECTORY, dir_fd=at)
             if at != root_fd:
                 os.close(at)
             at = inner
-        found = os.fstat(at)
-    except OSError:
-        return False
+        fd = os.open(parts[-1], flags | os.O_NOFOLLOW, dir_fd=at)
+        if stat.S_ISLNK(os.fstat(fd).st_mode):  # O_PATH | O_NOFOLLOW opens the link itself
+            os.close(fd)
+            raise OSError(errno.ELOOP, os.strerror(errno.ELOOP), rel)
+        return fd
     finally:
         if at != root_fd:
             os.close(at)
+
+
+def _via_symlink(root_fd: int, rel: str) -> bool:
+    """Whether a symlink lies on ``rel``'s way beneath ``root_fd`` (it, or a folder of it)."""
+    parts = rel.split("/")
+    for end in range(1, len(parts) + 1):
+        try:
+            if stat.S_ISLNK(os.lstat("/".join(parts[:end]), dir_fd=root_fd).st_mode):
+                return True
+        except OSError:
+            return False
+    return False
+
+
+def _names_inode_of(fd: int, root_fd: int, rel: str) -> bool:
+    """Whether ``rel``, walked beneath ``root_fd`` following no symlink, names the inode ``fd``
+    holds. The kernel's path of a descriptor (:func:`_fd_path`) is the one its own mount
+    namespace sees: through a magic link (``/proc/PID/root/...``) a file of another namespace
+    can show a path inside the root that here names another file, or none."""
+    try:
+        found_fd = _walk_no_symlinks(root_fd, rel, _PATH) if rel else os.dup(root_fd)
+    except OSError:
+        return False
+    try:
+        found, want = os.fstat(found_fd), os.fstat(fd)
+    finally:
+        os.close(found_fd)
     return (found.st_dev, found.st_ino) == (want.st_dev, want.st_ino)
 
 
@@ -510,6 +539,9 @@ class PayloadRoot:
     deletion) is given up after ``timeout`` seconds (:data:`DEFAULT_TIMEOUT_S`; None: no
     limit) as :class:`PayloadReadError`; a local-backed root's calls are system calls, bounded
     by the mount's own options (an NFS mount's ``timeo``/``retrans``, ``soft``).
+    ``follow_symlinks=False`` refuses any symlink beneath a local-backed root, even one that
+    stays inside it, so that every file has one name (what a retention, deleting files by the
+    names claimed for them, needs; the loader's reader is made so when it has one).
     """
 
     def __init__(
@@ -518,8 +550,10 @@ class PayloadRoot:
         fs: AbstractFileSystem | None = None,
         *,
         timeout: float | None = DEFAULT_TIMEOUT_S,
+        follow_symlinks: bool = True,
     ) -> None:
         self.timeout = checked_timeout(timeout)
+        self.follow_symlinks = follow_symlinks
         if fs is None:
             fs, path = fsspec.core.url_to_fs(os.fspath(root))
         else:
@@ -829,6 +863,8 @@ class PayloadRoot:
         inside the root's (``what()`` names it); the caller closes it."""
         root_fd = os.open(self._os_path, _ROOT) if held is None else held
         try:
+            if not self.follow_symlinks:
+                return self._open_following_none(root_fd, rel, flags, what)
             try:
                 fd = _openat2(root_fd, rel, flags)
             except OSError as exc:
@@ -859,3 +895,22 @@ class PayloadRoot:
         finally:
             if held is None:
                 os.close(root_fd)
+
+    def _open_following_none(
+        self, root_fd: int, rel: str, flags: int, what: Callable[[], str]
+    ) -> int:
+        """:meth:`_open_beneath` for a root that follows no symlink beneath it: one on the
+        way is refused (:class:`PayloadHandleError`), wherever it leads."""
+        try:
+            fd = _openat2(root_fd, rel, flags, _RESOLVE_BENEATH_ONLY | _RESOLVE_NO_SYMLINKS)
+            return _walk_no_symlinks(root_fd, rel, flags) if fd is None else fd
+        except OSError as exc:
+            if exc.errno not in (errno.ELOOP, errno.ENOTDIR, errno.EXDEV) or not _via_symlink(
+                root_fd, rel
+            ):
+                raise
+        raise PayloadHandleError(
+            f"{what()} leads through a symlink beneath the root {self.url}; expected folders "
+            "and a file only (this root follows no symlink: a retention deletes files by name, "
+            "and a claim on a file's second name would not keep it under the first)"
+        )

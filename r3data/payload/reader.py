@@ -324,7 +324,8 @@ class PayloadReader:
     ``(retries + 1) * timeout`` seconds plus the backoff, per file. A plan interrupted in its
     caller (``KeyboardInterrupt``, a loader shutting down), or one of whose files failed for
     good, stops its other files' reads at their next call (or backoff) instead of retrying on
-    (:class:`Plan`).
+    (:class:`Plan`). ``follow_symlinks=False``: no symlink beneath the root is followed
+    (:class:`~r3data.payload.fs.PayloadRoot`).
     """
 
     def __init__(
@@ -337,8 +338,9 @@ class PayloadReader:
         backoff: float = 0.1,
         max_backoff: float = 0.8,
         timeout: float | None = DEFAULT_TIMEOUT_S,
+        follow_symlinks: bool = True,
     ) -> None:
-        self.root = PayloadRoot(root, fs, timeout=timeout)
+        self.root = PayloadRoot(root, fs, timeout=timeout, follow_symlinks=follow_symlinks)
         default = pool_workers() if self.root.local_backed else io_workers()
         self.workers = checked_int("workers", default if workers is None else workers, minimum=1)
         self.retries = checked_int("retries", retries)

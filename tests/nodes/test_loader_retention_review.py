@@ -11,7 +11,7 @@ import pytest
 from source_kinds import Again
 
 from r3data import loader
-from r3data.errors import TraceError
+from r3data.errors import PayloadHandleError, TraceError
 from r3data.nodes import MicroBatches
 from r3data.payload import PayloadRetention, PayloadWriter
 
@@ -148,4 +148,33 @@ def test_a_file_a_stream_shares_across_steps_stays_for_the_later_step(tmp_path, 
         assert (tmp_path / shared).exists() == (step < 1)
         assert (tmp_path / own).exists() == (step < 1)
     assert retention.metrics().files_deleted == 2
+    retention.close()
+
+
+def test_with_a_retention_no_file_is_read_through_a_symlink(tmp_path):
+    """A symlink inside the root gives a file a second name: a claim on it would not keep the
+    file under its first, which an earlier step's release deletes. The loader's reader follows
+    none when it has a retention; without one, the link is read."""
+    rows = np.random.default_rng(1).integers(1, EXPERTS, (ROWS, LAYERS, TOPK)).astype(np.uint8)
+    (segment,) = PayloadWriter(tmp_path).write(0, {"routed_experts": rows})
+    (tmp_path / "v0" / "alias.bin").symlink_to((tmp_path / segment.file).name)
+    tokens = np.arange(PROMPT + COMPLETION)
+    samples = [
+        {"id": "a", "token_ids": tokens, "requests": [request(segment.to_dict())]},
+        {
+            "id": "b",
+            "token_ids": tokens,
+            "requests": [request({**segment.to_dict(), "file": "v0/alias.bin"})],
+        },
+    ]
+    for batch in loader(samples, batch_size=1, payload_root=str(tmp_path), prefetch=0):
+        np.testing.assert_array_equal(batch["routed_experts"][0].numpy()[:ROWS], rows)
+    retention = PayloadRetention(str(tmp_path), max_off_policy_steps=8, fresh=False)
+    batches = iter(loader(samples, batch_size=1, retention=retention, prefetch=0))
+    first = next(batches)
+    np.testing.assert_array_equal(first["routed_experts"][0].numpy()[:ROWS], rows)
+    retention.on_policy_update(0)
+    retention.wait()
+    with pytest.raises(PayloadHandleError, match=r"sample 'b'.*leads through a symlink"):
+        next(batches)
     retention.close()

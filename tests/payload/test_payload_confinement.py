@@ -5,6 +5,7 @@ the tree changes; non-regular files refused before they are opened; each descrip
 from __future__ import annotations
 
 import os
+import posixpath
 import shutil
 import subprocess
 import threading
@@ -96,6 +97,33 @@ def test_symlinks_out_of_the_root_are_refused_on_every_local_backed_class(tmp_pa
     with pytest.raises(PayloadWriteError, match="outside the root"):  # writers are confined too
         PayloadWriter(root, fs=fs).write(7, {"routes": ROUTES})
     assert sorted(p.name for p in secret.iterdir()) == ["v1"]
+
+
+@pytest.mark.parametrize("openat2", [True, False], ids=["openat2", "walk"])
+@pytest.mark.parametrize("kind", LOCAL_CLASSES)
+def test_a_root_following_no_symlinks_refuses_even_those_inside(
+    tmp_path, kind, openat2, monkeypatch
+):
+    import r3data.payload.fs as payload_fs
+
+    monkeypatch.setattr(payload_fs, "_openat2_missing", not openat2)
+    root, fs = make_root(tmp_path, kind)
+    s = PayloadWriter(root, fs=fs).write(1, {"routes": ROUTES})[0]
+    base = tmp_path / "base" / "payloads"
+    (base / "v1" / "alias.bin").symlink_to(posixpath.basename(s.file))  # a second name
+    (base / "v2").symlink_to("v1")  # a folder's second name
+    (base / "v1" / "up").symlink_to("..")
+    strict = PayloadReader(root, fs=fs, retries=0, follow_symlinks=False)
+    np.testing.assert_array_equal(strict.read([s])["routes"], ROUTES)
+    for handle in ("v1/alias.bin", s.file.replace("v1/", "v2/"), f"v1/up/{s.file}"):
+        with pytest.raises(PayloadHandleError, match="leads through a symlink beneath the root"):
+            strict.read([moved(s, handle)])
+        with pytest.raises(PayloadHandleError, match="leads through a symlink"):
+            strict.check_sizes([moved(s, handle)])
+    following = PayloadReader(root, fs=fs, retries=0)  # the default follows those inside
+    np.testing.assert_array_equal(following.read([moved(s, "v1/alias.bin")])["routes"], ROUTES)
+    with pytest.raises(PayloadNotFoundError):  # a missing file is still just missing
+        strict.read([moved(s, "v1/none.bin")])
 
 
 @pytest.fixture
