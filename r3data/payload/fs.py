@@ -37,6 +37,7 @@ from typing import Any
 import fsspec
 import numpy as np
 from fsspec import AbstractFileSystem
+from fsspec.implementations.cache_mapper import HashCacheMapper
 from fsspec.implementations.cached import CachingFileSystem
 from fsspec.implementations.dirfs import DirFileSystem
 from fsspec.implementations.local import LocalFileSystem
@@ -162,10 +163,21 @@ def _whole(path: str) -> str:
 
 def _check_confinable(fs: AbstractFileSystem, root: str) -> None:
     """Refuse (:class:`ConfigError`) a root on a filesystem, or a wrapper of one, whose paths
-    no check confines (:data:`_UNCONFINABLE`)."""
-    for layer, _ in _layers(fs, ""):
+    no check confines (:data:`_UNCONFINABLE`), or read through a cache that may serve one
+    file's copy for another's (a local-backed root's opens are the kernel's: no cache's)."""
+    layers = [layer for layer, _ in _layers(fs, "")]
+    read_through = not isinstance(layers[-1], LocalFileSystem)  # local-backed: os opens
+    for layer in layers:
         protocols = (layer.protocol,) if isinstance(layer.protocol, str) else layer.protocol
         why = next((_UNCONFINABLE[p] for p in protocols if p in _UNCONFINABLE), None)
+        mapper = getattr(layer, "_mapper", None) if isinstance(layer, CachingFileSystem) else None
+        if read_through and mapper is not None and not isinstance(mapper, HashCacheMapper):
+            raise ConfigError(
+                f"payload root {root}: {type(layer).__name__} names its cached copies with "
+                f"{type(mapper).__name__} (same_names=True: by a file's base name), which can "
+                "give two files one copy (v1/x.bin read as v2/x.bin); expected the default, a "
+                "hash of each whole path"
+            )
         if why is not None:
             raise ConfigError(
                 f"payload root {root}: {type(fs).__name__} reads {why}; expected a local path, "

@@ -257,6 +257,28 @@ def test_object_store_like_roots_stay_accepted():
     assert not PayloadRoot("s3://bucket/run", fs=fsspec.filesystem("s3", anon=True)).local_backed
 
 
+@pytest.mark.parametrize("cache", ["filecache", "simplecache"])
+def test_a_cache_naming_copies_by_base_name_is_refused_where_it_is_read_through(tmp_path, cache):
+    """Over a store, ``same_names=True`` gives ``v1/x.bin`` and ``v2/x.bin`` one cached copy:
+    the second read returned the first's bytes. Over a local root the kernel opens the files
+    (no cache serves them), so it stays accepted; the default, a hash of the path, is read."""
+    store = MemoryFileSystem(skip_instance_cache=True)
+    base = f"/r3-cache-{uuid.uuid4().hex}/payloads"
+    for version, fill in (("v1", b"A"), ("v2", b"B")):
+        store.pipe_file(f"{base}/{version}/x.bin", fill * 16)
+
+    def over(inner, **options):
+        return fsspec.filesystem(cache, fs=inner, cache_storage=str(tmp_path / "c"), **options)
+
+    with pytest.raises(ConfigError, match=r"BasenameCacheMapper.*one copy.*expected the default"):
+        PayloadRoot(base, fs=over(store, same_names=True))
+    reader = PayloadReader(base, fs=over(store), retries=0)
+    for version, fill in (("v1", b"A"), ("v2", b"B")):
+        segment = PayloadSegment("r", f"{version}/x.bin", 0, 0, 16, "uint8")
+        assert reader.read([segment])["r"].tobytes() == fill * 16
+    assert PayloadRoot(tmp_path, fs=over(LocalFileSystem(), same_names=True)).local_backed
+
+
 def test_a_name_fsdecode_made_reads_that_file(tmp_path):
     """A handle holding ``os.fsdecode``'s escapes of non-UTF-8 bytes names that file."""
     root = tmp_path / "payloads"
