@@ -30,6 +30,7 @@ from r3data.wire.rows import EncodedRows, InlineRows, RowSource
 from r3data.wire.splice import load_packed_body
 
 __all__ = [
+    "INT32",
     "Stream",
     "any_choice",
     "array_base64",
@@ -40,6 +41,7 @@ __all__ = [
     "documents",
     "encoded_chars",
     "envelope_rows",
+    "int32_blob",
     "is_stream",
     "kept_id_rows",
     "nested_rows",
@@ -59,6 +61,8 @@ __all__ = [
 _RAW_BODIES = (bytes, bytearray, memoryview, mmap.mmap)
 _BLOB_KINDS = frozenset({Blob, str, bytes, bytearray, memoryview})
 """What :func:`raw_blob` takes, tested by exact type first."""
+INT32 = np.dtype("<i4")
+"""The little-endian int32 of bare id blobs (SGLang's routes, CSR masks)."""
 
 
 def parse_response(response: Any, fields: tuple[str, ...]) -> Any:
@@ -146,6 +150,20 @@ def raw_blob(value: object, what: str) -> bytes | bytearray | memoryview | Blob 
             f"{what}: no routes (null or absent); was the request sent with routes enabled?"
         )
     raise WireFormatError(f"{what}: expected a base64 string, found {type(value).__name__}")
+
+
+def int32_blob(value: object, what: str) -> np.ndarray:
+    """A bare base64 blob of little-endian int32 values (encoded or already decoded)."""
+    blob = raw_blob(value, what)
+    if isinstance(blob, Blob):
+        decoded = decode_base64(blob.chars, what=what)
+    elif isinstance(blob, str):
+        decoded = decode_base64(blob, what=what)
+    else:
+        decoded = blob
+    if len(decoded) % INT32.itemsize:
+        raise WireFormatError(f"{what}: expected whole int32 values, found {len(decoded)} bytes")
+    return np.frombuffer(decoded, INT32)
 
 
 def encoded_chars(value: object) -> memoryview | str | None:

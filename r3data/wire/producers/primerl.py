@@ -41,7 +41,6 @@ import orjson
 from r3data.errors import ConfigError, R3DataError, WireFormatError, with_message
 from r3data.ragged import RaggedRows
 from r3data.wire.anchors import anchored_pos
-from r3data.wire.blob import Blob, decode_base64
 from r3data.wire.dtypes import ROUTE_DTYPES
 from r3data.wire.envelope import check_nbytes, envelope_spec
 from r3data.wire.masks import check_csr
@@ -62,9 +61,9 @@ from r3data.wire.producers.common import (
     blob_rows,
     check_route_shape,
     envelope_rows,
+    int32_blob,
     kept_id_rows,
     optional_position,
-    raw_blob,
     sources_of,
 )
 from r3data.wire.rows import InlineRows, RowSource
@@ -77,21 +76,6 @@ PAYLOAD = "payload"
 SPLICED = ("data", "ids", "counts")
 """The blobs' own keys: spliced on them, so envelopes without a dtype (v1, v2, the router's
 merge) and kept_tokens' bare blobs splice too; prime-rl's bodies use these keys nowhere else."""
-_INT32 = np.dtype("<i4")
-
-
-def _int32_blob(value: object, what: str) -> np.ndarray:
-    """A bare base64 blob of little-endian int32 values (encoded or already decoded)."""
-    blob = raw_blob(value, what)
-    if isinstance(blob, Blob):
-        decoded = decode_base64(blob.chars, what=what)
-    elif isinstance(blob, str):
-        decoded = decode_base64(blob, what=what)
-    else:
-        decoded = blob
-    if len(decoded) % _INT32.itemsize:
-        raise WireFormatError(f"{what}: expected whole int32 values, found {len(decoded)} bytes")
-    return np.frombuffer(decoded, _INT32)
 
 
 def kept_tokens_rows(
@@ -113,8 +97,8 @@ def kept_tokens_rows(
             f"{what}: expected {{'ids': base64, 'counts': base64}}, found {found}"
         )
     ids, counts = check_csr(
-        _int32_blob(value["ids"], f"{what}.ids"),
-        _int32_blob(value["counts"], f"{what}.counts"),
+        int32_blob(value["ids"], f"{what}.ids"),
+        int32_blob(value["counts"], f"{what}.counts"),
         what=what,
     )
     if completion is not None and counts.size != completion:

@@ -34,8 +34,10 @@ import numpy as np
 import orjson
 
 from r3data.errors import ConfigError, WireFormatError
+from r3data.ragged import RaggedRows
 from r3data.validate import nonnegative_int
 from r3data.wire.anchors import anchored_pos
+from r3data.wire.masks import check_csr
 from r3data.wire.producers.base import (
     MASK_FIELD,
     ROUTES_FIELD,
@@ -47,18 +49,20 @@ from r3data.wire.producers.base import (
     StartOptions,
 )
 from r3data.wire.producers.common import (
+    INT32,
     array_base64,
     blob_nbytes,
     blob_rows,
     check_stream_choices,
     documents,
+    int32_blob,
     kept_id_rows,
     parse_response,
     sources_of,
     stream_events,
     token_counts,
 )
-from r3data.wire.rows import RowSource
+from r3data.wire.rows import InlineRows, RowSource
 
 __all__ = [
     "FORMAT",
@@ -69,12 +73,16 @@ __all__ = [
     "sglang_routes",
 ]
 
-INT32 = np.dtype("<i4")
 SAMPLING_MASK = "output_token_sampling_mask"
 """Per output token the ids the sampler kept (``return_sampling_mask``). Over a stream it is
 cumulative, or under ``--incremental-streaming-output`` each chunk's delta; its
 ``output_token_sampling_mask_length`` counts them all either way."""
 MASK_LENGTH = f"{SAMPLING_MASK}_length"
+TOP_P_KEYS = (
+    ("top_p_token_ids", "top_p_token_offsets"),
+    ("top_p_kept_token_ids", "top_p_kept_token_offsets"),
+)
+"""slime's patched SGLang's masks (:mod:`~r3data.wire.producers.slime`), current names first."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -104,11 +112,13 @@ def meta_info_rows(
     meta_info: Mapping[str, Any],
     where: str,
     counts: tuple[int | None, int | None] | None = None,
+    reads_top_p: bool = False,
 ) -> ChoiceRows:
     """The rows in one sequence's ``meta_info`` (``where`` names it): its routes, and with
-    ``return_sampling_mask`` its ``output_token_sampling_mask``; ``prompt_tokens`` and
-    ``completion_tokens`` (or ``counts``, what the caller made of them) place and check
-    them."""
+    ``return_sampling_mask`` its ``output_token_sampling_mask`` (``reads_top_p``: slime's
+    top-p masks instead, :func:`top_p_rows`; a format that does not read them refuses them
+    rather than drop them); ``prompt_tokens`` and ``completion_tokens`` (or ``counts``, what
+    the caller made of them) place and check them."""
     what = f"{where}.{ROUTES_FIELD}"
     if counts is None:
         counts = token_counts(meta_info, f"{what}: ")
@@ -125,10 +135,61 @@ def meta_info_rows(
         anchored_pos(rows.rows, prompt, completion, start, what=what)
         sources.append(rows)
     mask = meta_info.get(SAMPLING_MASK)
-    if choice.wants(MASK_FIELD) and mask is not None:
+    top_p = next(
+        (keys for keys in TOP_P_KEYS if keys[0] in meta_info or keys[1] in meta_info), None
+    )
+    if choice.wants(MASK_FIELD) and top_p is not None:
+        if not reads_top_p:
+            raise WireFormatError(
+                f"{where}: holds slime's top-p masks ({top_p[0]!r}), which the {entry.name!r} "
+                "format does not read; expected the producer 'slime'"
+            )
+        if mask is not None:
+            raise WireFormatError(
+                f"{where}: expected one mask, found both {SAMPLING_MASK!r} and {top_p[0]!r}"
+            )
+        sources.append(top_p_rows(meta_info, top_p, prompt, completion, meta, where))
+    elif choice.wants(MASK_FIELD) and mask is not None:
         where_mask = f"{where}.{SAMPLING_MASK}"
         sources.append(kept_id_rows(MASK_FIELD, mask, prompt, completion, meta, where_mask))
     return ChoiceRows(choice.index, tuple(sources), missing)
+
+
+def top_p_rows(
+    meta_info: Mapping[str, Any],
+    keys: tuple[str, str],
+    prompt: int | None,
+    completion: int | None,
+    meta: dict[str, Any],
+    where: str,
+) -> InlineRows:
+    """``sampling_mask`` rows of slime's kept ids and their ``completion + 1`` offsets (from
+    0): row i, completion token i at ``prompt + i``, is ``ids[offsets[i]:offsets[i + 1]]``;
+    an empty row is no mask there (the full vocabulary)."""
+    ids_key, offsets_key = keys
+    what = f"{where}.{offsets_key}"
+    if prompt is None:
+        raise WireFormatError(f"{what}: cannot place the mask rows without the prompt length")
+    ids = int32_blob(meta_info.get(ids_key), f"{where}.{ids_key}")
+    offsets = int32_blob(meta_info.get(offsets_key), what)
+    if offsets.size == 0 or offsets[0] != 0 or offsets[-1] != ids.size:
+        found = offsets[:1].tolist() + offsets[-1:].tolist() if offsets.size else "none"
+        raise WireFormatError(
+            f"{what}: expected offsets from 0 to the {ids.size} ids, found first and last {found}"
+        )
+    counts = np.diff(offsets)
+    if completion is not None and counts.size != completion:
+        raise WireFormatError(
+            f"{what}: expected one offset per completion token ({completion}) and one more, "
+            f"found {offsets.size} (first position {prompt})"
+        )
+    if counts.size and int(counts.min()) < 0:
+        raise WireFormatError(
+            f"{what}: expected offsets that never decrease, found {int(offsets[counts.argmin()])} "
+            f"then {int(offsets[counts.argmin() + 1])} at token {int(counts.argmin())}"
+        )
+    ids, counts = check_csr(ids, counts, what=where)
+    return InlineRows(MASK_FIELD, RaggedRows.from_lengths(ids, counts, what=where), prompt, meta)
 
 
 def flat_int32_base64(routes: np.ndarray) -> str:
@@ -154,7 +215,7 @@ def _final_chunks(raw: Any, what: str) -> Any:
     last = {index: number for number, index in enumerate(indices)}
     masks: dict[int, list[Any]] = {}
     for number, (chunk, index) in enumerate(zip(chunks, indices, strict=True)):
-        meta_info = _meta_info(chunk)
+        meta_info = meta_info_of(chunk)
         routed = meta_info is not None and meta_info.get(ROUTES_FIELD) is not None
         if number != last[index] and routed:
             raise WireFormatError(
@@ -204,15 +265,10 @@ def _joined_mask(earlier: list[Any], meta_info: Mapping[str, Any], what: str) ->
     return earlier[:first] + rows
 
 
-def _meta_info(item: object) -> Mapping[str, Any] | None:
+def meta_info_of(item: object) -> Mapping[str, Any] | None:
     """An item's ``meta_info`` object, else None."""
     meta_info = item.get("meta_info") if isinstance(item, Mapping) else None
     return meta_info if isinstance(meta_info, Mapping) else None
-
-
-def _carries_flat_ids(item: object) -> bool:
-    meta_info = _meta_info(item)
-    return meta_info is not None and isinstance(meta_info.get(ROUTES_FIELD), str)
 
 
 class SglangFormat(ProducerFormat):
@@ -224,9 +280,17 @@ class SglangFormat(ProducerFormat):
     spliced = (ROUTES_FIELD,)
     stream_assembler = staticmethod(_final_chunks)
 
+    reads_top_p = False
+    """Whether it reads slime's top-p masks (:func:`top_p_rows`)."""
+
     def recognise(self, doc: Any) -> bool:
         items = doc if isinstance(doc, list) else documents(doc)
-        return any(_carries_flat_ids(item) for item in items)
+        return any(self.carries(item) for item in items)
+
+    def carries(self, item: object) -> bool:
+        """Whether one item of a body is this format's."""
+        meta_info = meta_info_of(item)
+        return meta_info is not None and isinstance(meta_info.get(ROUTES_FIELD), str)
 
     def choices(self, parsed: Any, options: ShapeOptions) -> list[tuple[int, Any]]:
         """The items of a batch list (all, or ``options.choice``); a single response is one."""
@@ -240,17 +304,17 @@ class SglangFormat(ProducerFormat):
         return [(index, items[index]) for index in picked]
 
     def decode_choice(self, choice: Choice) -> ChoiceRows:
-        meta_info = _meta_info(choice.entry)
+        meta_info = meta_info_of(choice.entry)
         if meta_info is None:
             raise WireFormatError(
                 f"{self.name} [{choice.index}]: expected an object with 'meta_info'"
             )
-        return meta_info_rows(self, choice, meta_info, f"{self.name} [{choice.index}].meta_info")
+        where = f"{self.name} [{choice.index}].meta_info"
+        return meta_info_rows(self, choice, meta_info, where, reads_top_p=self.reads_top_p)
 
-    def encode(self, request: EngineRequest) -> bytes:
-        """A ``/generate`` body for one prompt (``meta_info`` fields in SGLang's order)."""
-        self.check_start(request)
-        meta_info = {
+    def meta_info(self, request: EngineRequest) -> dict[str, Any]:
+        """The ``meta_info`` of a body for ``request`` (fields in SGLang's order)."""
+        return {
             "id": "r3data-synth",
             "finish_reason": {"type": "length", "length": request.completion_len},
             "prompt_tokens": request.prompt_len,
@@ -258,8 +322,13 @@ class SglangFormat(ProducerFormat):
             "cached_tokens": 0,
             ROUTES_FIELD: flat_int32_base64(request.routes),
         }
+
+    def encode(self, request: EngineRequest) -> bytes:
+        """A ``/generate`` body for one prompt."""
+        self.check_start(request)
         output_ids = [int(t) for t in request.completion_ids]
-        return orjson.dumps({"text": "", "output_ids": output_ids, "meta_info": meta_info})
+        body = {"text": "", "output_ids": output_ids, "meta_info": self.meta_info(request)}
+        return orjson.dumps(body)
 
 
 FORMAT = SglangFormat()

@@ -46,6 +46,7 @@ from r3data.wire.producers.base import (
     ProducerFormat,
 )
 from r3data.wire.producers.common import (
+    INT32,
     any_choice,
     blob_nbytes,
     check_stream_choices,
@@ -56,7 +57,6 @@ from r3data.wire.producers.common import (
     token_counts,
 )
 from r3data.wire.producers.sglang import (
-    INT32,
     SglangOptions,
     flat_int32_base64,
     flat_int32_rows,
