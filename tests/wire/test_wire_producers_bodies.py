@@ -389,3 +389,18 @@ def test_nemorl_rows_drop_the_placeholder_last_row(experts, dtype, legacy):
     assert [f.name for f in detect(raw)] == ["nemo-rl"]
     with pytest.raises(EngineRoutesError, match=r"expected 9 rows .* found 8"):
         decode("nemo-rl", raw, (6, 3))  # the body has no prompt ids: the request's length
+
+
+def test_nemorl_token_ids_in_the_message_check_the_rows():
+    """NeMo-RL attaches the prompt and generation ids to each choice's message: they give the
+    lengths the request did not, and a body whose rows disagree with them is refused."""
+    rows = engine_rows(8)  # prompt 5 + completion 3
+    full = nemorl_bodies.aligned_rows(rows, 5, 3, num_experts=8)
+    raw = nemorl_bodies.chat_body(full, [6, 7, 8], prompt_ids=[1, 2, 3, 4, 5])
+    (choice,) = decode("nemo-rl", raw)
+    (got,) = choice.sources
+    assert (got.pos, got.rows) == (0, 7)
+    np.testing.assert_array_equal(got.array, rows[:7])
+    short = nemorl_bodies.chat_body(full, [6, 7, 8], prompt_ids=[1, 2, 3, 4])
+    with pytest.raises(EngineRoutesError, match=r"expected 7 rows \(prompt 4 \+ completion 3"):
+        decode("nemo-rl", short)

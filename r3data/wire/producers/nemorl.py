@@ -13,6 +13,9 @@ What NeMo-RL's vLLM generation worker attaches to chat responses (NVIDIA-NeMo/RL
   ``[0, prompt + completion - 1)``. Rows vLLM did not return are all -1: no route there (the
   loader's screen finds them missing). No prompt start: rows always start at 0.
 - ``L`` is vLLM's layer axis: every decoder layer, dense ones zero.
+- With token information asked for, ``message.prompt_token_ids`` and
+  ``message.generation_token_ids`` (vllm/utils.py
+  ``attach_token_information_to_chat_response_choices``): their lengths check ``S``.
 
 The string is no base64 blob a splice can cut out (it has a prefix), so the body is parsed
 plainly and the blob's characters are copied once into bytes; they stay encoded until the
@@ -43,6 +46,7 @@ from r3data.wire.producers.base import (
 from r3data.wire.producers.common import (
     any_choice,
     array_base64,
+    choice_token_lengths,
     nested_rows,
 )
 from r3data.wire.rows import EncodedRows, InlineRows, RowSource
@@ -108,6 +112,22 @@ def _message_routes(choice: Mapping[str, Any]) -> object:
     return message.get(ROUTES_FIELD) if isinstance(message, Mapping) else None
 
 
+def _token_lengths(
+    response: Mapping[str, Any], choice: Mapping[str, Any]
+) -> tuple[int | None, int | None]:
+    """``(prompt_len, completion_len)`` from the token ids NeMo-RL attaches to the message
+    (``prompt_token_ids``, ``generation_token_ids``: vllm/utils.py
+    ``attach_token_information_to_chat_response_choices``), else vLLM's own lists."""
+    message = choice.get("message")
+    ids = message if isinstance(message, Mapping) else {}
+    prompt, completion = ids.get("prompt_token_ids"), ids.get("generation_token_ids")
+    fallback = choice_token_lengths(response, choice)
+    return (
+        len(prompt) if isinstance(prompt, list) else fallback[0],
+        len(completion) if isinstance(completion, list) else fallback[1],
+    )
+
+
 def _sends_nemorl(choice: Mapping[str, Any]) -> bool:
     """Whether a choice's message carries an ``nrlre1`` string or (legacy) nested lists."""
     value = _message_routes(choice)
@@ -126,7 +146,7 @@ class NemoRlFormat(ProducerFormat):
 
     def decode_choice(self, choice: Choice) -> ChoiceRows:
         what = f"{self.name} choices[{choice.index}].message.{ROUTES_FIELD}"
-        prompt, completion = choice.placed(what)
+        prompt, completion = choice.placed(what, _token_lengths(choice.response, choice.entry))
         value = _message_routes(choice.entry)
         if value is None:
             return ChoiceRows(choice.index, (), (what,))
@@ -150,20 +170,15 @@ class NemoRlFormat(ProducerFormat):
         last = np.broadcast_to(np.arange(topk), (1, *request.routes.shape[1:]))
         dtype = carry_dtype(request.num_experts)
         rows = np.concatenate([request.routes, last]).astype(dtype)
-        choice = {
-            "index": 0,
-            "message": {"role": "assistant", "content": "", ROUTES_FIELD: encode_routes(rows)},
-            "logprobs": None,
-            "finish_reason": "length",
-            "stop_reason": None,
-            "token_ids": [int(t) for t in request.completion_ids],
-        }
-        body = {
-            "object": "chat.completion",
-            "model": "r3data-synth",
-            "choices": [choice],
+        message = {
+            "role": "assistant",
+            "content": "",
+            ROUTES_FIELD: encode_routes(rows),
             "prompt_token_ids": [int(t) for t in request.prompt_ids],
+            "generation_token_ids": [int(t) for t in request.completion_ids],
         }
+        choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": "length"}
+        body = {"object": "chat.completion", "model": "r3data-synth", "choices": [choice]}
         return orjson.dumps(body)
 
 

@@ -61,8 +61,16 @@ def envelope_string(rows: np.ndarray) -> str:
     return f"nrlre1:{name[rows.dtype]}:{tokens}x{layers}x{topk}:{b64_raw(rows)}"
 
 
-def chat_body(rows: np.ndarray, completion_ids: list[int], *, legacy_lists: bool = False) -> bytes:
-    """A vLLM chat response as NeMo-RL returns it, with ``message.routed_experts`` set."""
+def chat_body(
+    rows: np.ndarray,
+    completion_ids: list[int],
+    *,
+    legacy_lists: bool = False,
+    prompt_ids: list[int] | None = None,
+) -> bytes:
+    """A vLLM chat response as NeMo-RL returns it, with ``message.routed_experts`` set; with
+    ``prompt_ids``, the token information NeMo-RL attaches to the message too
+    (``attach_token_information_to_chat_response_choices``)."""
     value = rows.tolist() if legacy_lists else envelope_string(rows)
     body = {
         "id": "chatcmpl-nemo",
@@ -84,4 +92,10 @@ def chat_body(rows: np.ndarray, completion_ids: list[int], *, legacy_lists: bool
             }
         ],
     }
+    if prompt_ids is not None:
+        body["choices"][0]["message"].update(
+            prompt_token_ids=prompt_ids,
+            generation_token_ids=completion_ids,
+            generation_log_probs=[-0.5] * len(completion_ids),
+        )
     return starlette_body(body)
