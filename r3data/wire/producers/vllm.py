@@ -1,4 +1,4 @@
-"""vLLM 0.22.0-0.33.0: routed experts as a base64 ``.npy`` file per choice.
+"""vLLM 0.22.0-0.34.0: routed experts as a base64 ``.npy`` file per choice.
 
 What vLLM's servers return with ``--enable-return-routed-experts`` (sources: vllm wheels at
 each release; model_executor/layers/fused_moe/routed_experts_capturer.py, utils/
@@ -236,7 +236,7 @@ def completion_choice(request: EngineRequest, routes: object) -> dict[str, Any]:
 class VllmFormat(ProducerFormat):
     name = "vllm"
     producer = "vLLM"
-    versions = "0.22.0-0.33.0 (OpenAI completions and chat; tokens endpoint and its stream)"
+    versions = "0.22.0-0.34.0 (OpenAI completions and chat; tokens endpoint and its stream)"
     fields = (ROUTES_FIELD, MASK_FIELD)
     options = StartOptions
     spliced = (ROUTES_FIELD,)
