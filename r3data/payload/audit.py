@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import io
 import os
 from dataclasses import asdict, dataclass
 from typing import Any, BinaryIO
@@ -21,6 +20,7 @@ from r3data.errors import (
 )
 from r3data.parallel import fill_rows, io_workers
 from r3data.payload.fileformat import (
+    HEADER_READ_BYTES,
     MAGIC,
     FieldEntry,
     PayloadHeader,
@@ -28,7 +28,7 @@ from r3data.payload.fileformat import (
     read_header,
     starts_like_payload,
 )
-from r3data.payload.fs import DEFAULT_TIMEOUT_S, PayloadFile, PayloadRoot, open_file
+from r3data.payload.fs import DEFAULT_TIMEOUT_S, PayloadRoot, open_file
 from r3data.payload.retention import VERSION_DIR, min_fresh_version
 from r3data.payload.writer import TEMP_SUFFIX
 from r3data.wire.segment import INDEX_DTYPE
@@ -37,9 +37,6 @@ __all__ = ["PayloadFileInfo", "VerifyReport", "inspect", "verify"]
 
 CHUNK_BYTES = 8 << 20
 """Checksums stream through buffers of this size, whatever the field size."""
-
-HEADER_READ_BYTES = 64 << 10
-"""Reads below this size are served from one read of this size (a header takes one request)."""
 
 
 @dataclass(frozen=True)
@@ -60,36 +57,6 @@ class PayloadFileInfo:
         }
 
 
-class _Stream(io.RawIOBase):
-    """An open :class:`PayloadFile` as a seekable binary stream, for the header parser."""
-
-    def __init__(self, file: PayloadFile) -> None:
-        self.file, self.at = file, 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self.at
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.at, io.SEEK_END: self.file.size}[whence]
-        self.at = base + offset
-        return self.at
-
-    def readinto(self, buffer: Any) -> int:
-        n = self.file.read_at(self.at, memoryview(buffer).cast("B"))
-        self.at += n
-        return n
-
-
-def _stream(file: PayloadFile) -> BinaryIO:
-    return io.BufferedReader(_Stream(file), HEADER_READ_BYTES)  # type: ignore[return-value]
-
-
 def inspect(
     path: str | os.PathLike[str], *, fs: AbstractFileSystem | None = None
 ) -> PayloadFileInfo:
@@ -101,7 +68,7 @@ def inspect(
     """
     shown = os.fspath(path)
     with open_file(shown, fs) as file:
-        return PayloadFileInfo(shown, file.size, read_header(_stream(file), shown))
+        return PayloadFileInfo(shown, file.size, read_header(file.stream(HEADER_READ_BYTES), shown))
 
 
 def _check_field(f: BinaryIO, entry: FieldEntry, file: str) -> None:
@@ -176,7 +143,7 @@ def _check_file(root: PayloadRoot, name: str) -> tuple[str, str]:
     """``(outcome, what is wrong)`` for the root-relative file ``name``."""
     try:
         with root.open_read(name) as file:
-            f = _stream(file)
+            f = file.stream(HEADER_READ_BYTES)
             head = f.read(len(MAGIC))
             if not starts_like_payload(head):  # a cut magic is corrupt, not headerless
                 return _HEADERLESS, ""

@@ -34,6 +34,7 @@ from r3data.wire.segment import INDEX_DTYPE, PayloadSegment
 __all__ = [
     "DATA_ALIGN",
     "FORMAT_VERSION",
+    "HEADER_READ_BYTES",
     "MAGIC",
     "MAX_TABLE_BYTES",
     "FieldEntry",
@@ -50,6 +51,8 @@ PREFIX = struct.Struct("<8sIIQ")
 DATA_ALIGN = 64
 MAX_TABLE_BYTES = 64 << 20
 """A table larger than this is refused before it is read (a field table is a few KiB)."""
+HEADER_READ_BYTES = 64 << 10
+"""What a header parser reads at once: a file's header in one read (one request on a store)."""
 
 
 def checksum(*parts: Any, value: int = 0) -> int:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import io
 import os
 import posixpath
 import stat
@@ -32,7 +33,7 @@ import sys
 from collections.abc import Callable, Iterable, Iterator
 from functools import partial
 from operator import methodcaller
-from typing import Any
+from typing import Any, BinaryIO
 
 import fsspec
 import numpy as np
@@ -215,6 +216,11 @@ class PayloadFile:
     def close(self) -> None:
         """Release the file; a second call does nothing."""
 
+    def stream(self, buffer_bytes: int) -> BinaryIO:
+        """This file as a seekable binary stream read ``buffer_bytes`` at a time (for the header
+        parser)."""
+        return io.BufferedReader(_Stream(self), buffer_bytes)  # type: ignore[return-value]
+
     def __enter__(self) -> PayloadFile:
         return self
 
@@ -223,6 +229,32 @@ class PayloadFile:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.url!r}, size={self.size})"
+
+
+class _Stream(io.RawIOBase):
+    """An open :class:`PayloadFile` as a seekable raw stream."""
+
+    def __init__(self, file: PayloadFile) -> None:
+        self.file, self.at = file, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.at
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.at, io.SEEK_END: self.file.size}[whence]
+        self.at = base + offset
+        return self.at
+
+    def readinto(self, buffer: Any) -> int:
+        n = self.file.read_at(self.at, memoryview(buffer).cast("B"))
+        self.at += n
+        return n
 
 
 class LocalPayloadFile(PayloadFile):

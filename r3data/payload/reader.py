@@ -37,10 +37,11 @@ from r3data.errors import (
     PayloadNotFoundError,
     PayloadPermissionError,
     PayloadReadError,
+    R3DataError,
     SegmentError,
 )
 from r3data.parallel import fill_rows, io_workers, pool_workers
-from r3data.payload.fileformat import checksum
+from r3data.payload.fileformat import HEADER_READ_BYTES, checksum, read_header
 from r3data.payload.fs import DEFAULT_TIMEOUT_S, PayloadFile, PayloadRoot
 from r3data.ragged import RaggedRows
 from r3data.validate import checked_int
@@ -577,7 +578,7 @@ class PayloadReader:
                 if done == total and failure is None:
                     for r in run:  # a mismatch is the bytes themselves: not retried
                         if r.crc is not None:
-                            _check_crc(r, handle.url)
+                            _check_crc(r, handle.url, handle)
                     return handle
                 handle = _closed(handle)
                 if attempt <= self.retries:
@@ -743,11 +744,13 @@ def _closed(handle: PayloadFile | None) -> None:
         handle.close()
 
 
-def _check_crc(r: RangeRead, url: str) -> None:
+def _check_crc(r: RangeRead, url: str, handle: PayloadFile | None = None) -> None:
+    """Refuse ``r``'s bytes unless they match its checksum, or (read from ``handle``) are a
+    part of a field of the file that checks whole (:func:`_part_of_checked_field`)."""
     if r.crc is None:
         return
     found = checksum(r.crc_tail, value=r.crc_running) if r.crc_tail else r.crc_running
-    if found != r.crc:
+    if found != r.crc and (handle is None or not _part_of_checked_field(handle, r)):
         s = r.segment
         error = PayloadChecksumError(
             f"checksum mismatch in {url}: field {s.field!r} rows [{s.pos}, {s.end}) at offset "
@@ -755,6 +758,44 @@ def _check_crc(r: RangeRead, url: str) -> None:
         )
         error.r3data_range = r  # type: ignore[attr-defined]  # the range, not its run's first
         raise error
+
+
+def _part_of_checked_field(handle: PayloadFile, r: RangeRead) -> bool:
+    """Whether ``r``, read for a fixed-width segment whose checksum its bytes do not match, is
+    the same rows of a field of its file: the segment's ``crc32c``, dtype and row shape, its
+    rows at the positions the file's table gives them, and the field's bytes, read again
+    whole, matching that checksum and ``r``'s bytes. A router merging prefill and decode rows
+    (PrimeIntellect-ai/router ``merge_routed_payload_in_json``) clips a decode segment by
+    moving its ``offset``, ``pos`` and ``rows`` and keeps its ``crc32c``, which covers the
+    field as written. Only a mismatch pays for this: the header and the field read again."""
+    s = r.segment
+    if s.ragged or r.crc_tail or r.dest is None or r.nbytes == 0:
+        return False
+    try:
+        fields = read_header(handle.stream(HEADER_READ_BYTES), handle.url).fields
+    except R3DataError:  # no payload header (a raw file), or none that parses
+        return False
+    for entry in fields:
+        e = entry.segment
+        same_kind = (e.field, e.crc32c, e.dtype, e.shape) == (s.field, r.crc, s.dtype, s.shape)
+        skip = r.offset - e.offset
+        if not same_kind or e.ragged or not e.rows or skip < 0:
+            continue
+        row_bytes = entry.nbytes // e.rows
+        if skip % row_bytes or s.pos - e.pos != skip // row_bytes:
+            continue
+        if r.offset + r.nbytes > e.offset + entry.nbytes:
+            continue
+        whole = np.empty(entry.nbytes, np.uint8)  # inside the file: the header checked it
+        view, done = memoryview(whole), 0
+        while done < entry.nbytes:
+            got = handle.read_at(e.offset + done, view[done:])
+            if got <= 0:
+                return False
+            done += got
+        landed = np.frombuffer(r.dest, np.uint8, r.nbytes)
+        return checksum(whole) == r.crc and np.array_equal(whole[skip : skip + r.nbytes], landed)
+    return False
 
 
 def _check_same_kind(
