@@ -366,6 +366,17 @@ def test_skyrl_envelopes_start_at_the_callers_position():
         skyrl_routes({"other": 1})
 
 
+def test_skyrl_lengths_catch_a_later_turn_read_without_its_start():
+    """A later turn's rows (its request sent a start the body does not echo) read without the
+    start would sit at 0; the request's lengths refuse them instead."""
+    routes = _routes(4, dtype=np.uint8)  # a turn of prompt 5 + completion 2 from start 2
+    body = {"choices": [{"token_ids": [1, 2], "routed_experts": pack_ndarray(routes)}]}
+    (rows,) = skyrl_routes(body, pos=2, prompt_len=5, completion_len=2)
+    assert (rows.pos, rows.rows) == (2, 4)
+    with pytest.raises(EngineRoutesError, match=r"expected 6 route rows .* found 4"):
+        skyrl_routes(body, prompt_len=5, completion_len=2)
+
+
 @pytest.mark.parametrize("name", ["skyrl", "skyrl-v1"])
 def test_skyrl_zero_rows_place_nothing(name):
     """A request from its last position gets no rows; the nested-list form sends ``[]``, which

@@ -37,6 +37,7 @@ from r3data.wire.producers.base import (
     Choice,
     ChoiceRows,
     EngineRequest,
+    Lengths,
     ProducerFormat,
     StartOptions,
 )
@@ -174,8 +175,18 @@ class SkyrlFormat(ProducerFormat):
 FORMAT = SkyrlFormat()
 
 
-def skyrl_routes(response: Any, *, pos: int | None = None) -> list[RowSource]:
+def skyrl_routes(
+    response: Any,
+    *,
+    pos: int | None = None,
+    prompt_len: int | None = None,
+    completion_len: int | None = None,
+) -> list[RowSource]:
     """Routes of each choice of a SkyRL response: the ``"skyrl"`` format's route rows, from
-    ``pos`` (the request's ``routed_experts_prompt_start``; default 0)."""
+    ``pos`` (the request's ``routed_experts_prompt_start``, which the body does not echo;
+    default 0). A multi-turn SkyRL sends one on every turn after the first: give it, and the
+    request's lengths, which check that the rows end at the last forwarded token (rows of a
+    later turn read from 0 would otherwise be placed there silently)."""
     options = StartOptions(start=pos or 0)
-    return sources_of(FORMAT.decode(response, options, fields=frozenset({ROUTES_FIELD})))
+    lengths = Lengths(prompt_len, completion_len)
+    return sources_of(FORMAT.decode(response, options, lengths, frozenset({ROUTES_FIELD})))
