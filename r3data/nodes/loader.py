@@ -198,7 +198,7 @@ def _reader(
         return None
     # A retention deletes files by the names claimed for them: a file read through a symlink
     # (a second name) would not be kept by its claim, so none is followed.
-    follow = retention is None
+    follow = retention is None and getattr(root, "follow_symlinks", True)
     if isinstance(root, PayloadRoot):  # its timeout bounds each of the reader's calls
         return PayloadReader(root.path, fs=root.fs, timeout=root.timeout, follow_symlinks=follow)
     return PayloadReader(root, follow_symlinks=follow)

@@ -12,6 +12,7 @@ and its typed options (``choice``, ``start``, ``role``, ...).
 from __future__ import annotations
 
 import dataclasses
+import mmap
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -224,7 +225,9 @@ def _response_files(source: Mapping[str, Any], request: Mapping[str, Any]) -> li
     when the body may hold a segment: raw bodies without a ``"file"`` key, in any spelling, are
     not parsed (a spelling the scan missed would leave a file unclaimed, and deleted early)."""
     response = source.get("response")
-    if isinstance(response, bytes | bytearray | memoryview) and not _FILE_KEY.search(response):
+    if isinstance(response, bytes | bytearray | memoryview | mmap.mmap) and not _FILE_KEY.search(
+        response
+    ):
         return []
     try:
         rows = decode_source(

@@ -175,8 +175,8 @@ def _check_confinable(fs: AbstractFileSystem, root: str) -> None:
         if read_through and mapper is not None and not isinstance(mapper, HashCacheMapper):
             raise ConfigError(
                 f"payload root {root}: {type(layer).__name__} names its cached copies with "
-                f"{type(mapper).__name__} (same_names=True: by a file's base name), which can "
-                "give two files one copy (v1/x.bin read as v2/x.bin); expected the default, a "
+                f"{type(mapper).__name__}, which can give two files one copy (same_names=True "
+                "names them by base name: v1/x.bin read as v2/x.bin); expected the default, a "
                 "hash of each whole path"
             )
         if why is not None:
@@ -466,16 +466,17 @@ def _walk_no_symlinks(root_fd: int, rel: str, flags: int) -> int:
             os.close(at)
 
 
-def _via_symlink(root_fd: int, rel: str) -> bool:
-    """Whether a symlink lies on ``rel``'s way beneath ``root_fd`` (it, or a folder of it)."""
+def _symlink_on_way(root_fd: int, rel: str) -> str | None:
+    """The first name on ``rel``'s way beneath ``root_fd`` (a folder of it, or it) that is a
+    symlink, else None: what a walk following none (:func:`_walk_no_symlinks`) stopped at."""
     parts = rel.split("/")
     for end in range(1, len(parts) + 1):
         try:
             if stat.S_ISLNK(os.lstat("/".join(parts[:end]), dir_fd=root_fd).st_mode):
-                return True
+                return parts[end - 1]
         except OSError:
-            return False
-    return False
+            return None
+    return None
 
 
 def _names_inode_of(fd: int, root_fd: int, rel: str) -> bool:
@@ -841,25 +842,25 @@ class PayloadRoot:
     def _unlink_beneath(self, rel: str, folder: str, base: str) -> None:
         """:meth:`remove` of a local-backed ``rel``: each folder of ``folder`` opened
         ``O_NOFOLLOW`` from the root's, then ``base`` unlinked there."""
-        fd = os.open(self._os_path, _ROOT)
+        root_fd = os.open(self._os_path, _ROOT)
         try:
-            for part in folder.split("/") if folder else ():
-                try:
-                    inner = os.open(part, _ROOT | os.O_NOFOLLOW, dir_fd=fd)
-                except OSError as exc:  # ENOTDIR for a link (ELOOP on some kernels), or a file
-                    if exc.errno not in (errno.ENOTDIR, errno.ELOOP) or not stat.S_ISLNK(
-                        os.lstat(part, dir_fd=fd).st_mode
-                    ):
-                        raise
-                    raise PayloadHandleError(
-                        f"payload file {self.url_of(rel)}: {part!r} on its way is a symlink; "
-                        "expected folders only (a deletion follows no symlink)"
-                    ) from None
-                os.close(fd)
-                fd = inner
-            os.unlink(base, dir_fd=fd)
+            try:
+                fd = _walk_no_symlinks(root_fd, folder, _ROOT) if folder else root_fd
+            except OSError as exc:  # ENOTDIR for a link (ELOOP on some kernels), or a file
+                link = _symlink_on_way(root_fd, folder)
+                if exc.errno not in (errno.ENOTDIR, errno.ELOOP) or link is None:
+                    raise
+                raise PayloadHandleError(
+                    f"payload file {self.url_of(rel)}: {link!r} on its way is a symlink; "
+                    "expected folders only (a deletion follows no symlink)"
+                ) from None
+            try:
+                os.unlink(base, dir_fd=fd)
+            finally:
+                if fd != root_fd:
+                    os.close(fd)
         finally:
-            os.close(fd)
+            os.close(root_fd)
 
     def _checked_name(self, name: str) -> str:
         """``name`` unchanged, refused unless it is a normalised path inside the root."""
@@ -949,8 +950,9 @@ class PayloadRoot:
             fd = _openat2(root_fd, rel, flags, _RESOLVE_BENEATH_ONLY | _RESOLVE_NO_SYMLINKS)
             return _walk_no_symlinks(root_fd, rel, flags) if fd is None else fd
         except OSError as exc:
-            if exc.errno not in (errno.ELOOP, errno.ENOTDIR, errno.EXDEV) or not _via_symlink(
-                root_fd, rel
+            if (
+                exc.errno not in (errno.ELOOP, errno.ENOTDIR)
+                or _symlink_on_way(root_fd, rel) is None
             ):
                 raise
         raise PayloadHandleError(

@@ -37,7 +37,6 @@ from r3data.errors import (
     PayloadNotFoundError,
     PayloadPermissionError,
     PayloadReadError,
-    R3DataError,
     SegmentError,
 )
 from r3data.parallel import fill_rows, io_workers, pool_workers
@@ -578,7 +577,7 @@ class PayloadReader:
                 if done == total and failure is None:
                     for r in run:  # a mismatch is the bytes themselves: not retried
                         if r.crc is not None:
-                            _check_crc(r, handle.url, handle)
+                            _check_crc(r, handle.url, handle, stop)
                     return handle
                 handle = _closed(handle)
                 if attempt <= self.retries:
@@ -744,36 +743,46 @@ def _closed(handle: PayloadFile | None) -> None:
         handle.close()
 
 
-def _check_crc(r: RangeRead, url: str, handle: PayloadFile | None = None) -> None:
+def _check_crc(
+    r: RangeRead,
+    url: str,
+    handle: PayloadFile | None = None,
+    stop: threading.Event | None = None,
+) -> None:
     """Refuse ``r``'s bytes unless they match its checksum, or (read from ``handle``) are a
     part of a field of the file that checks whole (:func:`_part_of_checked_field`)."""
     if r.crc is None:
         return
     found = checksum(r.crc_tail, value=r.crc_running) if r.crc_tail else r.crc_running
-    if found != r.crc and (handle is None or not _part_of_checked_field(handle, r)):
+    if found != r.crc and (handle is None or not _part_of_checked_field(handle, r, stop)):
         s = r.segment
+        whole = "" if handle is None or s.ragged else "; nor a clipped part of a field that checks"
         error = PayloadChecksumError(
             f"checksum mismatch in {url}: field {s.field!r} rows [{s.pos}, {s.end}) at offset "
-            f"{r.offset} ({r.nbytes} bytes): expected crc32c {r.crc:#010x}, found {found:#010x}"
+            f"{r.offset} ({r.nbytes} bytes): expected crc32c {r.crc:#010x}, found "
+            f"{found:#010x}{whole}"
         )
         error.r3data_range = r  # type: ignore[attr-defined]  # the range, not its run's first
         raise error
 
 
-def _part_of_checked_field(handle: PayloadFile, r: RangeRead) -> bool:
+def _part_of_checked_field(
+    handle: PayloadFile, r: RangeRead, stop: threading.Event | None = None
+) -> bool:
     """Whether ``r``, read for a fixed-width segment whose checksum its bytes do not match, is
     the same rows of a field of its file: the segment's ``crc32c``, dtype and row shape, its
     rows at the positions the file's table gives them, and the field's bytes, read again
     whole, matching that checksum and ``r``'s bytes. A router merging prefill and decode rows
     (PrimeIntellect-ai/router ``merge_routed_payload_in_json``) clips a decode segment by
     moving its ``offset``, ``pos`` and ``rows`` and keeps its ``crc32c``, which covers the
-    field as written. Only a mismatch pays for this: the header and the field read again."""
+    field as written. Only a mismatch pays for this: the header, and the field read again in
+    chunks of :data:`CHUNK_BYTES` (each read under the root's timeout; ``stop`` ends it)."""
     s = r.segment
     if s.ragged or r.crc_tail or r.dest is None or r.nbytes == 0:
         return False
     try:
         fields = read_header(handle.stream(HEADER_READ_BYTES), handle.url).fields
-    except R3DataError:  # no payload header (a raw file), or none that parses
+    except PayloadFormatError:  # no payload header (a raw file), or none that parses
         return False
     for entry in fields:
         e = entry.segment
@@ -786,16 +795,34 @@ def _part_of_checked_field(handle: PayloadFile, r: RangeRead) -> bool:
             continue
         if r.offset + r.nbytes > e.offset + entry.nbytes:
             continue
-        whole = np.empty(entry.nbytes, np.uint8)  # inside the file: the header checked it
-        view, done = memoryview(whole), 0
-        while done < entry.nbytes:
-            got = handle.read_at(e.offset + done, view[done:])
-            if got <= 0:
-                return False
-            done += got
-        landed = np.frombuffer(r.dest, np.uint8, r.nbytes)
-        return checksum(whole) == r.crc and np.array_equal(whole[skip : skip + r.nbytes], landed)
+        return _field_checks_and_holds(handle, e.offset, entry.nbytes, r, stop)
     return False
+
+
+def _field_checks_and_holds(
+    handle: PayloadFile, start: int, nbytes: int, r: RangeRead, stop: threading.Event | None
+) -> bool:
+    """Whether the field at ``[start, start + nbytes)`` matches ``r.crc`` and holds ``r``'s
+    bytes where ``r`` read them."""
+    landed = np.frombuffer(r.dest, np.uint8, r.nbytes)
+    chunk = np.empty(min(CHUNK_BYTES, nbytes), np.uint8)
+    crc, at = 0, start
+    while at < start + nbytes:
+        if stop is not None and stop.is_set():
+            raise PayloadReadError(f"reading {handle.url}: stopped (its plan was stopped)")
+        view = memoryview(chunk)[: min(CHUNK_BYTES, start + nbytes - at)]
+        got = handle.read_at(at, view)
+        if got <= 0:
+            return False
+        part = chunk[:got]
+        crc = checksum(part, value=crc)
+        lo, hi = max(at, r.offset), min(at + got, r.offset + r.nbytes)
+        if lo < hi and not np.array_equal(
+            part[lo - at : hi - at], landed[lo - r.offset : hi - r.offset]
+        ):
+            return False
+        at += got
+    return crc == r.crc
 
 
 def _check_same_kind(

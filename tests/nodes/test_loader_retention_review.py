@@ -13,7 +13,7 @@ from source_kinds import Again
 from r3data import loader
 from r3data.errors import PayloadHandleError, TraceError
 from r3data.nodes import MicroBatches
-from r3data.payload import PayloadRetention, PayloadWriter
+from r3data.payload import PayloadRetention, PayloadRoot, PayloadWriter
 
 LAYERS, TOPK, EXPERTS = 2, 2, 16
 PROMPT, COMPLETION = 3, 2
@@ -169,6 +169,9 @@ def test_with_a_retention_no_file_is_read_through_a_symlink(tmp_path):
     ]
     for batch in loader(samples, batch_size=1, payload_root=str(tmp_path), prefetch=0):
         np.testing.assert_array_equal(batch["routed_experts"][0].numpy()[:ROWS], rows)
+    strict = PayloadRoot(str(tmp_path), follow_symlinks=False)  # a root that says so is kept
+    with pytest.raises(PayloadHandleError, match="leads through a symlink"):
+        list(loader(samples, batch_size=1, payload_root=strict, prefetch=0))
     retention = PayloadRetention(str(tmp_path), max_off_policy_steps=8, fresh=False)
     batches = iter(loader(samples, batch_size=1, retention=retention, prefetch=0))
     first = next(batches)

@@ -114,3 +114,42 @@ def test_a_field_corrupt_outside_the_clipped_rows_is_refused(merged):
     path.write_bytes(bytes(data))
     with pytest.raises(PayloadChecksumError, match="checksum mismatch"):
         PayloadReader(root, retries=0).read([clipped])
+
+
+def test_a_field_of_several_chunks_is_checked_chunk_by_chunk(tmp_path, monkeypatch):
+    """The field is read again in pieces of at most CHUNK_BYTES (each under the timeout)."""
+    import r3data.payload.reader as reader_module
+
+    monkeypatch.setattr(reader_module, "CHUNK_BYTES", 4 * ROW_BYTES)
+    rng = np.random.default_rng(4)
+    truth = rng.integers(1, 200, (ROWS, LAYERS, TOPK)).astype(np.uint8)
+    (written,) = PayloadWriter(tmp_path).write(1, {"routed_experts": truth})
+    clipped = dataclasses.replace(written, offset=written.offset + 5 * ROW_BYTES, pos=5, rows=4)
+    asked: list[int] = []
+    real = reader_module.PayloadFile.stream
+
+    def counting_stream(self, buffer_bytes):
+        inner = self.read_at
+        self.read_at = lambda offset, dest: asked.append(len(dest)) or inner(offset, dest)
+        return real(self, buffer_bytes)
+
+    monkeypatch.setattr(reader_module.PayloadFile, "stream", counting_stream)
+    got = PayloadReader(tmp_path).read([clipped])["routed_experts"]
+    np.testing.assert_array_equal(got, truth[5:])
+    assert len(asked) > 2  # the header's one read, then the field's chunks
+    assert max(asked[1:]) <= 4 * ROW_BYTES
+
+
+def test_an_io_error_while_checking_the_field_is_no_checksum_error(merged, monkeypatch):
+    import r3data.payload.reader as reader_module
+    from r3data.errors import PayloadReadError
+
+    root, _, segments = merged
+
+    def failing(self, buffer_bytes):
+        raise PayloadReadError(f"reading {self.url}: EIO")
+
+    monkeypatch.setattr(reader_module.PayloadFile, "stream", failing)
+    with pytest.raises(PayloadReadError, match="EIO") as raised:
+        PayloadReader(root, retries=0).read([PayloadSegment.from_dict(segments[1])])
+    assert not isinstance(raised.value, PayloadChecksumError)

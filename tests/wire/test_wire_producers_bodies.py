@@ -8,6 +8,7 @@ import functools
 import json
 
 import numpy as np
+import orjson
 import pytest
 from producer_bodies import (
     common,
@@ -404,3 +405,11 @@ def test_nemorl_token_ids_in_the_message_check_the_rows():
     short = nemorl_bodies.chat_body(full, [6, 7, 8], prompt_ids=[1, 2, 3, 4])
     with pytest.raises(EngineRoutesError, match=r"expected 7 rows \(prompt 4 \+ completion 3"):
         decode("nemo-rl", short)
+
+
+def test_nemorl_token_ids_of_the_message_and_of_vllm_must_agree():
+    full = nemorl_bodies.aligned_rows(engine_rows(8), 5, 3, num_experts=8)
+    body = orjson.loads(nemorl_bodies.chat_body(full, [6, 7, 8], prompt_ids=[1, 2, 3, 4, 5]))
+    body["choices"][0]["token_ids"] = [6, 7]  # vLLM's own list of the completion
+    with pytest.raises(WireFormatError, match=r"message's completion ids .* \(2\), found 3"):
+        decode("nemo-rl", orjson.dumps(body))

@@ -115,7 +115,7 @@ def test_ids_without_offsets_are_refused():
 def test_sglang_refuses_to_drop_slime_masks_and_reads_its_routes():
     raw = body(slime_meta_info(3, [[5], [6, 7]]))
     with pytest.raises(
-        WireFormatError, match=r"slime's top-p masks .* expected the producer 'slime'"
+        WireFormatError, match=r"slime's top-p masks .*the 'slime' format reads them"
     ):
         decode("sglang", raw)
     (choice,) = decode("sglang", raw, fields=frozenset({"routed_experts"}))

@@ -113,19 +113,26 @@ def _message_routes(choice: Mapping[str, Any]) -> object:
 
 
 def _token_lengths(
-    response: Mapping[str, Any], choice: Mapping[str, Any]
+    response: Mapping[str, Any], choice: Mapping[str, Any], what: str
 ) -> tuple[int | None, int | None]:
     """``(prompt_len, completion_len)`` from the token ids NeMo-RL attaches to the message
     (``prompt_token_ids``, ``generation_token_ids``: vllm/utils.py
-    ``attach_token_information_to_chat_response_choices``), else vLLM's own lists."""
+    ``attach_token_information_to_chat_response_choices``), else vLLM's own lists; both
+    present, they must agree."""
     message = choice.get("message")
     ids = message if isinstance(message, Mapping) else {}
-    prompt, completion = ids.get("prompt_token_ids"), ids.get("generation_token_ids")
-    fallback = choice_token_lengths(response, choice)
-    return (
-        len(prompt) if isinstance(prompt, list) else fallback[0],
-        len(completion) if isinstance(completion, list) else fallback[1],
-    )
+    attached = (ids.get("prompt_token_ids"), ids.get("generation_token_ids"))
+    found = [len(v) if isinstance(v, list) else None for v in attached]
+    own_lengths = choice_token_lengths(response, choice)
+    for i, (side, own) in enumerate(zip(("prompt", "completion"), own_lengths, strict=True)):
+        if found[i] is None:
+            found[i] = own
+        elif own is not None and own != found[i]:
+            raise WireFormatError(
+                f"{what}: expected the message's {side} ids to count what vLLM's own do "
+                f"({own}), found {found[i]}"
+            )
+    return found[0], found[1]
 
 
 def _sends_nemorl(choice: Mapping[str, Any]) -> bool:
@@ -146,7 +153,9 @@ class NemoRlFormat(ProducerFormat):
 
     def decode_choice(self, choice: Choice) -> ChoiceRows:
         what = f"{self.name} choices[{choice.index}].message.{ROUTES_FIELD}"
-        prompt, completion = choice.placed(what, _token_lengths(choice.response, choice.entry))
+        prompt, completion = choice.placed(
+            what, _token_lengths(choice.response, choice.entry, what)
+        )
         value = _message_routes(choice.entry)
         if value is None:
             return ChoiceRows(choice.index, (), (what,))

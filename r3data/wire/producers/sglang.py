@@ -66,11 +66,15 @@ from r3data.wire.rows import InlineRows, RowSource
 
 __all__ = [
     "FORMAT",
+    "TOP_P_KEYS",
     "SglangFormat",
     "SglangOptions",
+    "flat_int32_base64",
     "flat_int32_rows",
+    "meta_info_of",
     "meta_info_rows",
     "sglang_routes",
+    "top_p_rows",
 ]
 
 SAMPLING_MASK = "output_token_sampling_mask"
@@ -142,7 +146,7 @@ def meta_info_rows(
         if not reads_top_p:
             raise WireFormatError(
                 f"{where}: holds slime's top-p masks ({top_p[0]!r}), which the {entry.name!r} "
-                "format does not read; expected the producer 'slime'"
+                "format does not read (the 'slime' format reads them, from /generate bodies)"
             )
         if mask is not None:
             raise WireFormatError(
