@@ -13,8 +13,9 @@ serving_chat.py ``_generate_chat_stream``):
   :mod:`~r3data.wire.producers.sglang_openai_v059`). The sglext ids (``input_ids``,
   ``output_ids``, 0.5.23) give the lengths where sent, else ``usage`` when the response has
   one choice.
-- A chat stream sends no routes with its content chunks, then one extra chunk with
-  ``"choices": []`` and ``sglext.routed_experts``; with ``x-sglext-ids-framed: 1`` the
+- A chat stream (and a completions stream: serving_completions.py
+  ``_generate_completion_stream``) sends no routes with its content chunks, then one extra
+  chunk with ``"choices": []`` and ``sglext.routed_experts``; with ``x-sglext-ids-framed: 1`` the
   sglext ids (``input_ids``, ``output_ids``) follow in a second such chunk (``event:
   sglext_ids``): the chunks' sglext fields are merged, each sent once.
 - Chat with ``return_meta_info`` (0.5.23): no ``sglext.routed_experts``; each choice carries

@@ -28,6 +28,8 @@ from sglang.srt.entrypoints.openai.protocol import (
     ChatMessage,
     CompletionResponse,
     CompletionResponseChoice,
+    CompletionResponseStreamChoice,
+    CompletionStreamResponse,
     DeltaMessage,
     SglExt,
     UsageInfo,
@@ -58,6 +60,12 @@ def add(
     cases[name] = {"start": start, "choices": expected}
     if request is not None:
         cases[name]["request"] = list(request)
+
+
+def completion_chunk(choices: list, **fields) -> CompletionStreamResponse:
+    return CompletionStreamResponse(
+        id="s", created=0, object="text_completion", model="m", choices=choices, **fields
+    )
 
 
 def meta_info(rid: str, prompt: int, completion: int, routes: np.ndarray | None, mask=None) -> dict:
@@ -285,6 +293,26 @@ for upto in (1, 3, 4):
     sent = upto
 body += b"data: [DONE]\n\n"
 add("generate_stream_incremental_mask", body, 0, [want(3, 4, r, mask_inc)])
+
+# /v1/completions stream (serving_completions.py ``_generate_completion_stream``), start 2: the
+# routes of the first sequence come after its finishing chunk, in a chunk of no choices
+# (``sglext``), then the counts in a usage chunk
+r = rows(5 + 3 - 1 - 2)
+body = ""
+for i in range(3):
+    streamed = CompletionResponseStreamChoice(
+        index=0,
+        text="a",
+        logprobs=None,
+        finish_reason="length" if i == 2 else None,
+        matched_stop=None,
+    )
+    body += f"data: {completion_chunk([streamed]).model_dump_json()}\n\n"
+body += f"data: {completion_chunk([], sglext=SglExt(routed_experts=b64(r))).model_dump_json()}\n\n"
+counts = UsageInfo(prompt_tokens=5, completion_tokens=3, total_tokens=8)
+body += f"data: {completion_chunk([], usage=counts).model_dump_json(exclude_none=True)}\n\n"
+body += "data: [DONE]\n\n"
+add("completions_stream", body.encode(), 2, [want(5, 3, r)])
 
 (out / "expected.json").write_text(json.dumps(cases))
 print("wrote", len(cases), "bodies to", out)
