@@ -2,7 +2,7 @@
 
 ``StepSource -> Mapper(stitch every sample, then fill the micro-batch) -> Prefetcher``, wrapped
 in a ``torchdata.nodes.Loader`` whose ``state_dict()`` resumes exactly after the last
-micro-batch the trainer received. Work is per micro-batch, not per sample, on one background
+micro-batch the trainer received, or at the one that failed. Work is per micro-batch, not per sample, on one background
 thread while the trainer computes; the fill spreads its copies, decodes and reads over the
 shared pool. Stitching (Python, holding the GIL) and filling are not overlapped with each
 other: a fill thread waiting for the GIL behind a stitching thread loses more (every one of its
@@ -165,10 +165,32 @@ class _StoppingPrefetcher(Prefetcher):
             self._it._shutdown()
 
 
-def _delivered(batch: TensorBatch | _Failed) -> TensorBatch:
-    if isinstance(batch, _Failed):
-        raise batch.error
-    return batch
+class _Delivered(BaseNode[TensorBatch]):
+    """The prepared batches, a failure raised on the trainer's thread. After a failure the
+    state is the one before the batch that failed, so a loader resumed from it prepares that
+    batch again rather than skipping it; the next batch delivered moves it on."""
+
+    def __init__(self, source: BaseNode[Any]) -> None:
+        super().__init__()
+        self.source = source
+        self._before_failure: dict[str, Any] | None = None
+
+    def reset(self, initial_state: dict[str, Any] | None = None) -> None:
+        super().reset(initial_state)
+        self._before_failure = None
+        self.source.reset(initial_state)
+
+    def next(self) -> TensorBatch:
+        before = self.source.state_dict()
+        batch = self.source.next()
+        if isinstance(batch, _Failed):
+            self._before_failure = before
+            raise batch.error
+        self._before_failure = None
+        return batch
+
+    def get_state(self) -> dict[str, Any]:
+        return self.source.state_dict() if self._before_failure is None else self._before_failure
 
 
 def _shuffle(value: Shuffle | bool | Mapping[str, Any] | None) -> Shuffle | None:
@@ -382,4 +404,4 @@ def loader(
     stops = ThreadStops()
     node = Mapper(_Guarded(source), _Stage(prepared, stops))
     work = _StoppingPrefetcher(node, prefetch, stops) if prefetch else _InPlace(node, stops)
-    return BatchLoader(Mapper(work, _delivered), work)
+    return BatchLoader(_Delivered(work), work)
