@@ -20,7 +20,7 @@ import pybase64
 
 from r3data.errors import ConfigError, R3DataError, WireFormatError
 from r3data.ragged import RaggedRows
-from r3data.validate import nonnegative_int
+from r3data.validate import checked_int, nonnegative_int
 from r3data.wire.blob import Blob, byte_view, decode_base64, decoded_length
 from r3data.wire.dtypes import compact_route_dtype
 from r3data.wire.envelope import array_from_buffer, check_nbytes
@@ -80,23 +80,55 @@ def parse_response(response: Any, fields: tuple[str, ...]) -> Any:
 def select_choices(
     response: Any, choice: int | None, what: str
 ) -> list[tuple[int, Mapping[str, Any]]]:
-    """``[(index, choice), ...]`` from an OpenAI-style ``choices`` list (all, or one)."""
+    """``[(index, choice), ...]`` from an OpenAI-style ``choices`` list (all, or the one whose
+    index is ``choice``), in index order.
+
+    A choice is named by its ``index``, not its place in the list: a body may list them in
+    any order, and ``choice=k`` is the one whose ``index`` is ``k``. The indices must be
+    ``0..n-1``, each once (as :func:`check_stream_choices` asks of a stream); a list whose
+    choices carry none is read by position, and one where only some do is refused.
+    """
     mapping = type(response) is dict or isinstance(response, Mapping)
     choices = response.get("choices") if mapping else None
     if type(choices) is not list and not isinstance(choices, list):
         raise WireFormatError(f"{what}: expected a response with a 'choices' list")
     if choice is not None and not 0 <= choice < len(choices):
         raise ConfigError(f"{what}: choice {choice} out of range; response has {len(choices)}")
+    positions = _choice_positions(choices, what)
     picked = range(len(choices)) if choice is None else (choice,)
-    selected = []
-    for index in picked:
-        if type(choices[index]) is not dict and not isinstance(choices[index], Mapping):
+    return [(index, choices[positions[index]]) for index in picked]
+
+
+def _choice_positions(choices: list[Any], what: str) -> range | list[int]:
+    """Where each choice sits in ``choices``: ``positions[i]`` is the list position of the
+    choice whose ``index`` is ``i`` (its own position where no choice has an ``index``)."""
+    for position, entry in enumerate(choices):
+        if type(entry) is not dict and not isinstance(entry, Mapping):
             raise WireFormatError(
-                f"{what}: choices[{index}]: expected an object, found "
-                f"{type(choices[index]).__name__}"
+                f"{what}: choices[{position}]: expected an object, found {type(entry).__name__}"
             )
-        selected.append((index, choices[index]))
-    return selected
+    indexed = [position for position, entry in enumerate(choices) if "index" in entry]
+    if not indexed:
+        return range(len(choices))
+    if len(indexed) < len(choices):
+        bare = next(position for position, entry in enumerate(choices) if "index" not in entry)
+        raise WireFormatError(
+            f"{what}: expected an 'index' in every choice or in none, found one in "
+            f"choices[{indexed[0]}] but none in choices[{bare}]"
+        )
+    seen: dict[int, int] = {}
+    for position, entry in enumerate(choices):
+        index = checked_int(
+            f"{what} choices[{position}].index", entry["index"], error=WireFormatError
+        )
+        if index in seen:
+            raise WireFormatError(
+                f"{what}: expected distinct choice indices, found index {index} in "
+                f"choices[{seen[index]}] and choices[{position}]"
+            )
+        seen[index] = position
+    check_stream_choices(seen, what)
+    return [seen[index] for index in range(len(choices))]
 
 
 def any_choice(doc: Any, test: Callable[[Mapping[str, Any]], bool]) -> bool:
@@ -319,9 +351,9 @@ def stream_events(raw: bytes | bytearray | memoryview | mmap.mmap, what: str) ->
 
 
 def check_stream_choices(indices: set[int] | dict[int, Any], what: str) -> int:
-    """The number of choices a stream's ``index`` values name, which must be ``0..n-1``: a
-    choice never comes from a number alone (an index of 10**9 in a short body is refused,
-    not allocated)."""
+    """The number of choices a stream's (or a body's) ``index`` values name, which must be
+    ``0..n-1``: a choice never comes from a number alone (an index of 10**9 in a short body
+    is refused, not allocated)."""
     found = sorted(indices)
     if found != list(range(len(found))):
         shown = ", ".join(map(str, found[:8])) + (", ..." if len(found) > 8 else "")
