@@ -31,7 +31,7 @@ from r3data.trace.checks import check_row_shape, widened_dtype
 from r3data.validate import nonnegative_int
 from r3data.wire.anchors import routes_end
 from r3data.wire.dtypes import ROUTE_DTYPES, parse_dtype
-from r3data.wire.rows import EncodedRows, InlineRows
+from r3data.wire.rows import EncodedRows, InlineRows, check_route_row_shape
 from r3data.wire.segment import PayloadSegment
 
 __all__ = [
@@ -227,6 +227,14 @@ class TraceBuilder:
                     f"PayloadSegment sources, found {type(source).__name__}"
                 )
             self._check_span(source, prompt_len, completion_len)
+            if source.field == self.routes_field and isinstance(source, PayloadSegment):
+                # inline routes were held to this by their producer; a handle's is its claim
+                check_route_row_shape(
+                    source.shape,
+                    f"trace {self.trace_id!r} field {source.field!r}: segment at position "
+                    f"{source.pos}",
+                    TraceError,
+                )
         if len(request_sources) > 1:
             self._check_disjoint(request_sources)
         info = self._info  # copied before a change: built traces share the one they saw

@@ -20,12 +20,12 @@ from typing import Any
 
 import numpy as np
 
-from r3data.errors import SegmentError, WireFormatError
+from r3data.errors import R3DataError, SegmentError, WireFormatError
 from r3data.ragged import RaggedRows
 from r3data.validate import nonnegative_int
 from r3data.wire.blob import Base64Data, decode_base64_into, decoded_length, destination_bytes
 
-__all__ = ["EncodedRows", "InlineRows", "RowSource", "frozen_meta"]
+__all__ = ["EncodedRows", "InlineRows", "RowSource", "check_route_row_shape", "frozen_meta"]
 
 _EMPTY: Mapping[str, Any] = MappingProxyType({})
 
@@ -35,6 +35,18 @@ def frozen_meta(meta: Mapping[str, Any] | None) -> Mapping[str, Any]:
     if not meta:
         return _EMPTY
     return meta if isinstance(meta, MappingProxyType) else MappingProxyType(dict(meta))
+
+
+def check_route_row_shape(
+    row_shape: tuple[int, ...], what: str, error: type[R3DataError] = WireFormatError
+) -> None:
+    """The one rule for the row shape of routes, inline or by handle: ``[layers, topk]``, both
+    > 0 (a row of ``[]`` would be one byte of the field, ``[layers * topk]`` or ``[layers,
+    topk, 1]`` no route row), else ``error`` naming ``what`` and the shape found."""
+    if len(row_shape) != 2 or 0 in row_shape:
+        raise error(
+            f"{what}: expected routes [rows, layers > 0, topk > 0], found rows of {list(row_shape)}"
+        )
 
 
 def _check_pos(owner: str, pos: object) -> int:

@@ -26,7 +26,7 @@ from r3data.wire.dtypes import compact_route_dtype
 from r3data.wire.envelope import array_from_buffer, check_nbytes
 from r3data.wire.masks import check_csr
 from r3data.wire.producers.request import EngineRequest, Lengths
-from r3data.wire.rows import EncodedRows, InlineRows, RowSource
+from r3data.wire.rows import EncodedRows, InlineRows, RowSource, check_route_row_shape
 from r3data.wire.splice import load_packed_body
 
 __all__ = [
@@ -280,11 +280,7 @@ def envelope_rows(
 
 
 def check_route_shape(routes: RowSource, what: str) -> None:
-    if len(routes.row_shape) != 2 or 0 in routes.row_shape:
-        raise WireFormatError(
-            f"{what}: expected routes [rows, layers > 0, topk > 0], found rows of "
-            f"{list(routes.row_shape)}"
-        )
+    check_route_row_shape(routes.row_shape, what)
 
 
 # --- plain bodies and streams ---------------------------------------------------------------

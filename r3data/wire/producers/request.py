@@ -10,17 +10,33 @@ from typing import NamedTuple
 
 import numpy as np
 
-from r3data.errors import ConfigError
+from r3data.errors import ConfigError, TraceError
 from r3data.ragged import RaggedRows
+from r3data.validate import INT64_MAX, checked_int
 
 __all__ = ["NO_LENGTHS", "EngineRequest", "Lengths"]
 
 
-class Lengths(NamedTuple):
-    """The request's token counts as the caller knows them (None: unknown)."""
-
+class _Counts(NamedTuple):
     prompt_len: int | None = None
     completion_len: int | None = None
+
+
+class Lengths(_Counts):
+    """The request's token counts as the caller knows them (None: unknown), each an int in
+    ``[0, INT64_MAX]`` (a bool, a negative or a float is the request's own error, a
+    :class:`TraceError` naming it, as the trace builder's; never a response that disagrees)."""
+
+    __slots__ = ()
+
+    def __new__(cls, prompt_len: int | None = None, completion_len: int | None = None) -> Lengths:
+        return super().__new__(
+            cls, _length("prompt_len", prompt_len), _length("completion_len", completion_len)
+        )
+
+
+def _length(name: str, value: object) -> int | None:
+    return None if value is None else checked_int(name, value, maximum=INT64_MAX, error=TraceError)
 
 
 NO_LENGTHS = Lengths()
@@ -48,6 +64,8 @@ class EngineRequest:
     sampling_mask: RaggedRows | None = None
 
     def __post_init__(self) -> None:
+        start = checked_int("EngineRequest.start", self.start, maximum=self.prompt_len)
+        object.__setattr__(self, "start", start)
         routes = np.asarray(self.routes)
         if routes.ndim != 3 or routes.dtype.kind not in "iu":
             raise ConfigError(
@@ -55,7 +73,7 @@ class EngineRequest:
                 f"{routes.shape} of {routes.dtype}"
             )
         expected = self.prompt_len + self.completion_len - 1 - self.start
-        if not 0 <= self.start <= self.prompt_len or routes.shape[0] != expected:
+        if routes.shape[0] != expected:
             raise ConfigError(
                 f"EngineRequest: expected {expected} route rows (prompt {self.prompt_len} + "
                 f"completion {self.completion_len} - 1 - start {self.start}), found "
