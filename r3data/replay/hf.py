@@ -15,7 +15,9 @@ Routes are keyed by router module, so activation checkpointing's recompute of a 
 replays that layer's routes. Padding tokens get distinct experts (``fill``). A model whose
 routers cannot be hooked, routes whose layer count or top-k do not match, ids out of range
 or routes given to a dense layer raise :class:`~r3data.errors.ReplayError` before the
-forward. :func:`record` captures the experts every router used, as packed routes.
+forward, and so do packed inputs (``hf_inputs(packed=True)``) for a model that would mix
+their samples (:func:`check_packed`). :func:`record` captures the experts every router used,
+as packed routes.
 
 transformers is never imported here: routers are found from the model's own modules and
 config (see :mod:`r3data.replay.hf_routers`).
@@ -33,10 +35,11 @@ from r3data.batch import TensorBatch
 from r3data.errors import ReplayError
 from r3data.packed import PackedTensor
 from r3data.replay.hf_inputs import HFInputs
+from r3data.replay.hf_packed import check_packed
 from r3data.replay.hf_routers import find_routers
 from r3data.replay.routing import FillOption, Record, Replay, Routers, recording, replaying
 
-__all__ = ["ROUTES_FIELD", "VALID_FIELD", "record", "replay", "replaying_model"]
+__all__ = ["ROUTES_FIELD", "VALID_FIELD", "check_packed", "record", "replay", "replaying_model"]
 
 ROUTES_FIELD = "routed_experts"
 VALID_FIELD = "routed_experts_valid"
@@ -50,8 +53,11 @@ def record(
 
     With ``inputs``, padding tokens are routed to ``fill`` (as :func:`replay` would route
     them), so replaying the recorded routes reproduces this forward bit for bit; the
-    routes come back packed (:attr:`Record.routes`).
+    routes come back packed (:attr:`Record.routes`). Packed ``inputs`` are refused for a
+    model that would mix their samples (:func:`check_packed`).
     """
+    if inputs is not None:
+        check_packed(model, inputs)
     with recording(find_routers(model), inputs, model_device(model), fill) as handle:
         yield handle
 
@@ -77,8 +83,10 @@ def replay(
     ``"round_robin"`` (spread over all experts) or explicit ids. ``threshold``: off by
     default; a ratio r keeps a replayed expert only when the trainer's own score for it is
     at least r times its weakest own top-k score, refilling from its own top-k (the replace
-    rate is in the agreement).
+    rate is in the agreement). Packed ``inputs`` are refused for a model that would mix
+    their samples (:func:`check_packed`).
     """
+    check_packed(model, inputs)
     with replaying_model(
         model,
         find_routers(model),

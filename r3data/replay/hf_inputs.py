@@ -2,9 +2,11 @@
 
 :func:`hf_inputs` turns a batch's packed ``token_ids`` into ``input_ids``,
 ``attention_mask`` and ``position_ids`` (padded ``[B, S]``), or a packed ``[1, N]`` stream
-with per-sample ``position_ids`` and no mask (transformers' packed-sequence form: its mask
-builders derive the block-diagonal causal mask from the position restarts, and flash
-attention reads the same restarts). The result is a mapping for ``model(**inputs)`` that
+with per-sample ``position_ids`` and no mask (transformers' packed-sequence form: where the
+model hands ``position_ids`` to its mask builders they derive the block-diagonal causal mask
+from the position restarts, and flash attention reads the same restarts; families that do
+not, GPT-OSS's and the hybrids' among them, would mix the samples, and ``replay`` and
+``record`` refuse them the packed form). The result is a mapping for ``model(**inputs)`` that
 also knows the packed row of every model token, so routes, masks and per-token fields lay
 out the same way (:meth:`HFInputs.pad`) and recorded routes go back to packed form
 (:meth:`HFInputs.unpad`).
@@ -140,8 +142,18 @@ def hf_inputs(
     ``packed=False``: ``[B, S]`` padded on ``padding_side`` to the longest sample (rounded up
     to ``pad_multiple``), ``attention_mask`` 1 at real tokens, positions counting real
     tokens. ``packed=True``: one ``[1, N]`` stream, positions restarting at every sample
-    and no attention mask; use it with an attention implementation that reads packed
-    position ids (transformers' sdpa, eager and flash attention paths do).
+    and no attention mask. The restarts are all that keeps the samples apart: only for a
+    model whose every layer reads them, an attention layer whose mask transformers builds
+    from ``position_ids`` (sdpa, eager, flex) or flash attention, as Qwen3-MoE, Mixtral,
+    DeepSeek-V3 and most MoE families do. Not for GPT-OSS, AFMoE and GraniteMoE-Hybrid
+    (their masks are built without ``position_ids``), nor for a model with recurrent or
+    convolution layers (``layer_types`` ``linear_attention``, ``conv``, ``hybrid``...: Qwen3-Next,
+    Qwen3.5-MoE, Jamba, NemotronH, LFM2-MoE, MiniMax, Kimi-Linear, ...): every sample after
+    the first would attend to, or start from the state of, the ones before it. These inputs
+    do not know the model; :func:`~r3data.replay.hf.replay` and
+    :func:`~r3data.replay.hf.record` refuse them for such a model with a
+    :class:`~r3data.errors.ReplayError` (:func:`~r3data.replay.hf_packed.check_packed` is the
+    same check on its own); use the padded form for them.
     """
     tokens = batch[field] if isinstance(batch, TensorBatch) else batch
     if not isinstance(tokens, PackedTensor) or tokens.row_shape != ():
