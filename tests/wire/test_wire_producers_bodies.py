@@ -140,6 +140,33 @@ def test_vllm_streams_with_routes_twice_or_early_are_refused():
         decode("vllm", early)
 
 
+def test_vllm_streams_with_two_prompts_are_refused():
+    """A stream whose chunks disagree on the prompt is two requests' chunks mixed: refused,
+    whichever chunk repeats it; the same prompt repeated is the one request."""
+    prompt = vllm_bodies.Prompt([1, 2, 3], [vllm_bodies.Sample([4, 5, 6], engine_rows(6))])
+    events = vllm_bodies.tokens_stream(
+        prompt, num_experts=8, tokens_per_chunk=1, return_token_ids=True
+    ).split(b"\n\n")
+    first = orjson.loads(events[0].removeprefix(b"data: "))
+    assert first["prompt_token_ids"] == [1, 2, 3]
+    for number in range(1, len(events) - 2):
+        for ids, refused in (([1, 2, 3], False), ([1, 2, 4], True), ([1, 2], True)):
+            chunk = orjson.loads(events[number].removeprefix(b"data: "))
+            body = b"\n\n".join(
+                [
+                    *events[:number],
+                    b"data: " + orjson.dumps(chunk | {"prompt_token_ids": ids}),
+                    *events[number + 1 :],
+                ]
+            )
+            if refused:
+                with pytest.raises(WireFormatError, match=rf"event {number}: expected the prompt"):
+                    decode("vllm", body)
+            else:
+                (choice,) = decode("vllm", body)
+                assert_rows(choice, (0, engine_rows(6)))
+
+
 # --- vLLM 0.21 ---------------------------------------------------------------------------------
 
 

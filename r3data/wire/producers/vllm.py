@@ -146,8 +146,12 @@ def _assemble(raw: Any, what: str) -> dict[str, Any]:
         chunk = parse_response(event, (ROUTES_FIELD,))
         if not isinstance(chunk, Mapping) or not isinstance(chunk.get("choices"), list):
             raise WireFormatError(f"{where}: expected a chunk with a 'choices' list")
-        if chunk.get("prompt_token_ids") is not None:
-            top["prompt_token_ids"] = chunk["prompt_token_ids"]
+        prompt = chunk.get("prompt_token_ids")
+        if prompt is not None and top.setdefault("prompt_token_ids", prompt) != prompt:
+            raise WireFormatError(
+                f"{where}: expected the prompt_token_ids an earlier chunk sent (vLLM sends "
+                f"them once, on the first), found different ones"
+            )
         for part in chunk["choices"]:
             if not isinstance(part, Mapping):
                 raise WireFormatError(f"{where}: expected choice objects")

@@ -462,6 +462,7 @@ def tokens_stream(
     num_experts: int,
     prompt_start: int = 0,
     tokens_per_chunk: int = 2,
+    return_token_ids: bool = False,
 ) -> bytes:
     """``POST /inference/v1/generate`` with ``"stream": true``, vLLM 0.24.0-0.33.0 (0.32 schema).
 
@@ -470,9 +471,12 @@ def tokens_stream(
     the one that finishes the choice, which carries the whole request's rows (the output
     processor concatenates ``routed_experts_chunks`` only ``if finished``,
     v1/engine/output_processor.py ``_new_completion_output``). Routes are not spread over
-    chunks. (0.22.0-0.23.0 stream choices have no ``routed_experts`` field at all.)
+    chunks. (0.22.0-0.23.0 stream choices have no ``routed_experts`` field at all.) With
+    ``return_token_ids`` the first chunk alone carries ``prompt_token_ids`` (the field is
+    excluded from the others).
     """
     events = []
+    prompt_ids = list(prompt.prompt_ids) if return_token_ids else None
     for index, sample in enumerate(prompt.samples):
         ids = list(sample.completion_ids)
         for at in range(0, max(len(ids), 1), tokens_per_chunk):
@@ -495,6 +499,8 @@ def tokens_stream(
                     }
                 ],
             }
+            if prompt_ids is not None:
+                chunk["prompt_token_ids"], prompt_ids = prompt_ids, None
             events.append(starlette_body(chunk))
     return sse(events)
 
