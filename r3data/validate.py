@@ -14,12 +14,19 @@ import numbers
 import numpy as np
 import torch
 
-from r3data.errors import ConfigError, R3DataError
+from r3data.errors import ConfigError, R3DataError, TraceError
 
 INT64_MAX = int(np.iinfo(np.int64).max)
 """The largest count, length or offset r3data keeps (host offsets are int64)."""
 
-__all__ = ["INT64_MAX", "checked_fill", "checked_int", "nonnegative_int", "slice_bounds"]
+__all__ = [
+    "INT64_MAX",
+    "checked_fill",
+    "checked_int",
+    "nonnegative_int",
+    "request_length",
+    "slice_bounds",
+]
 
 
 def checked_int(
@@ -56,6 +63,12 @@ def slice_bounds(
 def nonnegative_int(name: str, value: object, error: type[R3DataError] = ConfigError) -> int:
     """``value`` as an int >= 0 (a length or a position), else ``error`` naming ``name``."""
     return checked_int(name, value, error=error)
+
+
+def request_length(name: str, value: object) -> int:
+    """A request's token count: an int in ``[0, INT64_MAX]``, else a :class:`TraceError`
+    naming ``name`` (the one rule of the trace builder and of ``Lengths``)."""
+    return checked_int(name, value, maximum=INT64_MAX, error=TraceError)
 
 
 def checked_fill(

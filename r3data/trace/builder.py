@@ -28,7 +28,7 @@ from r3data.errors import ConfigError, TraceError
 from r3data.ragged import RaggedRows
 from r3data.spans import Span, merge
 from r3data.trace.checks import check_row_shape, widened_dtype
-from r3data.validate import nonnegative_int
+from r3data.validate import INT64_MAX, request_length
 from r3data.wire.anchors import routes_end
 from r3data.wire.dtypes import ROUTE_DTYPES, parse_dtype
 from r3data.wire.rows import EncodedRows, InlineRows, check_route_row_shape
@@ -209,10 +209,10 @@ class TraceBuilder:
     ) -> None:
         """Add one request's rows; ``sources`` carry their own positions. Validates every
         source before changing anything, so a refused request leaves the trace as it was."""
-        if type(prompt_len) is not int or prompt_len < 0:
-            prompt_len = nonnegative_int("prompt_len", prompt_len, TraceError)
-        if type(completion_len) is not int or completion_len < 0:
-            completion_len = nonnegative_int("completion_len", completion_len, TraceError)
+        if type(prompt_len) is not int or not 0 <= prompt_len <= INT64_MAX:
+            prompt_len = request_length("prompt_len", prompt_len)
+        if type(completion_len) is not int or not 0 <= completion_len <= INT64_MAX:
+            completion_len = request_length("completion_len", completion_len)
         request_sources: list[Source] = []
         sources = sources if type(sources) is list else list(sources)
         for source in sources:

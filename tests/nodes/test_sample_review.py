@@ -173,11 +173,21 @@ def test_an_empty_sample_is_empty_whatever_holds_its_ids(empty):
 @pytest.mark.parametrize(
     ("lengths", "message"),
     [
-        ((True, 2), "prompt_len: expected an int >= 0, found True"),
-        ((2.0, 2), "prompt_len: expected an int >= 0, found 2.0"),
-        ((2, np.float32(2)), "completion_len: expected an int >= 0, found np.float32"),
-        ((np.bool_(True), 2), "prompt_len: expected an int >= 0, found np.True_"),
-        ((-1, 2), "prompt_len: expected an int >= 0, found -1"),
+        ((True, 2), "prompt_len: expected an int in \\[0, 9223372036854775807\\], found True"),
+        ((2.0, 2), "prompt_len: expected an int in \\[0, 9223372036854775807\\], found 2.0"),
+        (
+            (2, np.float32(2)),
+            "completion_len: expected an int in \\[0, 9223372036854775807\\], found np.float32",
+        ),
+        (
+            (np.bool_(True), 2),
+            "prompt_len: expected an int in \\[0, 9223372036854775807\\], found np.True_",
+        ),
+        (
+            (2, 2**63),
+            "completion_len: expected an int in \\[0, 9223372036854775807\\], found 9223372036854775808",
+        ),
+        ((-1, 2), "prompt_len: expected an int in \\[0, 9223372036854775807\\], found -1"),
     ],
 )
 def test_lengths_that_are_not_counts_are_refused(lengths, message):

@@ -257,8 +257,11 @@ def test_bad_builder_options_are_config_errors():
 
 
 def test_builder_arguments_and_ragged_agreement(tmp_path):
-    with pytest.raises(TraceError, match="prompt_len: expected an int >= 0, found -1"):
-        TraceBuilder("t").add_request(-1, 3)
+    for bad in (-1, 2**63, True):
+        with pytest.raises(
+            TraceError, match=rf"prompt_len: expected an int in \[0, {2**63 - 1}\], found {bad}"
+        ):
+            TraceBuilder("t").add_request(bad, 3)
     rows = [np.array([1, 2], np.int32), np.array([3], np.int32), np.array([], np.int32)]
     ragged = PayloadWriter(tmp_path).write(0, {"token_mask": rows}, pos=4)
     builder = TraceBuilder("t")

@@ -10,9 +10,9 @@ from typing import NamedTuple
 
 import numpy as np
 
-from r3data.errors import ConfigError, TraceError
+from r3data.errors import ConfigError
 from r3data.ragged import RaggedRows
-from r3data.validate import INT64_MAX, checked_int
+from r3data.validate import checked_int, request_length
 
 __all__ = ["NO_LENGTHS", "EngineRequest", "Lengths"]
 
@@ -36,7 +36,7 @@ class Lengths(_Counts):
 
 
 def _length(name: str, value: object) -> int | None:
-    return None if value is None else checked_int(name, value, maximum=INT64_MAX, error=TraceError)
+    return None if value is None else request_length(name, value)
 
 
 NO_LENGTHS = Lengths()
