@@ -34,7 +34,7 @@ import torch
 
 from r3data.errors import ReplayError
 from r3data.replay.routing import Routers
-from r3data.replay.tap import RouterSite, TopkTap, carried
+from r3data.replay.tap import RouterSite, TopkTap, carried, single_group_passes
 
 __all__ = ["find_routers"]
 
@@ -328,7 +328,7 @@ def _probe_block(
         )
     block = replace(site, module=parent, method="route_tokens_to_experts")
     tap, output = _run(method, (logits,), block, device)
-    if tap.calls != 1:
+    if tap.calls - single_group_passes(tap) != 1:
         raise ReplayError(
             f"{type(parent).__name__}.route_tokens_to_experts ran {tap.calls} top-k calls of "
             f"k={site.topk} over {site.choices} experts, expected exactly one"
@@ -337,7 +337,8 @@ def _probe_block(
 
 
 def _contract(site: RouterSite, tap: TopkTap, output: Any) -> RouterSite:
-    if tap.calls != 1:
+    passes = single_group_passes(tap)
+    if tap.calls - passes != 1:
         raise ReplayError(
             f"router {site.name} ({type(site.module).__name__}) ran {tap.calls} top-k calls of "
             f"k={site.topk} over {site.choices} experts, expected exactly one"
@@ -345,7 +346,7 @@ def _contract(site: RouterSite, tap: TopkTap, output: Any) -> RouterSite:
     # scores a softmax or sigmoid made are never negative; raw logits on random states are
     logits = bool((torch.isfinite(tap.scores) & (tap.scores < 0)).any())
     kind = carried(site, output, tap.used)
-    return replace(site, carries=kind, selects_on_logits=logits, probed=True)
+    return replace(site, carries=kind, selects_on_logits=logits, probed=True, passes=passes)
 
 
 def _run(method: Any, args: tuple, site: RouterSite, device: torch.device) -> tuple[TopkTap, Any]:

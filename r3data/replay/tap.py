@@ -26,7 +26,15 @@ from torch.overrides import TorchFunctionMode
 
 from r3data.errors import ReplayError
 
-__all__ = ["RouterSite", "Session", "TopkTap", "carried", "in_backward", "tap_routers"]
+__all__ = [
+    "RouterSite",
+    "Session",
+    "TopkTap",
+    "carried",
+    "in_backward",
+    "single_group_passes",
+    "tap_routers",
+]
 
 _TOPK = (torch.topk, torch.Tensor.topk)
 #: A group-limited choice masks the scores of the groups not chosen before its top-k.
@@ -63,6 +71,11 @@ class RouterSite:
     probabilities; the score threshold then compares their softmax."""
     probed: bool = False
     """The contract was learnt before any forward (else it is checked at the first call)."""
+    passes: int = 0
+    """Top-k calls of ``topk`` over ``choices`` before the router's own that are not its pick:
+    a group-limited choice with a single group (``n_group=1``) takes each group's top-2 over
+    all the experts, which with ``topk=2`` looks like the router's and steers nothing (the one
+    group is always kept). They run untouched (see :func:`single_group_passes`)."""
 
 
 Choose = Callable[[torch.Tensor, torch.Tensor], torch.Tensor | None]
@@ -72,12 +85,16 @@ Choose = Callable[[torch.Tensor, torch.Tensor], torch.Tensor | None]
 class TopkTap(TorchFunctionMode):
     """Stand in for the top-k over ``choices`` columns with ``k`` picks (see the module doc)."""
 
-    def __init__(self, k: int, choices: int, choose: Choose | None = None) -> None:
+    def __init__(self, k: int, choices: int, choose: Choose | None = None, passes: int = 0) -> None:
         super().__init__()
         self.k = k
         self.choices = choices
         self.choose = choose
+        self.passes = passes
         self.calls = 0
+        self.single_group: list[bool] = []
+        """Per call taken for the router's, whether it ran over a group axis of one
+        (``[..., 1, choices]``)."""
         self.scores: torch.Tensor | None = None
         self.own: torch.Tensor | None = None
         self.used: torch.Tensor | None = None
@@ -90,8 +107,19 @@ class TopkTap(TorchFunctionMode):
             return self._track(func, args, kwargs)
         if func not in _TOPK or not self._selects(args, kwargs):
             return func(*args, **kwargs)
+        scores = args[0] if args else kwargs.get("input", kwargs.get("self"))
+        grouped = scores.dim() >= 3 and scores.shape[-2] == 1
+        if self.passes:
+            if not grouped:
+                raise ReplayError(
+                    f"the router's first top-k of k={self.k} ran over {tuple(scores.shape)}, "
+                    f"expected the [..., 1, {self.choices}] of its single group, as probed"
+                )
+            self.passes -= 1
+            return func(*args, **kwargs)
         values, own = func(*args, **kwargs)
         self.calls += 1
+        self.single_group.append(grouped)
         # the trainer's own scores: a group-limited choice's mask only steers its own pick
         scores = self._before_masks(args[0])
         flat_scores = scores.reshape(-1, self.choices)
@@ -136,6 +164,12 @@ class TopkTap(TorchFunctionMode):
             and dim in (-1, scores.dim() - 1)
             and scores.shape[-1] == self.choices
         )
+
+
+def single_group_passes(tap: TopkTap) -> int:
+    """How many of the calls ``tap`` took for the router's are a single group's top-2 before
+    the pick (see :attr:`RouterSite.passes`): one when it ran exactly that and then one more."""
+    return 1 if tap.k == 2 and tap.single_group == [True, False] else 0
 
 
 def tensors_in(output: Any) -> Iterator[torch.Tensor]:
@@ -213,7 +247,7 @@ def _wrapper(hub: _Hub, original: Callable[..., Any]) -> Callable[..., Any]:
         replay = hub.replay
         chooser = replay if replay is not None else (hub.records[0] if hub.records else None)
         choose = None if chooser is None else (lambda s, o: chooser.choose(site, s, o))
-        tap = TopkTap(site.topk, site.choices, choose)
+        tap = TopkTap(site.topk, site.choices, choose, site.passes)
         with tap:
             output = original(*args, **kwargs)
         if tap.calls != 1:

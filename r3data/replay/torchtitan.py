@@ -55,7 +55,8 @@ def find_routers(model: torch.nn.Module) -> Routers:
         layer = int(match.group(1)) if match else len(sites)
         # scores are softmax or sigmoid probabilities: known from the class, checked per call
         site = RouterSite(layer, module, "forward", module.top_k, module.num_experts, name)
-        sites.append(replace(site, probed=True))
+        single_group = module.top_k == 2 and getattr(module, "num_expert_groups", None) == 1
+        sites.append(replace(site, probed=True, passes=int(single_group)))
     if not sites:
         raise ReplayError(f"{type(model).__name__} holds no torchtitan {ROUTER_CLASS}")
     sites.sort(key=lambda site: site.layer)

@@ -194,7 +194,7 @@ REFUSED: dict[str, str] = {
 }
 
 
-def tiny_config(model_type: str):
+def tiny_config(model_type: str, **overrides):
     from transformers import CONFIG_MAPPING
 
     config_class = CONFIG_MAPPING[model_type]
@@ -209,11 +209,13 @@ def tiny_config(model_type: str):
             if isinstance(defaults.get(name), int) and defaults[name] >= VOCAB:
                 fields[name] = 1
         fields.update(EXTRA.get(model_type, {}))
+        fields.update({aliases.get(k, k): v for k, v in overrides.items()})
         return config_class(**fields)
 
 
-def tiny_model(family: str, seed: int = 0) -> tuple[torch.nn.Module, bool]:
-    """A random model of ``family`` (weights drawn wide enough that routing is not flat)."""
+def tiny_model(family: str, seed: int = 0, **overrides) -> tuple[torch.nn.Module, bool]:
+    """A random model of ``family`` (weights drawn wide enough that routing is not flat),
+    its config fields ``overrides`` set over the tiny ones."""
     from transformers import AutoModel, AutoModelForCausalLM
 
     model_type, causal = FAMILIES.get(family, (family, True))
@@ -221,7 +223,7 @@ def tiny_model(family: str, seed: int = 0) -> tuple[torch.nn.Module, bool]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         builder = AutoModelForCausalLM if causal else AutoModel
-        model = builder.from_config(tiny_config(model_type))
+        model = builder.from_config(tiny_config(model_type, **overrides))
     with torch.no_grad():
         for parameter in model.parameters():
             if parameter.dim() >= 2:

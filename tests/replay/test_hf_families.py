@@ -124,6 +124,40 @@ def test_family_replays_its_recorded_routes(family):
     assert not ran
 
 
+def single_group_families() -> list[str]:
+    """Families whose group-limited choice takes each group's top-2 before the pick."""
+    from hf_helpers import tiny_config
+
+    return [
+        family
+        for family in sorted(FAMILIES)
+        if hasattr(config := tiny_config(FAMILIES[family][0]), "n_group")
+        and getattr(config, "topk_method", "noaux_tc") != "greedy"
+    ]
+
+
+@pytest.mark.parametrize("family", single_group_families())
+def test_single_group_router_replays_its_routes(family):
+    """With ``n_group=1`` and top-2 the group's top-2 over every expert runs before the
+    router's own top-2 and looks like it: it passes through untouched, the pick is replayed."""
+    model, causal = tiny_model(family, n_group=1, topk_group=1)
+    batch = token_batch()
+    inputs = hf_inputs(batch)
+    with torch.no_grad(), record(model, inputs) as recorded:
+        expected = outputs(model, causal, inputs)
+    assert all(site.passes == 1 for site in recorded.routers.sites)
+    inline = load(samples(batch, recorded.routes, "inline"), last_token_row=True)
+    with torch.no_grad():
+        for router in routers_of(model):
+            for parameter in router.parameters():
+                parameter.add_(torch.randn_like(parameter))
+        with replay(model, inline, inputs) as session, record(model, inputs) as used:
+            got = outputs(model, causal, inputs)
+    assert torch.equal(used.routes.values, recorded.routes.values)
+    assert session.agreement.mean_exact < 1.0
+    assert got.shape == expected.shape
+
+
 @pytest.mark.parametrize("family", sorted(REFUSED))
 def test_family_without_a_replayable_router_is_refused_before_the_forward(family):
     model, causal = tiny_model(family)

@@ -71,12 +71,12 @@ class Block(torch.nn.Module):
 class Decoder(torch.nn.Module):
     """Embedding, two MoE blocks (a softmax and a sigmoid, group-limited, router), head."""
 
-    def __init__(self) -> None:
+    def __init__(self, groups: int = 2) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.embed = torch.nn.Embedding(VOCAB, DIM)
         self.layers = torch.nn.ModuleList(
-            [Block(moe("softmax", True, None)), Block(moe("sigmoid", False, 2))]
+            [Block(moe("softmax", True, None)), Block(moe("sigmoid", False, groups))]
         )
         self.head = torch.nn.Linear(DIM, VOCAB)
         with torch.no_grad():
@@ -137,6 +137,29 @@ def test_torchtitan_moe_layers_replay_recorded_routes_through_the_loader():
     assert session.agreement.mean_exact < 1.0
     assert torch.equal(used.routes.values, routes.values)
     assert 0.0 < strict.agreement.replace_rate <= 1.0
+
+
+def test_torchtitan_single_group_router_replays_its_routes():
+    """One expert group and top-2: the group's top-2 over every expert runs first and looks
+    like the pick; it passes through, and the pick itself is replayed (drifted router too)."""
+    model = Decoder(groups=1)
+    batch = token_batch()
+    inputs = hf_inputs(batch)
+    tokens = inputs["input_ids"]
+    with torch.no_grad(), record(model, inputs) as recorded:
+        expected = model(tokens)
+    assert [site.passes for site in recorded.routers.sites] == [0, 1]
+    loaded = load(samples(batch, recorded.routes, "inline"), last_token_row=True)
+    mask = inputs.attention_mask.bool()
+    with torch.no_grad():
+        with replay(model, loaded, inputs):
+            assert torch.equal(model(tokens)[mask], expected[mask])
+        gate = model.layers[1].moe.router.gate.weight
+        gate.add_(torch.randn_like(gate))
+        with replay(model, loaded, inputs) as session, record(model, inputs) as used:
+            model(tokens)
+    assert torch.equal(used.routes.values, recorded.routes.values)
+    assert session.agreement.mean_exact < 1.0
 
 
 def test_torchtitan_routes_that_do_not_fit_raise_before_the_forward():
