@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from r3data.errors import SegmentError, WireFormatError
-from r3data.validate import checked_int
+from r3data.validate import INT64_MAX, checked_int
 from r3data.wire.dtypes import parse_dtype
 
 __all__ = ["INDEX_DTYPE", "PayloadSegment", "clip", "covers", "gaps", "shift"]
@@ -91,7 +91,8 @@ class PayloadSegment:
             value = getattr(self, name)
             if not isinstance(value, str) or not value or "\x00" in value:
                 raise SegmentError(f"segment {name} must be a non-empty string, found {value!r}")
-        for name in ("offset", "pos", "rows"):
+        object.__setattr__(self, "offset", _check_int("offset", self.offset, 0, INT64_MAX))
+        for name in ("pos", "rows"):
             object.__setattr__(self, name, _check_int(name, getattr(self, name)))
         object.__setattr__(self, "dtype", _canonical_dtype(self.dtype))
         if isinstance(self.shape, (str, bytes)) or not hasattr(self.shape, "__iter__"):
@@ -99,7 +100,7 @@ class PayloadSegment:
         shape = tuple(_check_int("shape entry", d) for d in self.shape)
         object.__setattr__(self, "shape", shape)
         if self.index is not None:
-            object.__setattr__(self, "index", _check_int("index", self.index))
+            object.__setattr__(self, "index", _check_int("index", self.index, 0, INT64_MAX))
             if shape:
                 raise SegmentError(
                     f"ragged segment of {self.field!r} must have row shape (), found {shape}"
@@ -114,6 +115,12 @@ class PayloadSegment:
             row_bytes=itemsize * math.prod(shape),
         )
         _count(self.__dict__)
+        start = self.offset if self.index is None else self.index
+        if start + self.nbytes > INT64_MAX:  # a file offset is an int64 to the system calls
+            raise SegmentError(
+                f"segment of {self.field!r}: expected bytes that end by {INT64_MAX}, found "
+                f"bytes [{start}, {start + self.nbytes})"
+            )
 
     def to_dict(self) -> dict[str, Any]:
         """prime-rl's field names; the optional extensions appear only when set."""

@@ -221,8 +221,14 @@ HOSTILE = {
         table(entry(), entry(offset=576)),
         "lists a field twice",
     ),
-    "a negative offset": (table(entry(offset=-64)), "offset: expected an int >= 0"),
-    "a float offset": (table(entry(offset=512.0)), "offset: expected an int >= 0"),
+    "a negative offset": (
+        table(entry(offset=-64)),
+        "offset: expected an int in \\[0, 9223372036854775807\\], found -64",
+    ),
+    "a float offset": (
+        table(entry(offset=512.0)),
+        "offset: expected an int in \\[0, 9223372036854775807\\], found 512.0",
+    ),
     "a bool row count": (table(entry(rows=True)), "rows: expected an int >= 0"),
     "an integer beyond 64 bits (JSON float)": (
         orjson.dumps(table(entry())).replace(b'"rows":4', b'"rows":18446744073709551616'),

@@ -190,7 +190,13 @@ def test_dtype_names_are_canonical():
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        ({"offset": -1}, "offset: expected an int >= 0, found -1"),
+        ({"offset": -1}, "offset: expected an int in \\[0, 9223372036854775807\\], found -1"),
+        (
+            {"offset": 2**63},
+            "offset: expected an int in \\[0, 9223372036854775807\\], found 9223372036854775808",
+        ),
+        ({"index": 2**63}, "index: expected an int in \\[0, 9223372036854775807\\]"),
+        ({"offset": 2**63 - 1}, "expected bytes that end by 9223372036854775807, found bytes"),
         ({"rows": 1.5}, "rows: expected an int >= 0, found 1.5"),
         ({"pos": True}, "pos: expected an int >= 0, found True"),
         ({"dtype": ">u2"}, "big-endian"),
