@@ -158,7 +158,8 @@ def only_these_inputs(model: torch.nn.Module, inputs: HFInputs) -> Iterator[None
             )
             raise ReplayError(
                 f"the model was called with input_ids {found} the routes were laid out for: "
-                "one replay context holds one micro-batch's routes (open one per micro-batch)"
+                "one replay context holds one micro-batch's routes (open one per micro-batch; "
+                "inputs sharded over context-parallel ranks are not supported)"
             )
 
     handle = model.register_forward_pre_hook(check, with_kwargs=True)

@@ -236,6 +236,10 @@ class _Hub:
     checked: bool = False
 
 
+_EAGER_ROUTER = (
+    "r3data replays routes in the router's own forward, which runs eagerly: compile the "
+    "model's blocks with fullgraph=False while a record or replay is open"
+)
 _MISSING = object()
 _HUBS: dict[int, _Hub] = {}
 
@@ -262,7 +266,9 @@ def _wrapper(hub: _Hub, original: Callable[..., Any]) -> Callable[..., Any]:
             session.observe(site, tap, output)
         return output
 
-    return routed
+    # the tap's mode and its record of backward cannot be traced: the router runs eagerly
+    # (a graph break; torch.compile(fullgraph=True) refuses it with this reason)
+    return torch.compiler.disable(routed, reason=_EAGER_ROUTER)
 
 
 @contextlib.contextmanager

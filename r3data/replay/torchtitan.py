@@ -5,8 +5,9 @@ sigmoid, adds the load-balancing ``expert_bias`` for the choice only, optionally
 choice to groups of experts, picks one ``torch.topk`` and gathers the unbiased scores at
 the pick (then ``route_norm`` and ``route_scale``). The same top-k tap replays it: the
 router's own code weights the replayed experts. Tokens are ``[B, L]`` batch-major, as
-``hf_inputs(batch)["input_ids"]`` lays them out (pass ``seq_length`` / ``pad_multiple``
-there to match a fixed sequence length). torchtitan is never imported: routers are found
+``hf_inputs(batch)["input_ids"]`` lays them out, one sample a row padded to the longest
+(``pad_multiple`` rounds it up); torchtitan's own fixed-length rows packing several
+documents are not that layout. torchtitan is never imported: routers are found
 by class and attributes.
 
 The router's ``_debug_force_load_balance`` replaces the pick after the top-k and is refused.
@@ -33,32 +34,37 @@ from r3data.replay.tap import RouterSite
 __all__ = ["find_routers", "record", "replay"]
 
 ROUTER_CLASS = "TokenChoiceTopKRouter"
-_LAYER = re.compile(r"(?:^|\.)(\d+)(?:\.|$)")
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
 
 
 def find_routers(model: torch.nn.Module) -> Routers:
-    """One site per torchtitan router, at the decoder layer its module path names.
+    """One site per torchtitan router of a decoder layer, at the layer its module path names
+    (``layers.<id>``: torchtitan's decoders keep their blocks there, keyed by layer id).
 
-    The layer count is the length of the model's ``layers`` (torchtitan's decoders keep
-    their blocks there), else one layer per router.
+    Routers outside the decoder layers (DeepSeek-V3's multi-token-prediction block,
+    ``mtp_layers.<i>``) route by their own top-k: the engine sends no routes for them. The
+    layer count is the length of the model's ``layers``.
     """
     sites = []
     for name, module in model.named_modules():
-        if type(module).__name__ != ROUTER_CLASS:
+        match = _LAYER.search(name)
+        if type(module).__name__ != ROUTER_CLASS or match is None:
             continue
         if getattr(module, "_debug_force_load_balance", False):
             raise ReplayError(
                 f"router {name} forces load balancing (_debug_force_load_balance): it replaces "
                 "its pick after the top-k, so replayed experts would not be used"
             )
-        match = _LAYER.search(name)
-        layer = int(match.group(1)) if match else len(sites)
+        layer = int(match.group(1))
         # scores are softmax or sigmoid probabilities: known from the class, checked per call
         site = RouterSite(layer, module, "forward", module.top_k, module.num_experts, name)
         single_group = module.top_k == 2 and getattr(module, "num_expert_groups", None) == 1
         sites.append(replace(site, probed=True, passes=int(single_group)))
     if not sites:
-        raise ReplayError(f"{type(model).__name__} holds no torchtitan {ROUTER_CLASS}")
+        raise ReplayError(
+            f"{type(model).__name__} holds no torchtitan {ROUTER_CLASS} in its decoder layers "
+            "(layers.<id>)"
+        )
     sites.sort(key=lambda site: site.layer)
     layers = [site.layer for site in sites]
     if len(set(layers)) != len(layers):

@@ -34,7 +34,7 @@ from torchtitan.models.common.token_dispatcher import LocalTokenDispatcher  # no
 
 from r3data.errors import ReplayError  # noqa: E402
 from r3data.replay import compare_routes, hf_inputs  # noqa: E402
-from r3data.replay.torchtitan import record, replay  # noqa: E402
+from r3data.replay.torchtitan import find_routers, record, replay  # noqa: E402
 
 DIM, EXPERTS, TOPK, VOCAB = 32, 8, 2, 96
 
@@ -160,6 +160,45 @@ def test_torchtitan_single_group_router_replays_its_routes():
             model(tokens)
     assert torch.equal(used.routes.values, recorded.routes.values)
     assert session.agreement.mean_exact < 1.0
+
+
+class MultiTokenDecoder(Decoder):
+    """A decoder with a multi-token-prediction block after its layers (DeepSeek-V3's
+    ``mtp_layers``): a router outside the decoder layers, which the engine sends no routes for."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mtp_layers = torch.nn.ModuleList([Block(moe("softmax", True, None))])
+        with torch.no_grad():  # torchtitan leaves its weights to init_weights
+            for parameter in self.mtp_layers.parameters():
+                parameter.normal_(0.0, 0.3)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed(tokens)
+        for block in [*self.layers, *self.mtp_layers]:
+            hidden = block(hidden)
+        return self.head(hidden)
+
+
+def test_torchtitan_multi_token_prediction_router_routes_by_its_own_pick():
+    model = MultiTokenDecoder()
+    routers = find_routers(model)
+    assert [(s.layer, s.name) for s in routers.sites] == [
+        (0, "layers.0.moe.router"),
+        (1, "layers.1.moe.router"),
+    ]
+    batch = token_batch()
+    inputs = hf_inputs(batch)
+    tokens = inputs["input_ids"]
+    with torch.no_grad(), record(model, inputs) as recorded:
+        expected = model(tokens)
+    assert recorded.routes.row_shape == (2, TOPK)
+    loaded = load(samples(batch, recorded.routes, "inline"), last_token_row=True)
+    mask = inputs.attention_mask.bool()
+    with torch.no_grad(), replay(model, loaded, inputs), record(model, inputs) as used:
+        got = model(tokens)
+    assert torch.equal(used.routes.values, recorded.routes.values)
+    assert torch.equal(got[mask], expected[mask])
 
 
 def test_torchtitan_routes_that_do_not_fit_raise_before_the_forward():
