@@ -316,30 +316,15 @@ class PayloadRetention:
     def on_policy_update(self, step: int) -> None:
         """The trainer finished ``step``: delete what its batches claimed and what was discarded
         (unless claimed for a later step), and sweep stale versions. With a ``group``, every
-        rank calls it (a collective): rank 0 deletes once all have."""
-        bound = min_fresh_version(step + 1, self.max_off_policy_steps)
-        if self._ranks is not None:
-            with self._lock:
-                sent = (step, self._outbox, sorted(self._discarded), sorted(self._outbox_swept))
-                self._outbox, self._discarded, self._outbox_swept = {}, set(), set()
-            received = self._ranks.gather(sent)
+        rank calls it with the same step (a collective; if one does not, every rank raises
+        :class:`~r3data.errors.ConfigError` and every claim stays): rank 0 deletes once all have."""
+        if self._ranks is None:
+            step = checked_int("step", step)
+        else:
+            step = self._exchange(self._ranks, step)
             if not self.deletes:
                 return
-            with self._lock:
-                for rank, (their_step, claims, discarded, swept) in enumerate(received):
-                    if their_step != step:
-                        raise ConfigError(
-                            f"payload retention on {self.root.url}: rank {rank} finished step "
-                            f"{their_step} while rank 0 finished {step}; every rank must call "
-                            "on_policy_update with the same step"
-                        )
-                    by_step: dict[int, list[str]] = {}
-                    for name, claimed in claims.items():
-                        by_step.setdefault(claimed, []).append(name)
-                    for claimed, names in by_step.items():
-                        self._claim(claimed, names, swept=())
-                    self._swept.update(swept)
-                    self._discarded.update(discarded)
+        bound = min_fresh_version(step + 1, self.max_off_policy_steps)
         now = time.monotonic()
         with self._lock:
             released = [name for name, claimed in self._claims.items() if claimed <= step]
@@ -355,6 +340,43 @@ class PayloadRetention:
             self._discarded.clear()
             self._bound = max(self._bound, bound)
         self._schedule()
+
+    def _exchange(self, ranks: _Ranks, step: object) -> int:
+        """Send this rank's claims and discards to rank 0, and ``step`` to every rank: all of them
+        raise the same :class:`~r3data.errors.ConfigError` when the steps differ, each after every
+        collective of the update (none is left waiting). Rank 0 merges every rank's claims before
+        the check (more claims only keep files longer): none is lost to the error."""
+        try:
+            checked: int | None = checked_int("step", step)
+        except ConfigError:
+            checked = None  # the others learn of it as a mismatch, this rank below
+        with self._lock:
+            sent = (self._outbox, sorted(self._discarded), sorted(self._outbox_swept))
+            self._outbox, self._discarded, self._outbox_swept = {}, set(), set()
+        steps = ranks.all_gather(f"{step!r:.40}" if checked is None else checked)
+        received = ranks.gather(sent)
+        if self.deletes:
+            self._merge(received)
+        for rank, theirs in enumerate(steps):
+            if theirs != steps[0]:
+                raise ConfigError(
+                    f"payload retention on {self.root.url}: rank {rank} finished step {theirs} "
+                    f"while rank 0 finished {steps[0]}; every rank must call on_policy_update "
+                    "with the same step"
+                )
+        return checked_int("step", step)  # every rank's was the same: raises if invalid
+
+    def _merge(self, received: list[Any]) -> None:
+        """Take every rank's claims, discards and swept files as this rank's own."""
+        with self._lock:
+            for claims, discarded, swept in received:
+                by_step: dict[int, list[str]] = {}
+                for name, claimed in claims.items():
+                    by_step.setdefault(claimed, []).append(name)
+                for claimed, names in by_step.items():
+                    self._claim(claimed, names, swept=())
+                self._swept.update(swept)
+                self._discarded.update(discarded)
 
     def wait(self) -> None:
         """Block until no deletion is pending or running."""
@@ -473,6 +495,12 @@ class _Ranks:
         self.rank = dist.get_rank(group)
         self.size = dist.get_world_size(group)
         self.root = dist.get_global_rank(group, 0)
+
+    def all_gather(self, sent: Any) -> list[Any]:
+        """Every rank's ``sent`` on every rank (in rank order)."""
+        received: list[Any] = [None] * self.size
+        self.dist.all_gather_object(received, sent, group=self.group)
+        return received
 
     def gather(self, sent: Any) -> list[Any]:
         """Every rank's ``sent`` on rank 0 (in rank order); an empty list elsewhere."""
