@@ -16,7 +16,9 @@ same inode (a magic link into another mount namespace shows a path as that names
 it), so nothing is remembered beyond one plan that a rename or a swapped symlink could
 invalidate. A file is opened
 ``O_PATH`` first and must be a regular file before it is opened to read, so a FIFO cannot
-block a read and a device is never opened. A deletion follows no symlink at all, so that no
+block a read and a device is never opened. Nothing beneath the root is read or deleted across a
+mount point (``RESOLVE_NO_XDEV``, else the mount id): a bind mount would give files a second
+name, or open a window outside the root. A deletion follows no symlink at all, so that no
 file has a second name whose release deletes it. This needs Linux's ``/proc/self/fd``.
 """
 
@@ -394,7 +396,7 @@ class _OpenHow(ctypes.Structure):
 
 
 _SYS_OPENAT2 = 437  # the same number on every Linux architecture
-_RESOLVE_BENEATH_ONLY = 0x02 | 0x08  # RESOLVE_NO_MAGICLINKS | RESOLVE_BENEATH
+_RESOLVE_BENEATH_ONLY = 0x01 | 0x02 | 0x08  # RESOLVE_NO_XDEV | NO_MAGICLINKS | BENEATH
 _RESOLVE_NO_SYMLINKS = 0x04
 _openat2_missing = sys.platform != "linux"
 _HOWS: dict[tuple[int, int], Any] = {}  # (flags, resolve) -> a by-reference ``open_how``
@@ -440,6 +442,23 @@ _FS_ENCODING, _FS_ERRORS = sys.getfilesystemencoding(), sys.getfilesystemencodee
 def _fd_path(fd: int) -> str:
     """Where the open descriptor ``fd`` lives now, symlinks resolved, as the kernel holds it."""
     return os.readlink(f"/proc/self/fd/{fd}")
+
+
+def _mount_id(fd: int) -> int:
+    """The id of the mount ``fd`` lies on: a bind mount has its own, even of the root's own
+    filesystem (``st_dev`` would not tell it apart)."""
+    with open(f"/proc/self/fdinfo/{fd}", "rb") as info:
+        for line in info:
+            if line.startswith(b"mnt_id:"):
+                return int(line.split()[1])
+    raise OSError(errno.ENOTSUP, "no mnt_id in /proc/self/fdinfo", str(fd))
+
+
+def _mount_refusal(what: str, url: str) -> PayloadHandleError:
+    return PayloadHandleError(
+        f"{what} lies on another mount than the payload root {url}: expected one mount beneath "
+        "the root (a mount point beneath it gives files a second name, or a window outside it)"
+    )
 
 
 def _inside(path: str, root: str) -> bool:
@@ -855,6 +874,8 @@ class PayloadRoot:
                     "expected folders only (a deletion follows no symlink)"
                 ) from None
             try:
+                if fd != root_fd and _mount_id(fd) != _mount_id(root_fd):
+                    raise _mount_refusal(f"payload file {self.url_of(rel)}", self.url)
                 os.unlink(base, dir_fd=fd)
             finally:
                 if fd != root_fd:
@@ -933,6 +954,8 @@ class PayloadRoot:
                             f"namespace shows it, which is not what that path names beneath the "
                             f"root {self.url} (another namespace's file, or the tree changed)"
                         )
+                    if _mount_id(fd) != _mount_id(root_fd):
+                        raise _mount_refusal(what(), self.url)
                 except BaseException:
                     os.close(fd)
                     raise
@@ -948,8 +971,16 @@ class PayloadRoot:
         way is refused (:class:`PayloadHandleError`), wherever it leads."""
         try:
             fd = _openat2(root_fd, rel, flags, _RESOLVE_BENEATH_ONLY | _RESOLVE_NO_SYMLINKS)
-            return _walk_no_symlinks(root_fd, rel, flags) if fd is None else fd
+            if fd is not None:
+                return fd
+            fd = _walk_no_symlinks(root_fd, rel, flags)
+            if _mount_id(fd) != _mount_id(root_fd):
+                os.close(fd)
+                raise _mount_refusal(what(), self.url)
+            return fd
         except OSError as exc:
+            if exc.errno == errno.EXDEV:  # no symlink is followed: only a mount point is left
+                raise _mount_refusal(what(), self.url) from None
             if (
                 exc.errno not in (errno.ELOOP, errno.ENOTDIR)
                 or _symlink_on_way(root_fd, rel) is None
