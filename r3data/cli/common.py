@@ -18,6 +18,7 @@ __all__ = [
     "error_line",
     "count",
     "format_bytes",
+    "fs_call",
     "int_at_least",
     "printable",
     "progress",
@@ -85,21 +86,40 @@ def int_at_least(least: int) -> Callable[[str], int]:
     return parse
 
 
-def resolve(path: str, *, want: str | None = None) -> tuple[AbstractFileSystem, str]:
+def fs_call(
+    fs: AbstractFileSystem, timeout: float | None, method: str, path: str, *args: Any
+) -> Any:
+    """``fs.<method>(path, *args)``; on a filesystem that is not local-backed given up after
+    ``timeout`` seconds (None: no limit) as :class:`~r3data.errors.PayloadReadError` naming
+    the call, as :meth:`~r3data.payload.PayloadRoot.call` does."""
+    # imported here: r3data.payload imports torch, which ``r3data --help`` must not
+    from r3data.payload.deadline import bounded
+    from r3data.payload.fs import _local_path
+
+    if _local_path(fs, path) is not None:
+        return getattr(fs, method)(path, *args)
+    return bounded(fs, timeout, f"{method} of {fs.unstrip_protocol(path)}", method, path, *args)
+
+
+def resolve(
+    path: str, *, timeout: float | None, want: str | None = None
+) -> tuple[AbstractFileSystem, str]:
     """``(filesystem, path inside it)`` for a local path or fsspec URL that exists.
 
     ``want="dir"`` or ``"file"`` also requires that kind. A missing path raises
-    :class:`PayloadNotFoundError`; an unknown protocol :class:`ConfigError`.
+    :class:`PayloadNotFoundError`; an unknown protocol :class:`ConfigError`; a look-up past
+    ``timeout`` on a filesystem that is not local-backed :class:`PayloadReadError`
+    (:func:`fs_call`).
     """
     try:
         fs, inner = fsspec.core.url_to_fs(path)
     except (ValueError, ImportError) as exc:
         raise ConfigError(f"cannot open {path!r}: {exc}") from None
-    if not fs.exists(inner):
+    if not fs_call(fs, timeout, "exists", inner):
         raise PayloadNotFoundError(f"{path}: no such file or directory")
-    if want == "dir" and not fs.isdir(inner):
+    if want == "dir" and not fs_call(fs, timeout, "isdir", inner):
         raise ConfigError(f"{path}: expected a directory (a payload root), found a file")
-    if want == "file" and fs.isdir(inner):
+    if want == "file" and fs_call(fs, timeout, "isdir", inner):
         raise ConfigError(f"{path}: expected a file, found a directory")
     return fs, inner
 

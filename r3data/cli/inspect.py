@@ -15,19 +15,21 @@ from r3data.cli.common import (
     EXIT_PROBLEMS,
     count,
     format_bytes,
+    fs_call,
     int_at_least,
     printable,
     render_table,
     resolve,
 )
 from r3data.cli.histogram import load_summary, render_histogram
+from r3data.cli.payload import _timeout_argument
 from r3data.errors import ConfigError, PayloadError, PayloadFormatError, WireFormatError
 from r3data.nodes.screen import ScreenOptions, dense_layers, screen_rows
 from r3data.parallel import fill_rows, io_workers
-from r3data.payload import MAGIC, PayloadReader, PayloadSegment
-from r3data.payload import inspect as inspect_file
-from r3data.payload.fileformat import starts_like_payload
+from r3data.payload import MAGIC, PayloadFile, PayloadFileInfo, PayloadReader, PayloadSegment
+from r3data.payload.fileformat import HEADER_READ_BYTES, read_header, starts_like_payload
 from r3data.payload.fs import open_file
+from r3data.payload.reader import CHUNK_BYTES
 from r3data.synth import MODEL_SHAPES
 from r3data.wire import RowSource
 from r3data.wire.producers import FORMATS, Lengths, ProducerFormat, detect, producer_format
@@ -80,22 +82,25 @@ def register(commands: argparse._SubParsersAction) -> None:
         default=64,
         help="directory: read the routes of at most this many files for the histogram (default 64)",
     )
+    _timeout_argument(parser, "a look-up, a listing or a ranged read")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    fs, path = resolve(args.path)
-    if fs.isdir(path):
+    fs, path = resolve(args.path, timeout=args.timeout)
+    if fs_call(fs, args.timeout, "isdir", path):
         report = _directory(fs, path, args)
     else:
-        with open_file(path, fs) as f:  # refuses a FIFO or device before opening it
-            head = bytearray(SNIFF_BYTES)
-            head = bytes(head[: f.read_at(0, memoryview(head))])
-        if head[: len(MAGIC)] == MAGIC:
+        with open_file(path, fs, timeout=args.timeout) as f:  # refuses a FIFO or device
+            head = _read(f, SNIFF_BYTES)
+            payload = head[: len(MAGIC)] == MAGIC
+            response = not payload and (head.lstrip()[:1] in (b"{", b"[") or is_stream(head))
+            body = _read(f, f.size) if response else b""
+        if payload:
             report = _payload_file(fs, path, args)
-        elif head.lstrip()[:1] in (b"{", b"[") or is_stream(head):
-            report = _response(fs.cat_file(path), args)
+        elif response:
+            report = _response(body, args)
         else:
             raise PayloadFormatError(
                 f"{args.path}: expected a payload file (starting with {MAGIC!r}), a JSON "
@@ -106,6 +111,25 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(_render(report))
     return EXIT_PROBLEMS if report.get("corrupt") else 0
+
+
+def _read(f: PayloadFile, nbytes: int) -> bytes:
+    """The first ``nbytes`` of ``f`` (fewer at its end), read :data:`CHUNK_BYTES` at a time:
+    on a filesystem that is not local-backed each read is given up after the file's timeout."""
+    data = bytearray(nbytes)
+    view, done = memoryview(data), 0
+    while done < nbytes:
+        got = f.read_at(done, view[done : done + CHUNK_BYTES])
+        if not got:
+            break
+        done += got
+    return view[:done].tobytes()
+
+
+def _header(fs: AbstractFileSystem, path: str, timeout: float | None) -> PayloadFileInfo:
+    """:func:`r3data.payload.inspect` of ``path``, each call bounded by ``timeout``."""
+    with open_file(path, fs, timeout=timeout) as f:
+        return PayloadFileInfo(path, f.size, read_header(f.stream(HEADER_READ_BYTES), path))
 
 
 def _json_default(value: Any) -> Any:
@@ -124,11 +148,11 @@ def _is_routes(segment: PayloadSegment) -> bool:
 
 
 def _read_routes(
-    fs: AbstractFileSystem, path: str, segments: list[PayloadSegment]
+    fs: AbstractFileSystem, path: str, segments: list[PayloadSegment], timeout: float | None
 ) -> list[np.ndarray]:
     """The rows of every route-like field of the payload file at ``path`` that the loader's
     screen keeps (see :func:`_kept`)."""
-    reader = PayloadReader(posixpath.dirname(path) or ".", fs=fs)
+    reader = PayloadReader(posixpath.dirname(path) or ".", fs=fs, timeout=timeout)
     wanted = [replace(s, file=posixpath.basename(path)) for s in segments if _is_routes(s)]
     return [_kept(reader.read([s])[s.field]) for s in wanted]
 
@@ -143,7 +167,7 @@ def _payload_file(fs: AbstractFileSystem, path: str, args: argparse.Namespace) -
     or routes that fail their checks make it corrupt (as in a directory), not an error."""
     report: dict[str, Any] = {"kind": "payload file", "path": args.path, "corrupt": {}}
     try:
-        info = inspect_file(path, fs=fs)
+        info = _header(fs, path, args.timeout)
     except PayloadFormatError as exc:
         return {**report, "corrupt": {args.path: str(exc)}, "expert_load": None}
     report.update(
@@ -154,7 +178,7 @@ def _payload_file(fs: AbstractFileSystem, path: str, args: argparse.Namespace) -
         expert_load=None,
     )
     try:
-        routes = _read_routes(fs, path, info.header.segments())
+        routes = _read_routes(fs, path, info.header.segments(), args.timeout)
     except PayloadError as exc:
         report["corrupt"][args.path] = str(exc)
     else:
@@ -162,12 +186,11 @@ def _payload_file(fs: AbstractFileSystem, path: str, args: argparse.Namespace) -
     return report
 
 
-def _starts_like_payload(fs: AbstractFileSystem, path: str) -> bool:
+def _starts_like_payload(fs: AbstractFileSystem, path: str, timeout: float | None) -> bool:
     """Whether the file at ``path`` starts like a payload file (False: unreadable now)."""
     try:
-        with open_file(path, fs) as f:
-            head = bytearray(len(MAGIC))
-            return starts_like_payload(bytes(head[: f.read_at(0, memoryview(head))]))
+        with open_file(path, fs, timeout=timeout) as f:
+            return starts_like_payload(_read(f, len(MAGIC)))
     except PayloadError:
         return False
 
@@ -176,13 +199,13 @@ def _directory(fs: AbstractFileSystem, path: str, args: argparse.Namespace) -> d
     """Every file under ``path``: payload files (their headers; the routes of the first
     ``--max-files`` read, checksums checked, for the expert load), corrupt ones with what is
     wrong (a header, or routes read, that fail their checks), and the other files."""
-    names = sorted(fs.find(path))
+    names = sorted(fs_call(fs, args.timeout, "find", path))
 
     def header(i: int) -> dict[str, Any]:
         try:
-            info = inspect_file(names[i], fs=fs)
+            info = _header(fs, names[i], args.timeout)
         except PayloadFormatError as exc:
-            corrupt = _starts_like_payload(fs, names[i])
+            corrupt = _starts_like_payload(fs, names[i], args.timeout)
             return {"file": names[i], "corrupt" if corrupt else "error": str(exc)}
         except PayloadError as exc:
             return {"file": names[i], "error": str(exc)}
@@ -209,7 +232,7 @@ def _directory(fs: AbstractFileSystem, path: str, args: argparse.Namespace) -> d
         )
         if len(files) <= args.max_files:
             try:
-                routes += _read_routes(fs, entry["file"], info.header.segments())
+                routes += _read_routes(fs, entry["file"], info.header.segments(), args.timeout)
             except PayloadError as exc:
                 corrupt[name] = str(exc).removeprefix(f"{entry['file']}: ")
     return {
