@@ -52,9 +52,14 @@ SMALL_GRID = 16
 MAX_TOKENS = 2**31 - 1
 
 
+_MAX_TOKENS = 2**31 - 1
+"""The most padded tokens of a micro-batch (its ``cu_seqlens_padded`` are int32), and so the
+largest size of a parallel dimension and the largest padding multiple."""
+
+
 def _checked_rank(name: str, size: object, rank: object) -> tuple[int, int]:
     """``(size, rank)`` of one parallel dimension as plain ints (numpy integers accepted)."""
-    size = checked_int(f"{name}_size", size, minimum=1, error=LayoutError)
+    size = checked_int(f"{name}_size", size, minimum=1, maximum=_MAX_TOKENS, error=LayoutError)
     if isinstance(rank, bool) or not isinstance(rank, int | np.integer) or not 0 <= rank < size:
         raise LayoutError(f"{name}_rank must be in [0, {size}), found {rank!r}")
     return size, int(rank)
@@ -129,6 +134,12 @@ class TokenLayout:
         if self.packed and self.seq_length is not None:
             raise LayoutError(f"seq_length is for BSHD layouts, found {self.seq_length} with THD")
         need = self.required_multiple
+        widest = max(need, self.tp_size * self._cp_split)  # the default pad_multiple too
+        if widest > _MAX_TOKENS:
+            raise LayoutError(
+                f"expected parallel sizes whose padding multiple is at most {_MAX_TOKENS}, found "
+                f"{widest} (tp {self.tp_size}, cp {self.cp_size})"
+            )
         if self.pad_multiple is not None and not _is_multiple(self.pad_multiple, need, 1):
             raise LayoutError(
                 f"pad_multiple must be a positive multiple of {need} (2*CP with CP, and CP*TP "
@@ -184,7 +195,7 @@ class TokenLayout:
         """The multiple samples are padded to (``pad_multiple`` or the default)."""
         if self.pad_multiple is not None:
             return self.pad_multiple
-        return self.tp_size * (2 * self.cp_size if self.cp_size > 1 else 1)
+        return self.tp_size * self._cp_split
 
     # --- per-batch geometry ---------------------------------------------------------------
 

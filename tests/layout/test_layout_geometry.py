@@ -263,7 +263,13 @@ def test_left_padding_keeps_the_last_tokens_at_the_end():
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"tp_size": 0}, "tp_size: expected an int >= 1, found 0"),
+        ({"tp_size": 0}, r"tp_size: expected an int in \[1, 2147483647\], found 0"),
+        ({"cp_size": 2**70}, r"cp_size: expected an int in \[1, 2147483647\]"),
+        ({"tp_size": 2**20, "cp_size": 2**12}, "padding multiple is at most 2147483647, found"),
+        (
+            {"tp_size": 2**30, "cp_size": 4, "sequence_parallel": True},
+            "padding multiple is at most 2147483647, found 8589934592",
+        ),
         ({"tp_size": 2, "tp_rank": 2}, r"tp_rank must be in \[0, 2\), found 2"),
         ({"cp_rank": -1}, r"cp_rank must be in \[0, 1\), found -1"),
         ({"pp_size": 2, "pp_rank": 3}, r"pp_rank must be in \[0, 2\), found 3"),
