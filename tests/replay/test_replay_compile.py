@@ -20,7 +20,8 @@ def compiled_blocks(model: torch.nn.Module, *, fullgraph: bool) -> None:
         block.compile(backend="eager", fullgraph=fullgraph)
 
 
-def test_compiled_model_replays_as_the_eager_one():
+def recorded_model():
+    """A tiny Qwen3-MoE, its inputs, what it recorded and those routes through the loader."""
     torch._dynamo.reset()
     model, causal = tiny_model("qwen3_moe")
     batch = token_batch()
@@ -28,6 +29,11 @@ def test_compiled_model_replays_as_the_eager_one():
     with torch.no_grad(), record(model, inputs) as recorded:
         outputs(model, causal, inputs)
     routes = load(samples(batch, recorded.routes, "inline"), last_token_row=True)
+    return model, causal, inputs, recorded, routes
+
+
+def test_compiled_model_replays_as_the_eager_one():
+    model, causal, inputs, recorded, routes = recorded_model()
     with torch.no_grad():
         for router in routers_of(model):
             for parameter in router.parameters():
@@ -47,13 +53,7 @@ def test_compiled_model_replays_as_the_eager_one():
 
 
 def test_fullgraph_compile_is_refused_with_the_reason():
-    torch._dynamo.reset()
-    model, causal = tiny_model("qwen3_moe")
-    batch = token_batch()
-    inputs = hf_inputs(batch)
-    with torch.no_grad(), record(model, inputs) as recorded:
-        outputs(model, causal, inputs)
-    routes = load(samples(batch, recorded.routes, "inline"), last_token_row=True)
+    model, causal, inputs, _, routes = recorded_model()
     compiled_blocks(model, fullgraph=True)
     with (
         pytest.raises(
