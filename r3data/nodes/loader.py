@@ -30,7 +30,7 @@ import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from torchdata.nodes import BaseNode, Mapper, Prefetcher
+from torchdata.nodes import BaseNode, Mapper, ParallelMapper, Prefetcher
 
 from r3data.batch import TensorBatch
 from r3data.buffers import BufferPool
@@ -128,9 +128,9 @@ class _InPlace(BaseNode[Any]):
         if initial_state is None:
             self.source.reset(None)
             return
-        self.source.reset(initial_state[self.SNAPSHOT])
-        for _ in range(initial_state[self.STEPS]):  # a Prefetcher's steps since its snapshot
-            self.source.next()
+        snapshot, steps = _resumed(initial_state)
+        self.source.reset(snapshot)
+        _fast_forward(self.source, steps)
 
     def next(self) -> Any:
         return self.source.next()
@@ -141,6 +141,42 @@ class _InPlace(BaseNode[Any]):
     def close(self) -> None:
         """Stop the batch being prepared (on whatever thread runs the loader) for good."""
         self.stops.close()
+
+
+_ROOT = "state['root']"
+"""How an error names the pipeline's state: under ``root`` in the loader's."""
+_SOURCE_LAYERS = (_InPlace.SNAPSHOT, ParallelMapper.IT_STATE_KEY, "source")
+"""Where the source's state lies in the pipeline's: a ``Prefetcher``'s snapshot, nested by a
+``Mapper`` (inline, no workers) and its iterator."""
+_END = object()
+
+
+def _path(depth: int) -> str:
+    return _ROOT + "".join(f"[{key!r}]" for key in _SOURCE_LAYERS[:depth])
+
+
+def _resumed(state: Any) -> tuple[dict[str, Any], int]:
+    """The snapshot and steps since it of a state in a ``Prefetcher``'s layout, each layer
+    down to the source's a dict (a layer edited to ``None`` would start the data over) and the
+    steps an int >= 0; the source checks its own keys."""
+    layer = state
+    for depth in range(len(_SOURCE_LAYERS) + 1):
+        if depth:
+            layer = layer.get(_SOURCE_LAYERS[depth - 1])
+        if not isinstance(layer, Mapping):
+            raise ConfigError(f"{_path(depth)}: expected a dict, found {layer!r:.40}")
+    steps = checked_int(f"{_ROOT}[{_InPlace.STEPS!r}]", state.get(_InPlace.STEPS))
+    return state[_InPlace.SNAPSHOT], steps
+
+
+def _fast_forward(node: Iterator[Any], steps: int) -> None:
+    """Skip the ``steps`` micro-batches a state was saved past its snapshot."""
+    for done in range(steps):
+        if next(node, _END) is _END:
+            raise ConfigError(
+                f"{_ROOT}[{_InPlace.STEPS!r}]: expected at most {done} (the micro-batches left "
+                f"after the snapshot), found {steps}"
+            )
 
 
 class _StoppingPrefetcher(Prefetcher):
@@ -154,8 +190,14 @@ class _StoppingPrefetcher(Prefetcher):
         weakref.finalize(self, stops.close)  # before torchdata's own shutdown joins the thread
 
     def reset(self, initial_state: dict[str, Any] | None = None) -> None:
+        resumed = None if initial_state is None else _resumed(initial_state)
         self.stops.retire(getattr(self._it, "_thread", None))  # the run torchdata shuts down
-        super().reset(initial_state)
+        if resumed is None:
+            super().reset(None)
+            return
+        snapshot, steps = resumed
+        super().reset({_InPlace.SNAPSHOT: snapshot, _InPlace.STEPS: 0})
+        _fast_forward(self._it, steps)  # torchdata's, but a ConfigError past the end
 
     def close(self) -> None:
         """Stop the batch being prepared for good, then shut the thread down (torchdata's
@@ -375,6 +417,7 @@ def loader(
             start_step=start_step,
             retention=retention,
         )
+    source.state_name = _path(len(_SOURCE_LAYERS))
     if ranks.group is not None:  # DataParallel.from_torch: a real group to check the plan on
         _agreed(source, ranks.group)
     stitch = StitchRollout(

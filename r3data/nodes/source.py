@@ -11,13 +11,14 @@ their lengths; only this rank's samples go on down the pipeline.
 State: the step and micro-batch to yield next, the nested source's state at the start of
 that step, so a resumed rank reads exactly the micro-batches it has not yielded, and whether
 the data ended (a short step was the last: a stream is not fast-forwarded past its end, nor a
-stateful one started over).
+stateful one started over). A state loaded is checked key by key: an edited one is a
+``ConfigError`` naming the key, never samples repeated or skipped.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Generic, TypeVar
 
@@ -28,6 +29,7 @@ from r3data.errors import ConfigError, TraceError, with_message
 from r3data.nodes.sample import name_sample, sample_files, sample_id_of, sample_length
 from r3data.nodes.steps import MicroBatches, Shuffle, plan_step
 from r3data.payload.retention import PayloadRetention
+from r3data.validate import checked_int
 
 __all__ = ["MicroBatch", "StepSource"]
 
@@ -83,6 +85,8 @@ class StepSource(BaseNode[MicroBatch[tuple[int, Any]]]):
     """What a saved step means: the samples it starts at and its number."""
     MICRO_PLAN = ("dp_size", "micro_batches")
     """What a saved micro-batch inside a step means too: free to change between steps."""
+    state_name = "state"
+    """How an error names this node's state (a pipeline names its place in its own)."""
 
     def __init__(
         self,
@@ -122,7 +126,7 @@ class StepSource(BaseNode[MicroBatch[tuple[int, Any]]]):
 
     def reset(self, initial_state: dict[str, Any] | None = None) -> None:
         super().reset(initial_state)
-        state = initial_state or {}
+        state = self._checked(initial_state)
         self._step = state.get(self.STEP_KEY, 0)
         self._micro = state.get(self.MICRO_KEY, 0)
         if self.PLAN_KEY in state:
@@ -135,6 +139,46 @@ class StepSource(BaseNode[MicroBatch[tuple[int, Any]]]):
             self._open()
         if self.kind == "map" and self.retention is not None and self.retention.deletes:
             self._claim_every_file()
+
+    def _checked(self, initial_state: Any) -> dict[str, Any]:
+        """``initial_state`` with every key this node reads checked (an edited or foreign state
+        would otherwise repeat, skip or wrap samples silently, or fail untyped). A step inside
+        a map-style source, or at its end, resumes; one past the end does not (a stream's
+        fast-forward refuses it too). The micro-batch is checked once its step is planned."""
+        if initial_state is None:
+            return {}
+        if not isinstance(initial_state, Mapping):
+            raise ConfigError(f"{self.state_name}: expected a dict, found {initial_state!r:.40}")
+        state = dict(initial_state)
+        for key in (self.STEP_KEY, self.MICRO_KEY):
+            if key in state:
+                state[key] = checked_int(self._key(key), state[key])
+        ended = state.get(self.ENDED_KEY, False)
+        if type(ended) is not bool:
+            raise ConfigError(f"{self._key(self.ENDED_KEY)}: expected a bool, found {ended!r:.40}")
+        if self.PLAN_KEY in state and not isinstance(state[self.PLAN_KEY], Mapping):
+            raise ConfigError(
+                f"{self._key(self.PLAN_KEY)}: expected a dict of the options the state was saved "
+                f"under, found {state[self.PLAN_KEY]!r:.40}"
+            )
+        nested = state.get(self.SOURCE_KEY)
+        if self.kind == "node" and not (nested is None or isinstance(nested, Mapping)):
+            raise ConfigError(
+                f"{self._key(self.SOURCE_KEY)}: expected the torchdata node's state (a dict) or "
+                f"None, found {nested!r:.40}"
+            )
+        if self.kind == "map":
+            count = len(self.samples)  # type: ignore[arg-type]
+            steps = -(-count // self.batch_size)
+            if state.get(self.STEP_KEY, 0) > steps:
+                raise ConfigError(
+                    f"{self._key(self.STEP_KEY)}: expected at most {steps} (the end of {count} "
+                    f"samples in steps of {self.batch_size}), found {state[self.STEP_KEY]}"
+                )
+        return state
+
+    def _key(self, name: str) -> str:
+        return f"{self.state_name}[{name!r}]"
 
     def get_state(self) -> dict[str, Any]:
         if self._plan is not None:  # part of a step yielded: resume inside it
@@ -256,12 +300,24 @@ class StepSource(BaseNode[MicroBatch[tuple[int, Any]]]):
     def next(self) -> MicroBatch[tuple[int, Any]]:
         while self._plan is None:
             batch = [] if self._ended else self._global_batch()
+            step = self.start_step + self._step
             if not batch:
+                if self._micro:  # resumed inside a step the data does not have
+                    raise ConfigError(
+                        f"{self._key(self.MICRO_KEY)}: expected 0 at the end of the data (step "
+                        f"{step} has no samples), found {self._micro}"
+                    )
                 raise StopIteration
             self._ended = len(batch) < self.batch_size
             lengths = [sample_length(raw) for _, raw in batch]
             shares = plan_step(lengths, self.dp_size, self.micro_batches)
-            self._plan = [[batch[p] for p in micro] for micro in shares[self.dp_rank]]
+            plan = [[batch[p] for p in micro] for micro in shares[self.dp_rank]]
+            if self._micro > len(plan):  # equal: resumed after the step's last micro-batch
+                raise ConfigError(
+                    f"{self._key(self.MICRO_KEY)}: expected at most {len(plan)} (the micro-batches "
+                    f"of step {step} on this rank), found {self._micro}"
+                )
+            self._plan = plan
             self._batch = batch
             self._step += 1
             self._capture()
