@@ -21,11 +21,13 @@ from r3data.validate import checked_fill, checked_int, slice_bounds
 __all__ = [
     "DEFAULT_MAX_CELLS",
     "MASK_FILL",
+    "MAX_TOKEN_ID",
     "RaggedRows",
     "check_cells",
     "checked_width",
     "common_dtype",
     "exact_cast",
+    "first_bad_id",
     "row_offsets",
 ]
 
@@ -34,6 +36,25 @@ MASK_FILL = -1
 
 DEFAULT_MAX_CELLS = 1 << 28
 """Largest padded view made unless the caller raises it (1 GiB of int32)."""
+
+MAX_TOKEN_ID = 2**31 - 1
+"""Largest id an integer ragged row may hold: token ids are int32 on every wire, never
+negative (-1 is padding, not an id)."""
+
+
+def first_bad_id(values: np.ndarray) -> int | None:
+    """The flat index of the first value of integer ``values`` outside [0,
+    :data:`MAX_TOKEN_ID`] (None: every value is within, or ``values`` holds no integers).
+    Costs two reductions unless one is found; a dtype that cannot leave the range costs none."""
+    kind = values.dtype.kind
+    if values.size == 0 or kind not in "iu":
+        return None
+    if kind == "u" and np.iinfo(values.dtype).max <= MAX_TOKEN_ID:
+        return None
+    if (kind == "u" or int(values.min()) >= 0) and int(values.max()) <= MAX_TOKEN_ID:
+        return None
+    flat = values.reshape(-1)
+    return int(np.argmax((flat < 0) | (flat > MAX_TOKEN_ID)))
 
 
 def row_offsets(offsets: Any, what: str) -> np.ndarray:

@@ -1,6 +1,7 @@
 """The fill of a ragged field (sampling masks): rows of varying width into CSR, every value
 copied once. Row lengths come first (by-handle index tables, and the -1-padded rows some
-producers write, are read for them), then every value lands in one buffer."""
+producers write, are read for them), then every value lands in one buffer, where integer
+values are screened once as token ids, whichever source they came from."""
 
 from __future__ import annotations
 
@@ -9,14 +10,20 @@ from collections.abc import Sequence
 import numpy as np
 
 from r3data.buffers import BufferPool
-from r3data.errors import SegmentError
-from r3data.nodes.fill_common import FilledField, allocate, check_sizes, naming_failures
+from r3data.errors import SegmentError, TraceError
+from r3data.nodes.fill_common import (
+    FilledField,
+    allocate,
+    check_sizes,
+    named,
+    naming_failures,
+)
 from r3data.packed import PackedTensor
 from r3data.packed_ragged import PackedRagged
 from r3data.parallel import fill_rows
 from r3data.payload.reader import OpenFiles, PayloadReader, Plan, RangeRead, values_range
-from r3data.ragged import RaggedRows
-from r3data.trace.stitch import PlaceholderRows, StitchedField
+from r3data.ragged import MAX_TOKEN_ID, RaggedRows, first_bad_id
+from r3data.trace.stitch import Piece, PlaceholderRows, StitchedField
 from r3data.wire.segment import PayloadSegment
 
 __all__ = ["fill_ragged"]
@@ -117,6 +124,9 @@ def fill_ragged(
     finally:
         opened.close()
     fill_rows(lambda i: np.copyto(*copies[i], casting="safe"), len(copies), workers)
+    bad = first_bad_id(out)
+    if bad is not None:
+        raise _bad_id(name, pieces, row_offsets, bad, out[bad].item())
     sample_rows = np.zeros(len(fields) + 1, np.int64)
     np.cumsum([sum(p.rows for p in f.pieces) for f in fields], out=sample_rows[1:])
     valid = np.concatenate(
@@ -125,3 +135,27 @@ def fill_ragged(
     valid &= row_lengths > 0  # a row with no ids is no mask there (the full vocabulary)
     rows = PackedTensor(values, row_offsets)
     return FilledField(values=PackedRagged(rows, sample_rows), valid=valid)
+
+
+def _bad_id(
+    name: str,
+    pieces: list[tuple[int, Piece]],
+    row_offsets: np.ndarray,
+    index: int,
+    value: int,
+) -> Exception:
+    """The refusal of the value at ``index`` of the batch's values, naming its sample, its
+    file (by handle) and its token position."""
+    row = int(np.searchsorted(row_offsets, index, side="right")) - 1
+    starts = np.zeros(len(pieces) + 1, np.int64)
+    np.cumsum([piece.rows for _, piece in pieces], out=starts[1:])
+    at = int(np.searchsorted(starts, row, side="right")) - 1  # empty pieces share a start
+    sample, piece = pieces[at]
+    where = f" in file {piece.file}" if type(piece) is PayloadSegment else ""
+    return named(
+        TraceError(
+            f"field {name!r}{where}: expected token ids in [0, {MAX_TOKEN_ID}] (-1 pads, never "
+            f"an id), found {value} at position {piece.pos + row - int(starts[at])}"
+        ),
+        sample,
+    )

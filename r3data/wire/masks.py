@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from r3data.errors import ConfigError, PackedError, WireFormatError
-from r3data.ragged import MASK_FILL, RaggedRows
+from r3data.ragged import MASK_FILL, MAX_TOKEN_ID, RaggedRows, first_bad_id
 from r3data.wire.envelope import pack_ndarray, unpack_ndarray
 
 __all__ = [
@@ -84,9 +84,9 @@ def check_csr(ids: Any, counts: Any, *, what: str = "mask") -> tuple[np.ndarray,
         raise WireFormatError(
             f"{what}: expected len(ids) == sum(counts) == {total}, found {ids.size} ids"
         )
-    if ids.size and (int(ids.min()) < 0 or int(ids.max()) > _INT32_MAX):
+    if first_bad_id(ids) is not None:
         raise WireFormatError(
-            f"{what}.ids: expected token ids in [0, {_INT32_MAX}], found "
+            f"{what}.ids: expected token ids in [0, {MAX_TOKEN_ID}], found "
             f"[{int(ids.min())}, {int(ids.max())}]"
         )
     return ids.astype(np.int32, copy=False), counts.astype(np.int32, copy=False)
@@ -136,9 +136,9 @@ def padded_to_csr(padded: Any, *, what: str = "mask") -> tuple[np.ndarray, np.nd
     except PackedError as exc:
         raise WireFormatError(str(exc)) from None
     ids = rows.values
-    if ids.size and (int(ids.min()) < 0 or int(ids.max()) > _INT32_MAX):
+    if first_bad_id(ids) is not None:
         raise WireFormatError(
-            f"{what}: expected token ids in [0, {_INT32_MAX}] or {MASK_FILL}, found "
+            f"{what}: expected token ids in [0, {MAX_TOKEN_ID}] or {MASK_FILL}, found "
             f"[{int(ids.min())}, {int(ids.max())}]"
         )
     return ids.astype(np.int32, copy=False), rows.lengths.astype(np.int32)

@@ -19,7 +19,7 @@ import orjson
 import pybase64
 
 from r3data.errors import ConfigError, R3DataError, WireFormatError
-from r3data.ragged import RaggedRows
+from r3data.ragged import MAX_TOKEN_ID, RaggedRows
 from r3data.validate import checked_int, nonnegative_int
 from r3data.wire.blob import Blob, byte_view, decode_base64, decoded_length
 from r3data.wire.dtypes import compact_route_dtype
@@ -463,7 +463,7 @@ def kept_id_rows(
             (t, i) for t, row in enumerate(value) for i in row if not -(1 << 63) <= i < 1 << 63
         )
         raise WireFormatError(
-            f"{what}[{token}]: expected token ids in [0, {np.iinfo(np.int32).max}], found {found}"
+            f"{what}[{token}]: expected token ids in [0, {MAX_TOKEN_ID}], found {found}"
         ) from None
     ids, counts = check_csr(ids, np.fromiter(map(len, value), np.int64, len(value)), what=what)
     return InlineRows(field, RaggedRows.from_lengths(ids, counts, what=what), prompt, meta)

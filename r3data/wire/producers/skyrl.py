@@ -28,7 +28,7 @@ import numpy as np
 import orjson
 
 from r3data.errors import ConfigError, PackedError, WireFormatError
-from r3data.ragged import RaggedRows
+from r3data.ragged import RaggedRows, first_bad_id
 from r3data.wire.anchors import anchored_pos
 from r3data.wire.dtypes import ROUTE_DTYPES
 from r3data.wire.envelope import envelope_spec, unpack_ndarray
@@ -85,7 +85,7 @@ def support_rows(
         rows = RaggedRows.from_padded(padded, what=what)
     except PackedError as exc:
         raise WireFormatError(str(exc)) from None
-    if rows.values.size and int(rows.values.min()) < 0:
+    if first_bad_id(rows.values) is not None:  # int32: only a negative one
         raise WireFormatError(
             f"{what}: expected token ids >= 0 padded with -1, found {int(rows.values.min())}"
         )
