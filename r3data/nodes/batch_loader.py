@@ -8,6 +8,8 @@ prefetch thread. The state saved up to the close still resumes a new loader.
 
 from __future__ import annotations
 
+import copy
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from torchdata.nodes import BaseNode, Loader
@@ -57,10 +59,16 @@ class BatchLoader(Loader[TensorBatch]):
     """A torchdata ``Loader`` of micro-batches whose work :meth:`close` (or the end of a
     ``with`` block) stops at once; ``state_dict()`` keeps working after it."""
 
-    def __init__(self, pipeline: BaseNode[TensorBatch], work: _Closable) -> None:
+    def __init__(
+        self,
+        pipeline: BaseNode[TensorBatch],
+        work: _Closable,
+        check_state: Callable[[Any], None],
+    ) -> None:
         self._gate = _UntilClosed(pipeline)
         super().__init__(self._gate, restart_on_stop_iteration=False)
         self._work = work
+        self._check_state = check_state
 
     @property
     def closed(self) -> bool:
@@ -76,11 +84,20 @@ class BatchLoader(Loader[TensorBatch]):
         self._gate.closed = True
         self._work.close()
 
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Resume from ``state_dict`` (a ``state_dict()`` of a loader over the same data) at the
+        next pass. It is checked whole now: an edited or foreign one is a
+        :class:`~r3data.errors.ConfigError` naming the key, and the loader is left as it was."""
+        self._check_state(state_dict)
+        super().load_state_dict(copy.deepcopy(state_dict))
+
     def state_dict(self) -> dict[str, Any]:
-        """The state after the last micro-batch delivered (see ``torchdata``'s ``Loader``)."""
+        """The state after the last micro-batch delivered (see ``torchdata``'s ``Loader``), or
+        the one loaded while no pass has started from it (one refused when the pass started
+        stays loaded: every pass raises its refusal until another state is loaded)."""
+        if self._next_iter_state_dict is not None:
+            return self._next_iter_state_dict
         if self._it is None and self._gate.closed:
-            if self._next_iter_state_dict is not None:  # loaded, never started
-                return self._next_iter_state_dict
             raise UsageError(
                 "state_dict: expected a loader that started a pass, found one closed before "
                 "its first; a new loader without a state starts at the beginning"

@@ -31,6 +31,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from torchdata.nodes import BaseNode, Mapper, ParallelMapper, Prefetcher
+from torchdata.nodes.loader import LoaderIterator
 
 from r3data.batch import TensorBatch
 from r3data.buffers import BufferPool
@@ -88,17 +89,28 @@ class _Stage:
 
 class _Guarded(BaseNode[Any]):
     """The source, whose failures (a sample that cannot be read, a step that cannot be
-    planned) travel down the pipeline as values like every other stage's."""
+    planned) travel down the pipeline as values like every other stage's. A state it refuses
+    only once it reads (a stream shorter than the saved step, a nested source refusing its own
+    state) is kept as :attr:`refused` and raised by the pipeline's top once every torchdata
+    node above has reset whole (one raising halfway through its reset is left unusable)."""
 
     def __init__(self, source: BaseNode[Any]) -> None:
         super().__init__()
         self.source = source
+        self.refused: Exception | None = None
+        self._refused_state: dict[str, Any] | None = None
 
     def reset(self, initial_state: dict[str, Any] | None = None) -> None:
         super().reset(initial_state)
-        self.source.reset(initial_state)
+        self.refused = None
+        try:
+            self.source.reset(initial_state)
+        except Exception as exc:
+            self.refused, self._refused_state = exc, initial_state
 
     def next(self) -> Any:
+        if self.refused is not None:
+            return _Failed(self.refused)
         try:
             return self.source.next()
         except StopIteration:
@@ -106,8 +118,8 @@ class _Guarded(BaseNode[Any]):
         except BaseException as exc:
             return _Failed(exc)
 
-    def get_state(self) -> dict[str, Any]:
-        return self.source.get_state()
+    def get_state(self) -> dict[str, Any] | None:
+        return self._refused_state if self.refused is not None else self.source.get_state()
 
 
 class _InPlace(BaseNode[Any]):
@@ -148,6 +160,7 @@ _ROOT = "state['root']"
 _SOURCE_LAYERS = (_InPlace.SNAPSHOT, ParallelMapper.IT_STATE_KEY, "source")
 """Where the source's state lies in the pipeline's: a ``Prefetcher``'s snapshot, nested by a
 ``Mapper`` (inline, no workers) and its iterator."""
+_YIELDED = LoaderIterator.NUM_YIELDED_KEY
 _END = object()
 
 
@@ -167,6 +180,20 @@ def _resumed(state: Any) -> tuple[dict[str, Any], int]:
             raise ConfigError(f"{_path(depth)}: expected a dict, found {layer!r:.40}")
     steps = checked_int(f"{_ROOT}[{_InPlace.STEPS!r}]", state.get(_InPlace.STEPS))
     return state[_InPlace.SNAPSHOT], steps
+
+
+def _check_loaded(source: StepSource, state: Any) -> None:
+    """A loader's state checked whole before any node resets, so that a refused one leaves
+    the loader as it was: torchdata's keys, each layer down to the source's, and the source's
+    own keys (only what needs the data read, such as a fast-forward past the end, is left to
+    the reset)."""
+    if not isinstance(state, Mapping):
+        raise ConfigError(f"state: expected a dict (a loader's state_dict()), found {state!r:.40}")
+    checked_int(f"state[{_YIELDED!r}]", state.get(_YIELDED))
+    layer, _ = _resumed(state.get(LoaderIterator.ROOT_KEY))
+    for key in _SOURCE_LAYERS[1:]:
+        layer = layer[key]
+    source.check_state(layer)
 
 
 def _fast_forward(node: Iterator[Any], steps: int) -> None:
@@ -212,15 +239,18 @@ class _Delivered(BaseNode[TensorBatch]):
     state is the one before the batch that failed, so a loader resumed from it prepares that
     batch again rather than skipping it; the next batch delivered moves it on."""
 
-    def __init__(self, source: BaseNode[Any]) -> None:
+    def __init__(self, source: BaseNode[Any], guarded: _Guarded) -> None:
         super().__init__()
         self.source = source
+        self.guarded = guarded
         self._before_failure: dict[str, Any] | None = None
 
     def reset(self, initial_state: dict[str, Any] | None = None) -> None:
         super().reset(initial_state)
         self._before_failure = None
         self.source.reset(initial_state)
+        if self.guarded.refused is not None:  # the state stays loaded: the next pass retries it
+            raise self.guarded.refused
 
     def next(self) -> TensorBatch:
         before = self.source.state_dict()
@@ -445,6 +475,9 @@ def loader(
         return fill(rollouts, forms)
 
     stops = ThreadStops()
-    node = Mapper(_Guarded(source), _Stage(prepared, stops))
+    guarded = _Guarded(source)
+    node = Mapper(guarded, _Stage(prepared, stops))
     work = _StoppingPrefetcher(node, prefetch, stops) if prefetch else _InPlace(node, stops)
-    return BatchLoader(_Delivered(work), work)
+    return BatchLoader(
+        _Delivered(work, guarded), work, check_state=lambda state: _check_loaded(source, state)
+    )

@@ -126,11 +126,9 @@ class StepSource(BaseNode[MicroBatch[tuple[int, Any]]]):
 
     def reset(self, initial_state: dict[str, Any] | None = None) -> None:
         super().reset(initial_state)
-        state = self._checked(initial_state)
+        state = self.check_state(initial_state)
         self._step = state.get(self.STEP_KEY, 0)
         self._micro = state.get(self.MICRO_KEY, 0)
-        if self.PLAN_KEY in state:
-            self._check_plan(state[self.PLAN_KEY])
         self._plan = None
         self._source_state = state.get(self.SOURCE_KEY)
         # a stream past its end is not read again (a map-style source is indexed by step)
@@ -140,11 +138,12 @@ class StepSource(BaseNode[MicroBatch[tuple[int, Any]]]):
         if self.kind == "map" and self.retention is not None and self.retention.deletes:
             self._claim_every_file()
 
-    def _checked(self, initial_state: Any) -> dict[str, Any]:
-        """``initial_state`` with every key this node reads checked (an edited or foreign state
-        would otherwise repeat, skip or wrap samples silently, or fail untyped). A step inside
-        a map-style source, or at its end, resumes; one past the end does not (a stream's
-        fast-forward refuses it too). The micro-batch is checked once its step is planned."""
+    def check_state(self, initial_state: Any) -> dict[str, Any]:
+        """``initial_state`` with every key this node reads checked, nothing read or changed (an
+        edited or foreign state would otherwise repeat, skip or wrap samples silently, or fail
+        untyped). A step inside a map-style source, or at its end, resumes; one past the end
+        does not (a stream's fast-forward refuses it too, when it reads). The micro-batch is
+        checked once its step is planned."""
         if initial_state is None:
             return {}
         if not isinstance(initial_state, Mapping):
@@ -167,10 +166,25 @@ class StepSource(BaseNode[MicroBatch[tuple[int, Any]]]):
                 f"{self._key(self.SOURCE_KEY)}: expected the torchdata node's state (a dict) or "
                 f"None, found {nested!r:.40}"
             )
+        if self.kind not in ("node", "stateful") and nested is not None:
+            raise ConfigError(
+                f"{self._key(self.SOURCE_KEY)}: expected None (samples of kind {self.kind!r} "
+                f"keep no state of their own: the step positions them), found {nested!r:.40}; "
+                "was the state saved over another source?"
+            )
+        step = state.get(self.STEP_KEY, 0)
+        if step and self.kind == "iterator":
+            raise ConfigError(
+                f"cannot resume at step {self.start_step + step}: the samples are a one-shot "
+                f"iterator ({type(self.samples).__name__}); pass a list, a re-iterable, a "
+                "torchdata BaseNode or a stateful iterable"
+            )
+        if self.PLAN_KEY in state:
+            self._check_plan(state[self.PLAN_KEY], state.get(self.MICRO_KEY, 0))
         if self.kind == "map":
             count = len(self.samples)  # type: ignore[arg-type]
             steps = -(-count // self.batch_size)
-            if state.get(self.STEP_KEY, 0) > steps:
+            if step > steps:
                 raise ConfigError(
                     f"{self._key(self.STEP_KEY)}: expected at most {steps} (the end of {count} "
                     f"samples in steps of {self.batch_size}), found {state[self.STEP_KEY]}"
@@ -223,11 +237,11 @@ class StepSource(BaseNode[MicroBatch[tuple[int, Any]]]):
         tokens = sum(sample_length(self.samples[i]) for i in first)  # type: ignore[index]
         return {"samples": count, "first_step_tokens": tokens}
 
-    def _check_plan(self, saved: dict[str, Any]) -> None:
-        """A saved step resumes only the same steps, a saved micro-batch the same shares:
-        under other options it would skip or repeat samples."""
+    def _check_plan(self, saved: Mapping[str, Any], micro: int) -> None:
+        """A saved step resumes only the same steps, a saved micro-batch (``micro`` > 0) the
+        same shares: under other options it would skip or repeat samples."""
         now = self._plan_options()
-        names = self.STEP_PLAN + (self.MICRO_PLAN if self._micro else ())
+        names = self.STEP_PLAN + (self.MICRO_PLAN if micro else ())
         for name in names:
             if name in saved and saved[name] != now[name]:
                 raise ConfigError(
@@ -253,12 +267,6 @@ class StepSource(BaseNode[MicroBatch[tuple[int, Any]]]):
             return
         skip = self._step * self.batch_size
         self._it = iter(self.samples)
-        if skip and self.kind == "iterator":
-            raise ConfigError(
-                f"cannot resume at step {self.start_step + self._step}: the samples are a "
-                f"one-shot iterator ({type(self.samples).__name__}); pass a list, a re-iterable, "
-                "a torchdata BaseNode or a stateful iterable"
-            )
         for skipped in range(skip):
             if next(self._it, _END) is _END:
                 raise ConfigError(

@@ -118,7 +118,9 @@ def test_a_loader_closed_before_its_first_pass_has_no_state_and_does_not_start(p
     with pytest.raises(UsageError, match="closed"):
         iter(ld)
     assert prefetch_threads() - before == set()
-    loaded = loader(samples, batch_size=1, payload_root=PayloadRoot("/run", fs=store))
-    loaded.load_state_dict({"kept": "as given"})
+    root = PayloadRoot("/run", fs=store)
+    state = loader(samples, batch_size=1, payload_root=root, prefetch=0).state_dict()
+    loaded = loader(samples, batch_size=1, payload_root=root)
+    loaded.load_state_dict(state)
     loaded.close()
-    assert loaded.state_dict() == {"kept": "as given"}  # loaded, never started: returned as is
+    assert loaded.state_dict() == state  # loaded, never started: returned as loaded

@@ -182,9 +182,8 @@ def test_a_state_resumes_only_a_loader_that_plans_alike(changed, message):
     batch size, order or (inside a step) share would skip or repeat samples silently."""
     state = _state_after(1, **BASE)  # inside step 0: micro-batch 1 of 4 is next
     resumed = loader(make_samples([4, 5, 6, 7, 8, 9, 10, 11]), **{**BASE, **changed})
-    resumed.load_state_dict(state)
     with pytest.raises(ConfigError, match=rf"cannot resume: the state was saved .*{message}"):
-        list(resumed)
+        resumed.load_state_dict(state)  # refused when loaded, before any pass
 
 
 def test_at_a_step_boundary_the_shares_and_micro_batches_may_change():
