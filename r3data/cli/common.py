@@ -94,9 +94,9 @@ def fs_call(
     the call, as :meth:`~r3data.payload.PayloadRoot.call` does."""
     # imported here: r3data.payload imports torch, which ``r3data --help`` must not
     from r3data.payload.deadline import bounded
-    from r3data.payload.fs import _local_path
+    from r3data.payload.fs import local_path
 
-    if _local_path(fs, path) is not None:
+    if local_path(fs, path) is not None:
         return getattr(fs, method)(path, *args)
     return bounded(fs, timeout, f"{method} of {fs.unstrip_protocol(path)}", method, path, *args)
 

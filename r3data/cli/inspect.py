@@ -22,7 +22,7 @@ from r3data.cli.common import (
     resolve,
 )
 from r3data.cli.histogram import load_summary, render_histogram
-from r3data.cli.payload import _timeout_argument
+from r3data.cli.payload import timeout_argument
 from r3data.errors import ConfigError, PayloadError, PayloadFormatError, WireFormatError
 from r3data.nodes.screen import ScreenOptions, dense_layers, screen_rows
 from r3data.parallel import fill_rows, io_workers
@@ -82,7 +82,7 @@ def register(commands: argparse._SubParsersAction) -> None:
         default=64,
         help="directory: read the routes of at most this many files for the histogram (default 64)",
     )
-    _timeout_argument(parser, "a look-up, a listing or a ranged read")
+    timeout_argument(parser, "a look-up, a listing or a ranged read")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.set_defaults(run=run)
 

@@ -28,7 +28,7 @@ def register(commands: argparse._SubParsersAction) -> None:
     check.add_argument(
         "--workers", type=int_at_least(1), help="files checked at once (default: I/O workers)"
     )
-    _timeout_argument(check, "a look-up, a listing or a ranged read")
+    timeout_argument(check, "a look-up, a listing or a ranged read")
     check.add_argument("--json", action="store_true", help="print the report as JSON")
     check.set_defaults(run=run_verify)
 
@@ -46,7 +46,7 @@ def register(commands: argparse._SubParsersAction) -> None:
     sweep.add_argument(
         "--dry-run", action="store_true", help="list what would be deleted, delete nothing"
     )
-    _timeout_argument(sweep, "a look-up, a listing or a deletion; the first past it stops the run")
+    timeout_argument(sweep, "a look-up, a listing or a deletion; the first past it stops the run")
     sweep.add_argument("--json", action="store_true", help="print the report as JSON")
     sweep.set_defaults(run=run_gc)
 
@@ -67,7 +67,9 @@ def _retention_arguments(parser: argparse.ArgumentParser, *, required: bool) -> 
     )
 
 
-def _timeout_argument(parser: argparse.ArgumentParser, calls: str) -> None:
+def timeout_argument(parser: argparse.ArgumentParser, calls: str) -> None:
+    """Add ``--timeout`` (seconds per call to a root that is not local-backed) to ``parser``;
+    ``calls`` names the calls it bounds in the help."""
     parser.add_argument(
         "--timeout",
         type=_seconds,

@@ -61,7 +61,14 @@ from r3data.payload.deadline import (
     within,
 )
 
-__all__ = ["DEFAULT_TIMEOUT_S", "PayloadFile", "PayloadRoot", "checked_timeout", "open_file"]
+__all__ = [
+    "DEFAULT_TIMEOUT_S",
+    "PayloadFile",
+    "PayloadRoot",
+    "checked_timeout",
+    "local_path",
+    "open_file",
+]
 
 _DIRECTORY = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
 _ROOT = os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC
@@ -120,8 +127,9 @@ def _layers(fs: AbstractFileSystem, path: str) -> Iterator[tuple[AbstractFileSys
             layer = _wrapped(layer)
 
 
-def _local_path(fs: AbstractFileSystem, path: str) -> str | None:
-    """The OS path that ``path`` names in ``fs`` when ``fs`` is local-backed, else None."""
+def local_path(fs: AbstractFileSystem, path: str) -> str | None:
+    """The OS path that ``path`` names in ``fs`` when ``fs`` is local-backed (through any
+    ``dir://`` or wrapping layers), else None: the calls that need no deadline."""
     *_, (inner, inner_path) = _layers(fs, path)
     if isinstance(inner, LocalFileSystem):
         return _os_form(inner._strip_protocol(inner_path))
@@ -564,7 +572,7 @@ def open_file(
         fs, inner = fsspec.core.url_to_fs(shown)
     else:
         inner = fs._strip_protocol(shown)
-    os_path = _local_path(fs, inner)
+    os_path = local_path(fs, inner)
     if os_path is None:
         return _open_fsspec(fs, inner, shown, timeout)
     try:
@@ -627,7 +635,7 @@ class PayloadRoot:
         self.path: str = path.rstrip("/") or fs.root_marker or "/"
         self._prefix = _whole(self.path).rstrip("/") + "/"
         try:
-            self._os_path = _local_path(fs, self.path)
+            self._os_path = local_path(fs, self.path)
         except ValueError as exc:  # a DirFileSystem refuses a path leaving its folder
             raise ConfigError(
                 f"payload root {os.fspath(root)}: expected a path inside {type(fs).__name__}'s "
