@@ -96,7 +96,7 @@ class BatchLoader(Loader[TensorBatch]):
         the one loaded while no pass has started from it (one refused when the pass started
         stays loaded: every pass raises its refusal until another state is loaded)."""
         if self._next_iter_state_dict is not None:
-            return self._next_iter_state_dict
+            return copy.deepcopy(self._next_iter_state_dict)  # the caller's to edit
         if self._it is None and self._gate.closed:
             raise UsageError(
                 "state_dict: expected a loader that started a pass, found one closed before "
