@@ -237,7 +237,8 @@ class _StoppingPrefetcher(Prefetcher):
 class _Delivered(BaseNode[TensorBatch]):
     """The prepared batches, a failure raised on the trainer's thread. After a failure the
     state is the one before the batch that failed, so a loader resumed from it prepares that
-    batch again rather than skipping it; the next batch delivered moves it on."""
+    batch again rather than skipping it; the next batch delivered moves it on. A reset raises
+    the state the ``guarded`` source refused, once every node below has reset whole."""
 
     def __init__(self, source: BaseNode[Any], guarded: _Guarded) -> None:
         super().__init__()
