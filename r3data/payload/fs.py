@@ -152,7 +152,8 @@ def _key_problem(fs: AbstractFileSystem, path: str) -> str | None:
     """Why an object store's client (one with ``split_path``: s3fs, gcsfs, adlfs) reads no
     plain key ``path``: it reads another object (s3fs drops ``?versionId=...`` or reads that
     version), or the key is longer than any store keeps (S3, GCS and Azure: 1024 bytes, so
-    no writer can ever publish it); else None."""
+    no writer can ever publish it), or it holds a backslash (SeaweedFS and S3 gateways over
+    a filesystem read it as ``/``: a second name of another key); else None."""
     *_, (inner, inner_path) = _layers(fs, path)
     split = getattr(inner, "split_path", None)
     if split is None:
@@ -162,6 +163,11 @@ def _key_problem(fs: AbstractFileSystem, path: str) -> str | None:
     if whole != inner._strip_protocol(inner_path).lstrip("/") or any(version):
         found = repr(whole) + "".join(f" version {v!r}" for v in version if v)
         return f"names object {found}: expected a plain key (no version or query)"
+    if "\\" in key:
+        return (
+            f"names key {key!r} with a backslash, which some stores read as '/' (another "
+            "key's second name): expected '/' between the parts"
+        )
     if len(key.encode()) > MAX_KEY_BYTES:
         return f"names a key of {len(key.encode())} bytes: expected at most {MAX_KEY_BYTES}"
     return None

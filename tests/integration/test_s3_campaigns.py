@@ -133,19 +133,29 @@ def test_hostile_spellings_on_s3_are_typed_refusals_never_outside_bytes(s3_root,
 
 
 def test_a_second_name_of_an_object_cannot_delete_it_early(s3_root, s3_fs):
-    """s3fs reads ``key?versionId=...`` as ``key`` (the version dropped unless version-aware):
-    released under that name, the object would go while a later batch still needs it under
-    its own. Such a handle names no plain key: refused, on claim and on read."""
+    """s3fs reads ``key?versionId=...`` as ``key`` (the version dropped unless version-aware),
+    and SeaweedFS reads ``v1\\x.bin`` as ``v1/x.bin``: released under such a name, the object
+    would go while a later batch still needs it under its own. Such a handle names no plain
+    key: refused, on claim and on read."""
     data = routes(np.random.default_rng(9), 8)
     (segment,) = PayloadWriter(s3_root, fs=s3_fs).write(1, {"routes": data})
     root = PayloadRoot(s3_root, fs=s3_fs)
-    for alias in (f"{segment.file}?versionId=null", f"{segment.file}?versionId=x/y"):
-        with pytest.raises(PayloadHandleError, match="expected a plain key"):
+    backslashed = segment.file.replace("/", "\\")
+    with s3_fs.open(f"{root.path}/{backslashed}", "rb") as f:  # the store's second name
+        assert f.read() == s3_fs.cat_file(f"{root.path}/{segment.file}")
+    aliases = {
+        f"{segment.file}?versionId=null": "expected a plain key",
+        f"{segment.file}?versionId=x/y": "expected a plain key",
+        backslashed: "with a backslash, which some stores read as '/'",
+    }
+    for alias, message in aliases.items():
+        with pytest.raises(PayloadHandleError, match=message):
             root.open_read(alias)
     retention = PayloadRetention(s3_root, 8, fs=s3_fs, fresh=False)
     retention.claim(5, [segment.file])
-    with pytest.raises(PayloadHandleError, match="expected a plain key"):
-        retention.claim(2, [f"{segment.file}?versionId=null"])
+    for alias, message in aliases.items():
+        with pytest.raises(PayloadHandleError, match=message):
+            retention.claim(2, [alias])
     retention.on_policy_update(2)
     retention.wait()
     assert s3_fs.exists(f"{root.path}/{segment.file}")
