@@ -156,8 +156,22 @@ def replaying(
 
 
 def resolve_fill(routers: Routers, fill: FillOption) -> Fill:
+    """``fill`` for these routers; explicit ids are checked against their experts (the layout
+    checks the row's shape and distinctness), since an id past them fails inside the expert
+    kernel, untyped (on a GPU, a device-side assert)."""
     if isinstance(fill, str) and fill == "round_robin":
         return RoundRobin(routers.choices)
+    if isinstance(fill, str | RoundRobin):
+        return fill
+    try:
+        ids = torch.as_tensor(fill)
+    except (TypeError, ValueError, RuntimeError, OverflowError):
+        return fill  # the layout names what a fill must be
+    if ids.numel() and not ids.dtype.is_floating_point and int(ids.max()) >= routers.choices:
+        raise ReplayError(
+            f"fill: expected expert ids below {routers.choices} (the routers' experts), found "
+            f"{int(ids.max())} in {ids.tolist()}"
+        )
     return fill
 
 
