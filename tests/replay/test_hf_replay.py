@@ -223,9 +223,7 @@ def test_round_robin_padding_spreads_over_experts_and_changes_no_real_token(qwen
 
 
 @pytest.mark.parametrize("fill", [[7, 8], [13, 108], np.array([0, 9])])
-def test_an_explicit_fill_naming_experts_past_the_routers_is_refused_before_any_forward(
-    qwen, fill
-):
+def test_an_explicit_fill_naming_experts_past_the_routers_is_refused_before_any_forward(qwen, fill):
     """Padding routed to expert 8 of 8 would fail inside the expert kernel, untyped (on a GPU,
     a device-side assert); the routes' own ids are checked, so are the fill's."""
     model, causal = qwen
