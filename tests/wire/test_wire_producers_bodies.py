@@ -203,6 +203,24 @@ def test_vllm_021_several_prompts_chat_n2_and_a_single_token():
         decode("vllm-0.21", bare, (4, 3), choice=0)
 
 
+def test_vllm_021_prompt_rows_go_to_choice_0_by_its_index_whatever_the_list_order():
+    """``prompt_routed_experts`` are choice 0's prompt's rows; a choice of another prompt of
+    the same length listed first must not take them (it once compared with list position 0)."""
+    first = vllm_bodies.Prompt([1, 2, 3], [vllm_bodies.Sample([4, 5], engine_rows(5, seed=5))])
+    other = vllm_bodies.Prompt([7, 8, 9], [vllm_bodies.Sample([6, 5], engine_rows(5, seed=6))])
+    doc = orjson.loads(vllm_bodies.completion_body_v021([first, other], moe_layers=MOE))
+    in_order = [(routes_of(c), c.missing) for c in decode("vllm-0.21", orjson.dumps(doc))]
+    doc["choices"].reverse()
+    assert [c["index"] for c in doc["choices"]] == [1, 0]
+    a, b = decode("vllm-0.21", orjson.dumps(doc))
+    assert_rows(a, (0, first.samples[0].routes[:3, 1:]), (3, first.samples[0].routes[3:, 1:]))
+    assert [s.pos for s in b.sources] == [3]  # its generated rows only
+    assert b.missing == ("vllm-0.21 prompt_routed_experts (for choice 1)",)
+    for choice, (rows, missing) in zip((a, b), in_order, strict=True):
+        assert_rows(choice, *rows)
+        assert choice.missing == missing
+
+
 # --- SGLang ------------------------------------------------------------------------------------
 
 

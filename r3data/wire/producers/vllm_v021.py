@@ -37,6 +37,7 @@ from r3data.wire.producers.base import (
 from r3data.wire.producers.common import (
     choice_token_lengths,
     nested_rows,
+    select_choices,
 )
 from r3data.wire.producers.vllm import completion_choice
 from r3data.wire.rows import InlineRows
@@ -48,16 +49,13 @@ PROMPT_FIELD = "prompt_routed_experts"
 
 def _shares_first_prompt(parsed: Mapping[str, Any], index: int, entry: Mapping[str, Any]) -> bool:
     """Whether choice ``index`` answers the first prompt, whose rows ``prompt_routed_experts``
-    holds: every chat choice (one prompt), completions with the first choice's prompt ids."""
+    holds: every chat choice (one prompt), completions with the prompt ids of choice 0 (by its
+    ``index``: a body may list its choices in any order)."""
     if index == 0 or parsed.get("object") == "chat.completion":
         return True
-    first = parsed["choices"][0]
+    _, first = select_choices(parsed, 0, f"{Vllm021Format.name} choices")[0]
     ids = entry.get("prompt_token_ids")
-    return (
-        isinstance(ids, list)
-        and isinstance(first, Mapping)
-        and ids == first.get("prompt_token_ids")
-    )
+    return isinstance(ids, list) and ids == first.get("prompt_token_ids")
 
 
 class Vllm021Format(ProducerFormat):
