@@ -161,6 +161,11 @@ def resolve_fill(routers: Routers, fill: FillOption) -> Fill:
     kernel, untyped (on a GPU, a device-side assert)."""
     if isinstance(fill, str) and fill == "round_robin":
         return RoundRobin(routers.choices)
+    if isinstance(fill, RoundRobin) and fill.num_experts > routers.choices:
+        raise ReplayError(
+            f"fill: expected RoundRobin over at most {routers.choices} experts (the routers'), "
+            f"found RoundRobin({fill.num_experts})"
+        )
     if isinstance(fill, str | RoundRobin):
         return fill
     try:
