@@ -24,8 +24,9 @@ What a registered field's value may be:
   (the first member's value is an object or null): each member envelope is decoded as above.
 
 With ``decode=False`` nothing is decoded: each blob becomes a :class:`~r3data.wire.blob.Blob`
-(a view of its characters in ``raw``), which the loader decodes once, straight into the batch
-buffer; an envelope's claimed size is still checked against the blob's length.
+(a view of its characters in an immutable copy of ``raw`` when ``raw`` can change), which the
+loader decodes once, straight into the batch buffer; an envelope's claimed size is still
+checked against the blob's length.
 
 Registered keys are found by one regular-expression pass over the bytes outside the blobs,
 however many fields are registered. A key counts only where JSON allows a key (after ``{`` or
@@ -512,16 +513,21 @@ def load_packed_body(
     """Parse JSON ``raw`` with every ``fields`` value decoded in one pass (see module doc).
 
     ``allowed_dtypes`` narrows the dtypes envelopes may use (default: any wire dtype);
-    ``decode=False`` leaves every blob as a :class:`~r3data.wire.blob.Blob`. A ``memoryview``
-    is copied once to ``bytes``; pass ``bytes``, ``bytearray`` or ``mmap`` to avoid that.
+    ``decode=False`` leaves every blob as a :class:`~r3data.wire.blob.Blob`, a view into the
+    body, so a body that can change (``bytearray``, ``mmap``, ``memoryview``) is first copied
+    once to ``bytes``: a receive buffer reused for the next response must not change the
+    routes of this one. With ``decode=True`` a ``bytearray`` or ``mmap`` is read in place (every
+    blob is decoded into a buffer of its own) and only a ``memoryview`` is copied.
     """
     if type(raw) is not bytes:
-        if isinstance(raw, memoryview):
-            raw = raw.tobytes()
-        if not isinstance(raw, bytes | bytearray | mmap.mmap):
+        if not isinstance(raw, bytes | bytearray | memoryview | mmap.mmap):
             raise WireFormatError(
                 f"body: expected bytes, bytearray, memoryview or mmap, found {type(raw).__name__}"
             )
+        if isinstance(raw, memoryview):
+            raw = raw.tobytes()
+        elif not decode:
+            raw = bytes(raw)
     names = tuple(fields)
     if not names:
         raise ConfigError("load_packed_body fields: expected at least one field name")

@@ -5,6 +5,7 @@ plain parse plus a few times the body."""
 from __future__ import annotations
 
 import contextlib
+import mmap
 import tracemalloc
 
 import numpy as np
@@ -275,6 +276,58 @@ def mutated_format_bodies(draw) -> tuple[str, bytes]:
 def test_every_seed_body_decodes(name, raw):
     _check_format(name, raw, Lengths(4, 3))
     _decode_all(name, raw, Lengths(4, 3))
+
+
+def _row_arrays(name: str, raw: object) -> list:
+    """Every inline source of ``raw``'s choices: what the loader's fill decodes later."""
+    entry = FORMATS[name]
+    shaped = {"num_layers": 3, "topk": 2} if "num_layers" in option_names(entry.options) else {}
+    choices = entry.decode(raw, entry.make_options(shaped), Lengths(4, 3))
+    return [
+        source
+        for choice in choices
+        for source in choice.sources
+        if not isinstance(source, PayloadSegment)
+    ]
+
+
+def _swap_base64_letters(buffer: bytearray | mmap.mmap) -> None:
+    """Rewrite the buffer in place as a reused receive buffer would be: every ``A`` becomes
+    ``B`` and back, so each blob still decodes, to other values."""
+    buffer[:] = bytes(buffer).translate(bytes.maketrans(b"AB", b"BA"))
+
+
+INLINE_SEEDS = [(name, raw) for name, raw in SEEDS if _row_arrays(name, raw)]
+"""The seed bodies with rows inline (the prime-rl handle body has only file segments)."""
+
+
+@pytest.mark.parametrize(("name", "raw"), INLINE_SEEDS)
+def test_a_reused_body_buffer_leaves_decoded_rows_as_they_arrived(name, raw, tmp_path):
+    """A bytearray or mmap body rewritten after the decode (``readinto`` into the same buffer
+    for the next response) must not change the rows the earlier sample's batch is filled with."""
+    expected = [source.array for source in _row_arrays(name, raw)]
+    received = bytearray(raw)
+    sources = _row_arrays(name, received)
+    _swap_base64_letters(received)
+    _assert_arrays_equal([source.array for source in sources], expected)
+    path = tmp_path / "body.json"
+    path.write_bytes(raw)
+    with path.open("r+b") as file, mmap.mmap(file.fileno(), 0) as mapped:
+        sources = _row_arrays(name, mapped)
+        _swap_base64_letters(mapped)
+        got = [source.array for source in sources]
+    _assert_arrays_equal(got, expected)  # and the mmap closed: nothing decoded points into it
+
+
+def _assert_arrays_equal(got: list, expected: list) -> None:
+    """Equal rows, dense arrays and ragged rows (values and offsets) alike."""
+    assert len(got) == len(expected)
+    for found, want in zip(got, expected, strict=True):
+        assert type(found) is type(want)
+        if isinstance(want, RaggedRows):
+            np.testing.assert_array_equal(found.offsets, want.offsets)
+            found, want = found.values, want.values
+        np.testing.assert_array_equal(found, want)
 
 
 @SETTINGS
